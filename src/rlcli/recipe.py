@@ -1,0 +1,358 @@
+"""Recipe schema: one pydantic model per concern, YAML loading, dotted overrides.
+
+Importing this module must stay cheap (no torch): `rlcli recipes validate` and
+`rlcli --help` depend on it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from rlcli.errors import UsageError
+
+# Fields marked resume_safe may change between invocations of the same run without --force:
+# they change how long or how fast a run goes, not what its finished work means.
+RESUME_SAFE = {"resume_safe": True}
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", coerce_numbers_to_str=True, validate_assignment=True)
+
+
+class RunSection(Section):
+    name: str = Field("run", description="Run name: letters, digits and -_. only. Overridden by --run.")
+    seed: int = Field(0, description="Seed from which every episode's and update's randomness is derived.")
+    description: str = Field("", description="Free text shown by `rlcli runs show`.", json_schema_extra=RESUME_SAFE)
+    trackers: list[Literal["trackio", "tensorboard", "wandb"]] = Field(
+        default_factory=list,
+        description="Optional live mirrors of metrics; only used when asked and installed.",
+        json_schema_extra=RESUME_SAFE,
+    )
+
+
+class ModelSection(Section):
+    name: str = Field(
+        "smollm2-135m",
+        description="A hub id, a local model folder, or a registered short name (`rlcli models list`).",
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Weights dtype; auto is bfloat16 on GPUs that support it, else float32."
+    )
+    device: str = Field("auto", description="auto (CUDA when available, else CPU), cpu, cuda or cuda:N.")
+    chat_template: str | None = Field(
+        None, description="Jinja chat template (or a path to a file holding one) replacing the tokenizer's."
+    )
+    max_length: int = Field(2048, gt=0, description="Context budget in tokens for a whole episode.")
+
+
+class LoraSection(Section):
+    r: int = Field(16, gt=0, description="LoRA rank.")
+    alpha: int = Field(32, gt=0, description="LoRA alpha (scaling = alpha / r).")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA branch.")
+    target_modules: str | list[str] = Field(
+        "all-linear", description="Module names to adapt, or all-linear for every linear layer but the head."
+    )
+
+
+class QuantizationSection(Section):
+    mode: Literal["none", "4bit", "8bit"] = Field("none", description="bitsandbytes quantisation of the base weights.")
+    quant_type: Literal["nf4", "fp4"] = Field("nf4", description="4-bit data type.")
+    double_quant: bool = Field(True, description="4-bit: quantise the quantisation constants too.")
+    compute_dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "bfloat16", description="4-bit: dtype of the matmuls."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, value: Any) -> Any:
+        # `quantization: 4bit` is the common case; accept it as a shorthand for {mode: 4bit}.
+        if isinstance(value, str):
+            return {"mode": value}
+        return value
+
+
+class EnvSection(Section):
+    name: str = Field(
+        "guess_number",
+        description="Built-in name, envs/x.py[:Factory], package.module:factory, or textarena:/reasoning_gym:/gymnasium: URI.",
+    )
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments passed to the environment.")
+    max_turns: int = Field(8, gt=0, description="Episode ends (truncated) after this many agent turns.")
+    step_timeout_s: float = Field(30.0, gt=0, description="An env step slower than this fails the episode.")
+    eval_seed_start: int = Field(
+        1_000_000, gt=0, description="Eval tasks use seeds from here on; train tasks use seeds below it."
+    )
+
+
+class RolloutSection(Section):
+    tasks: int = Field(8, gt=0, description="Tasks per rollout (per iteration in train grpo).")
+    group_size: int = Field(4, gt=0, description="Samples per task (a GRPO group).")
+    policy: str = Field(
+        "latest", description="base, latest (the run's newest checkpoint, else base), expert, or a checkpoint id."
+    )
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature; 0 is greedy.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    top_k: int = Field(0, ge=0, description="Top-k sampling; 0 disables it.")
+    max_new_tokens: int = Field(64, gt=0, description="Token cap per agent turn.")
+    stop: list[str] = Field(default_factory=list, description="Extra stop strings ending a turn.")
+    batch_size: int = Field(
+        32, gt=0, description="Episodes advanced together per generate call.", json_schema_extra=RESUME_SAFE
+    )
+
+
+class RewardSpec(Section):
+    fn: str = Field(
+        description="env_return, exact_match, numeric_match, format, length_penalty, tool_budget, judge, "
+        "reward_model, or a user function as module:function or path.py:function."
+    )
+    weight: float = Field(1.0, description="Weight of this component in the total reward.")
+    name: str | None = Field(None, description="Component name stored in the database (default: fn).")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="Options for this reward function.")
+
+    @property
+    def component(self) -> str:
+        return self.name or self.fn
+
+
+class SftSection(Section):
+    source: str = Field(
+        "none", description="none, expert (env expert demos), episodes (good episodes of a run), or a data file/folder."
+    )
+    demos: int = Field(64, gt=0, description="expert: number of demonstration episodes to roll out.")
+    from_run: str | None = Field(None, description="episodes: run to take episodes from (default: this run).")
+    min_reward: float = Field(1.0, description="episodes: keep episodes whose total reward is at least this.")
+    epochs: float = Field(1.0, gt=0, description="Passes over the SFT data.")
+    lr: float = Field(2e-4, gt=0, description="Peak learning rate.")
+    batch_size: int = Field(8, gt=0, description="Conversations per optimizer step.")
+    micro_batch_size: int = Field(4, gt=0, description="Conversations per forward pass (gradient accumulation).")
+    eval_fraction: float = Field(0.1, ge=0, lt=1, description="Held-out share of the data for eval loss.")
+    save_steps: int = Field(50, gt=0, description="Checkpoint every this many steps (resume point).")
+
+
+class GrpoSection(Section):
+    iterations: int = Field(
+        10, ge=0, description="Rollout -> label -> update iterations.", json_schema_extra=RESUME_SAFE
+    )
+    lr: float = Field(1e-5, gt=0, description="Peak learning rate (AdamW).")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup, in optimizer steps.")
+    schedule: Literal["constant", "linear", "cosine"] = Field("constant", description="LR schedule after warmup.")
+    epochs: int = Field(1, gt=0, description="Update epochs (K) over each iteration's rollouts.")
+    minibatch_size: int = Field(0, ge=0, description="Episodes per optimizer step; 0 means the whole batch.")
+    micro_batch_size: int = Field(8, gt=0, description="Episodes per forward pass (gradient accumulation).")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
+    advantage: Literal["grpo", "dr_grpo", "rloo", "batch"] = Field(
+        "grpo", description="grpo (group mean/std), dr_grpo (group mean), rloo (leave-one-out), batch (whole batch)."
+    )
+    drop_zero_var_groups: bool = Field(True, description="Drop groups whose rewards are all equal (DAPO).")
+    gamma: float | None = Field(
+        None, ge=0, le=1, description="Discount for per-turn returns from per-step env rewards; null uses the episode reward."
+    )
+    clip_low: float = Field(0.2, ge=0, description="Lower clip range of the ratio (1 - clip_low).")
+    clip_high: float = Field(0.28, ge=0, description="Upper clip range of the ratio (1 + clip_high).")
+    importance: Literal["token", "sequence"] = Field("token", description="token (PPO/GRPO) or sequence (GSPO) ratio.")
+    aggregation: Literal["token_mean", "seq_mean_token_sum_norm", "seq_mean"] = Field(
+        "token_mean", description="How token losses are averaged into the batch loss."
+    )
+    beta: float = Field(0.0, ge=0, description="KL coefficient to the reference (adapter disabled, k3).")
+    tis_cap: float | None = Field(
+        None, gt=0, description="Truncated importance sampling cap against rollout-time logprobs; null disables."
+    )
+    entropy_top_frac: float | None = Field(
+        None, gt=0, le=1, description="Train only on this fraction of highest-entropy tokens; null trains on all."
+    )
+    mask_truncated: bool = Field(False, description="Exclude episodes that hit a length or turn cap from the loss.")
+    checkpoint_every: int = Field(1, gt=0, description="Save a resumable checkpoint every n iterations.")
+    gradient_checkpointing: bool = Field(False, description="Trade compute for memory in the update.")
+
+
+class EvalSection(Section):
+    tasks: int = Field(32, ge=0, description="Held-out tasks to evaluate.", json_schema_extra=RESUME_SAFE)
+    k: int = Field(1, gt=0, description="Samples per task (pass@k, avg@k).", json_schema_extra=RESUME_SAFE)
+    temperature: float | None = Field(
+        None, ge=0, description="Sampling temperature; default greedy when k is 1, else the rollout temperature.",
+        json_schema_extra=RESUME_SAFE,
+    )
+    checkpoints: list[str] = Field(
+        default_factory=lambda: ["base", "sft", "latest"],
+        description="Which checkpoints `rlcli run` evaluates: base, sft, latest, or ids.",
+        json_schema_extra=RESUME_SAFE,
+    )
+
+
+class Recipe(Section):
+    run: RunSection = Field(default_factory=RunSection, description="Run identity and seed.")
+    model: ModelSection = Field(default_factory=ModelSection, description="Policy model.")
+    lora: LoraSection | None = Field(default_factory=LoraSection, description="LoRA adapter; null for full fine-tuning.")
+    quantization: QuantizationSection = Field(default_factory=QuantizationSection, description="Base-weight quantisation.")
+    env: EnvSection = Field(default_factory=EnvSection, description="Environment and task splits.")
+    rollout: RolloutSection = Field(default_factory=RolloutSection, description="Episode collection.")
+    rewards: list[RewardSpec] = Field(
+        default_factory=lambda: [RewardSpec(fn="env_return")], description="Reward components and weights."
+    )
+    sft: SftSection = Field(default_factory=SftSection, description="SFT warm-start.")
+    grpo: GrpoSection = Field(default_factory=GrpoSection, description="Online GRPO.")
+    eval: EvalSection = Field(default_factory=EvalSection, description="Held-out evaluation.")
+
+    @field_validator("rewards")
+    @classmethod
+    def _unique_components(cls, rewards: list[RewardSpec]) -> list[RewardSpec]:
+        names = [r.component for r in rewards]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"reward component names must be unique; give a `name:` to {', '.join(dupes)}")
+        return rewards
+
+    @model_validator(mode="after")
+    def _combinations(self) -> Recipe:
+        if self.quantization.mode != "none" and self.lora is None:
+            raise ValueError("quantized weights cannot be fully fine-tuned; add a lora: section or set quantization: none")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    def sha256(self) -> str:
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()
+
+
+# --- loading ---------------------------------------------------------------
+
+
+def load_recipe(path: str | Path | None, overrides: list[str] = ()) -> Recipe:
+    """Read a YAML recipe (or the defaults when path is None), apply key=value overrides, validate."""
+    where = str(path) if path else "the default recipe"
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise UsageError(f"Recipe file {path} does not exist.")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            line = f" at line {mark.line + 1}" if mark else ""
+            raise UsageError(f"{path}: not valid YAML{line} ({getattr(exc, 'problem', exc)}).") from None
+        if not isinstance(data, dict):
+            raise UsageError(f"{path}: expected a mapping of sections (run:, model:, ...), got {type(data).__name__}.")
+    for item in overrides:
+        apply_override(data, item)
+    return validate_recipe(data, where)
+
+
+def apply_override(data: dict[str, Any], item: str) -> None:
+    """Set `a.b.c=value` in a nested dict; the value is parsed as YAML (so 1e-5, true, [a, b] work)."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key:
+        raise UsageError(f"Override {item!r} is not of the form section.field=value.")
+    value = yaml.safe_load(raw) if raw.strip() else ""
+    if isinstance(value, str) and _looks_like_float(value):
+        value = float(value)  # YAML 1.1 reads 1e-5 as a string; users mean a number.
+    parts = key.split(".")
+    node = data
+    for part in parts[:-1]:
+        child = node.get(part)
+        if child is None or isinstance(child, str):  # e.g. quantization: 4bit shorthand
+            child = {} if child is None else {"mode": child}
+            node[part] = child
+        if not isinstance(child, dict):
+            raise UsageError(f"Override {item!r}: {part} is not a section.")
+        node = child
+    node[parts[-1]] = value
+
+
+def _looks_like_float(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return any(c in text.lower() for c in "e.") and text.lower() not in {"inf", "nan", "-inf"}
+
+
+def validate_recipe(data: dict[str, Any], where: str) -> Recipe:
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as exc:
+        raise UsageError(_explain(exc, where)) from None
+
+
+def _explain(exc: ValidationError, where: str) -> str:
+    messages = []
+    for err in exc.errors():
+        loc = [str(p) for p in err["loc"]]
+        dotted = ".".join(loc) or "(top level)"
+        if err["type"] == "extra_forbidden":
+            hint = _did_you_mean(loc)
+            messages.append(f"{where}: unknown key {dotted}{hint}")
+        elif err["type"] == "missing":
+            messages.append(f"{where}: {dotted} is required")
+        else:
+            got = err.get("input")
+            got_text = "" if isinstance(got, dict) else f", got {got!r}"
+            msg = err["msg"].removeprefix("Value error, ")
+            messages.append(f"{where}: {dotted}: {msg}{got_text}")
+    return "; ".join(messages) + "."
+
+
+def _did_you_mean(loc: list[str]) -> str:
+    model: type[BaseModel] = Recipe
+    for part in loc[:-1]:
+        if part.isdigit():
+            continue
+        field = model.model_fields.get(part)
+        if field is None:
+            return ""
+        model = _section_type(field.annotation)
+        if model is None:
+            return ""
+    close = difflib.get_close_matches(loc[-1], list(model.model_fields), n=1, cutoff=0.6)
+    prefix = ".".join(p for p in loc[:-1])
+    if close:
+        return f" (did you mean {prefix + '.' if prefix else ''}{close[0]}?)"
+    return f" (expected one of: {', '.join(model.model_fields)})"
+
+
+def _section_type(annotation: Any) -> type[BaseModel] | None:
+    candidates = [annotation, *getattr(annotation, "__args__", ())]
+    for cand in candidates:
+        for inner in [cand, *getattr(cand, "__args__", ())]:
+            if isinstance(inner, type) and issubclass(inner, BaseModel):
+                return inner
+    return None
+
+
+# --- comparing recipes on resume -------------------------------------------
+
+
+def changed_fields(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """Dotted paths whose values differ and that matter for an existing run's finished work."""
+    flat_old, flat_new = _flatten(old), _flatten(new)
+    changed = [k for k in sorted(set(flat_old) | set(flat_new)) if flat_old.get(k) != flat_new.get(k)]
+    return [k for k in changed if not _resume_safe(k)]
+
+
+def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(data, dict) and data:
+        out: dict[str, Any] = {}
+        for key, value in data.items():
+            out.update(_flatten(value, f"{prefix}{key}."))
+        return out
+    return {prefix.rstrip("."): data}
+
+
+def _resume_safe(dotted: str) -> bool:
+    section, _, field = dotted.partition(".")
+    section_field = Recipe.model_fields.get(section)
+    model = _section_type(section_field.annotation) if section_field else None
+    if model is None:
+        return False
+    info = model.model_fields.get(field.split(".")[0])
+    extra = info.json_schema_extra if info else None
+    return isinstance(extra, dict) and bool(extra.get("resume_safe"))
