@@ -1,0 +1,101 @@
+"""What every command shares: consoles, option types, opening a run under its lock."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.console import Console
+
+from rlcli.errors import UsageError
+
+console = Console()
+err_console = Console(stderr=True, soft_wrap=True)
+
+# --- shared options ----------------------------------------------------------
+
+RecipeOpt = Annotated[
+    Optional[Path], typer.Option("--recipe", "-r", help="Recipe YAML file.", show_default=False)
+]
+RunOpt = Annotated[
+    Optional[str], typer.Option("--run", help="Run name (default: the recipe's run.name).", show_default=False)
+]
+RunsDirOpt = Annotated[
+    Optional[Path],
+    typer.Option("--runs-dir", envvar="RLCLI_HOME", help="Folder of the run database and run outputs [default: ./runs]."),
+]
+DebugOpt = Annotated[bool, typer.Option("--debug", help="Show full tracebacks on errors.")]
+ForceOpt = Annotated[
+    bool, typer.Option("--force", help="Continue an existing run even though its recipe changed in fields that matter.")
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of tables.")]
+Overrides = Annotated[
+    Optional[list[str]],
+    typer.Argument(help="Recipe overrides as dotted key=value, e.g. grpo.lr=1e-5 rollout.group_size=8.", show_default=False),
+]
+
+
+@contextlib.contextmanager
+def open_run(
+    recipe_path: Path | None,
+    run: str | None,
+    runs_dir: Path | None,
+    overrides: list[str] | None,
+    force: bool = False,
+) -> Iterator[Any]:
+    """Validate the recipe, open the database, lock the run, record it; yield a RunContext."""
+    from rlcli.recipe import load_recipe
+    from rlcli.rundb import RunDB, check_run_name, default_runs_dir
+    from rlcli.stages import RunContext, RunLock
+
+    if recipe_path is None and run is None:
+        raise UsageError("Give a recipe with --recipe/-r FILE (or --run NAME to continue a recorded run).")
+    runs_dir = Path(runs_dir) if runs_dir else default_runs_dir()
+    rundb = RunDB.open(runs_dir)
+    try:
+        if recipe_path is None:
+            # Continue a recorded run with its stored recipe.
+            from rlcli.recipe import apply_override, validate_recipe
+
+            data = rundb.run_recipe(check_run_name(run)).to_dict()
+            for item in overrides or []:
+                apply_override(data, item)
+            recipe = validate_recipe(data, f"run {run!r}")
+        else:
+            recipe = load_recipe(recipe_path, overrides or [])
+        name = check_run_name(run or recipe.run.name)
+        recipe.run.name = name
+        with RunLock(runs_dir, name):
+            rundb.start_run(name, recipe, str(recipe_path) if recipe_path else None, force=force)
+            yield RunContext(recipe, rundb, name, runs_dir, console=err_console)
+    finally:
+        rundb.close()
+
+
+def _finish_status(ctx: Any, ok: bool) -> None:
+    ctx.rundb.set_run_status(ctx.run, "done" if ok else "failed")
+
+
+@contextlib.contextmanager
+def tracked(ctx: Any) -> Iterator[None]:
+    ctx.rundb.set_run_status(ctx.run, "running")
+    try:
+        yield
+    except BaseException:
+        _finish_status(ctx, False)
+        raise
+    _finish_status(ctx, True)
+
+
+def open_existing(runs_dir: Path | None, missing: str) -> Any:
+    from rlcli.rundb import DB_NAME, RunDB, default_runs_dir
+
+    path = (Path(runs_dir) if runs_dir else default_runs_dir()) / DB_NAME
+    if not path.exists():
+        raise UsageError(f"{missing}: there is no run database at {path} (pass --runs-dir, or set RLCLI_HOME).")
+    return RunDB.open(runs_dir)
+
+

@@ -1,0 +1,135 @@
+"""`rlcli eval`: checkpoints on the held-out task split, with confidence intervals and pass@k.
+
+Eval tasks use the env's eval seeds (disjoint from training seeds by construction). Each
+checkpoint's episodes are a stage of the run (`eval/base`, `eval/ckpt-7`), so an interrupted
+evaluation resumes and a finished one is never repeated.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from typing import Any
+
+from rlcli.rollout import collect, sampling_config
+from rlcli.rundb import now
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c successes: 1 - C(n-c, k) / C(n, k) (Chen et al. 2021)."""
+    if k > n:
+        raise ValueError(f"pass@{k} needs at least {k} samples, got {n}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval for a binomial proportion (well-behaved at 0% and 100%)."""
+    if n == 0:
+        return 0.0, 1.0
+    p = successes / n
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def mean_interval(values: list[float], z: float = 1.96) -> tuple[float, float]:
+    """Normal interval for the mean of per-task success rates (k > 1 samples are not independent)."""
+    n = len(values)
+    mean = sum(values) / n
+    if n < 2:
+        return 0.0, 1.0
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+    return max(0.0, mean - z * sd / math.sqrt(n)), min(1.0, mean + z * sd / math.sqrt(n))
+
+
+def eval_metrics(episodes: list[dict[str, Any]], k: int) -> dict[str, Any]:
+    """Success rate with a 95% CI, pass@k / avg@k and means, from (task_index, success, ...) rows."""
+    per_task: dict[int, list[dict]] = defaultdict(list)
+    for ep in episodes:
+        per_task[ep["task_index"]].append(ep)
+    task_rates = [sum(e["success"] for e in eps) / len(eps) for eps in per_task.values()]
+    successes = sum(e["success"] for e in episodes)
+    n = len(episodes)
+    rate = successes / n if n else 0.0
+    ci = wilson_interval(successes, n) if k == 1 else mean_interval(task_rates)
+    passes = {
+        f"pass@{j}": sum(pass_at_k(len(eps), sum(e["success"] for e in eps), j) for eps in per_task.values())
+        / len(per_task)
+        for j in sorted({1, k})
+        if all(len(eps) >= j for eps in per_task.values())
+    } if per_task else {}
+    return {
+        "tasks": len(per_task),
+        "k": k,
+        "success_rate": rate,
+        "ci_low": ci[0],
+        "ci_high": ci[1],
+        "mean_return": sum(e["env_return"] for e in episodes) / n if n else 0.0,
+        "pass_at_k": passes.get(f"pass@{k}", 0.0),
+        "avg_at_k": sum(task_rates) / len(task_rates) if task_rates else 0.0,
+        "mean_turns": sum(e["num_turns"] for e in episodes) / n if n else 0.0,
+        "mean_tokens": sum(e["num_tokens"] for e in episodes) / n if n else 0.0,
+        "details": {"failed_episodes": sum(1 for e in episodes if e["status"] == "failed"), **passes},
+    }
+
+
+def run_eval(ctx, checkpoints: list[str]) -> list[dict[str, Any]]:
+    from rlcli.report import evals_table
+
+    recipe = ctx.recipe
+    sampling = sampling_config(recipe.rollout)
+    temperature = recipe.eval.temperature
+    if temperature is None:
+        temperature = 0.0 if recipe.eval.k == 1 else recipe.rollout.temperature
+    sampling.temperature = temperature
+
+    rows, seen = [], set()
+    for which in checkpoints:
+        ckpt = ctx.rundb.resolve_checkpoint(ctx.run, which) if which != "expert" else None
+        if which == "latest" and ckpt is None:
+            ctx.console.print("eval: the run has no checkpoint yet; 'latest' is the base model.")
+        key = "expert" if which == "expert" else ("base" if ckpt is None else f"ckpt-{ckpt['id']}")
+        if key in seen:
+            continue
+        seen.add(key)
+        stage = f"eval/{key}"
+        ctx.stage(stage, lambda: _evaluate(ctx, stage, which, ckpt, sampling),
+                  {"checkpoint": which, "tasks": recipe.eval.tasks, "k": recipe.eval.k, "temperature": temperature})
+        row = next(ctx.rundb.db["evals"].rows_where("run = ? and stage = ?", [ctx.run, stage]))
+        row["checkpoint"] = which if which in ("base", "expert") or key == "base" else f"{which} ({key})"
+        rows.append(row)
+    ctx.console.print(evals_table(rows))
+    return rows
+
+
+def _evaluate(ctx, stage: str, which: str, ckpt: dict | None, sampling) -> dict[str, Any]:
+    recipe = ctx.recipe
+    if which == "expert":
+        label, model, tokenizer = "expert", None, None
+    else:
+        from rlcli.models import load_policy
+
+        model, tokenizer = load_policy(
+            recipe.model, recipe.lora, recipe.quantization, adapter=ckpt["path"] if ckpt else None, trainable=False
+        )
+        label = "base" if ckpt is None else str(ckpt["id"])
+    collect(
+        ctx, stage=stage, policy_label=label, model=model, tokenizer=tokenizer, sampling=sampling,
+        task_indices=list(range(recipe.eval.tasks)), group_size=recipe.eval.k, split="eval",
+        progress_label=f"eval {which}",
+    )
+    episodes = list(ctx.rundb.db.query(
+        "select task_index, success, env_return, num_turns, num_tokens, status from episodes "
+        "where run = ? and stage = ?", [ctx.run, stage]))
+    metrics = eval_metrics(episodes, recipe.eval.k)
+    with ctx.rundb.transaction() as db:
+        db.execute("delete from evals where run = ? and stage = ?", [ctx.run, stage])
+        db["evals"].insert({
+            "run": ctx.run, "stage": stage, "checkpoint": which, "checkpoint_id": ckpt["id"] if ckpt else None,
+            "split": "eval", "created_at": now(), **metrics, "details": json.dumps(metrics["details"]),
+        })
+    return {k: v for k, v in metrics.items() if k != "details"}

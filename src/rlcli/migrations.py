@@ -1,0 +1,142 @@
+"""The run database's schema: named, append-only migrations applied on every open.
+
+Never edit or reorder a migration that has shipped; add a new one at the end.
+"""
+
+from sqlite_utils import Database, Migrations
+
+migrations = Migrations("rlcli")
+
+
+@migrations(name="001_initial")
+def initial(db: Database) -> None:
+    db["runs"].create(
+        {
+            "name": str,
+            "status": str,  # created | running | done | failed
+            "recipe": str,  # resolved recipe, JSON
+            "recipe_sha256": str,
+            "recipe_path": str,
+            "seed": int,
+            "created_at": str,
+            "updated_at": str,
+            "versions": str,  # JSON: rlcli, python, torch, transformers, trl, peft
+            "git_sha": str,
+            "hostname": str,
+        },
+        pk="name",
+    )
+    db["stages"].create(
+        {
+            "id": int,
+            "run": str,
+            "name": str,  # sft, rollout/0, train/3, eval/final, ...
+            "status": str,  # pending | running | done | failed
+            "params": str,  # JSON
+            "result": str,  # JSON summary
+            "error": str,
+            "started_at": str,
+            "finished_at": str,
+            "pid": int,
+        },
+        pk="id",
+        foreign_keys=[("run", "runs", "name")],
+    )
+    db["stages"].create_index(["run", "name"], unique=True)
+    db["episodes"].create(
+        {
+            "id": int,
+            "run": str,
+            "stage": str,
+            "iteration": int,
+            "split": str,  # train | eval
+            "task_index": int,
+            "sample_index": int,
+            "seed": int,
+            "policy": str,  # base | expert | checkpoint id
+            "status": str,  # ok | failed
+            "end_reason": str,  # terminated | truncated | max_turns | context | error
+            "env_return": float,
+            "success": int,
+            "num_turns": int,
+            "num_tokens": int,  # generated tokens
+            "task": str,  # JSON task fields from the env
+            "messages": str,  # JSON chat transcript
+            "template_consistent": int,  # 1 when each turn's prompt extends the previous turn's tokens
+            "error": str,
+            "created_at": str,
+        },
+        pk="id",
+        foreign_keys=[("run", "runs", "name")],
+    )
+    db["episodes"].create_index(["run", "stage", "task_index", "sample_index"], unique=True)
+    db["turns"].create(
+        {
+            "id": int,
+            "episode_id": int,
+            "turn_index": int,
+            "prompt_ids": bytes,  # int32 token ids the model saw for this turn
+            "completion_ids": bytes,  # int32 sampled token ids
+            "logprobs": bytes,  # float32 sampling-time logprobs of completion_ids
+            "text": str,  # decoded completion
+            "observation": str,  # JSON messages the env answered with
+            "reward": float,
+            "terminated": int,
+            "truncated": int,
+            "info": str,  # JSON
+            "gen_time_s": float,
+            "env_time_s": float,
+        },
+        pk="id",
+        foreign_keys=[("episode_id", "episodes", "id")],
+    )
+    db["turns"].create_index(["episode_id", "turn_index"], unique=True)
+    db["rewards"].create(
+        {"id": int, "episode_id": int, "label_set": str, "component": str, "value": float, "weight": float},
+        pk="id",
+        foreign_keys=[("episode_id", "episodes", "id")],
+    )
+    db["rewards"].create_index(["episode_id", "label_set", "component"], unique=True)
+    db["metrics"].create(
+        {"id": int, "run": str, "stage": str, "step": int, "key": str, "value": float, "created_at": str},
+        pk="id",
+        foreign_keys=[("run", "runs", "name")],
+    )
+    db["metrics"].create_index(["run", "stage", "step", "key"], unique=True)
+    db["checkpoints"].create(
+        {
+            "id": int,
+            "run": str,
+            "stage": str,
+            "iteration": int,
+            "path": str,
+            "kind": str,  # lora | full
+            "created_at": str,
+        },
+        pk="id",
+        foreign_keys=[("run", "runs", "name")],
+    )
+    db["evals"].create(
+        {
+            "id": int,
+            "run": str,
+            "stage": str,
+            "checkpoint": str,  # base | sft | latest | id, as asked
+            "checkpoint_id": int,  # resolved checkpoint row, NULL for the base model
+            "split": str,
+            "tasks": int,
+            "k": int,
+            "success_rate": float,
+            "ci_low": float,
+            "ci_high": float,
+            "mean_return": float,
+            "pass_at_k": float,
+            "avg_at_k": float,
+            "mean_turns": float,
+            "mean_tokens": float,
+            "details": str,  # JSON
+            "created_at": str,
+        },
+        pk="id",
+        foreign_keys=[("run", "runs", "name")],
+    )

@@ -1,0 +1,22 @@
+"""`rlcli run`: every stage a recipe asks for, in order; each one skips what is already done."""
+
+from __future__ import annotations
+
+from rlcli.stages import RunContext
+
+
+def run_all(ctx: RunContext) -> None:
+    recipe = ctx.recipe
+    if recipe.sft.source != "none":
+        from rlcli.sft import run_sft
+
+        run_sft(ctx)
+    if recipe.grpo.iterations > 0:
+        from rlcli.train import run_grpo
+
+        run_grpo(ctx)
+    if recipe.eval.tasks > 0:
+        from rlcli.evaluate import run_eval
+
+        wanted = [c for c in recipe.eval.checkpoints if c != "sft" or recipe.sft.source != "none"]
+        run_eval(ctx, wanted)

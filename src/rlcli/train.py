@@ -1,0 +1,483 @@
+"""`rlcli train grpo`: online GRPO over multi-turn episodes, resumable exactly.
+
+Per iteration i, three stages of the run:
+  rollout/i  tasks x group_size episodes with the current policy (stored token by token)
+  label/i    the recipe's reward functions applied to them (label set "grpo")
+  train/i    advantages -> K epochs of clipped-ratio updates -> checkpoint -> metrics
+
+Exact resume: the tasks of iteration i are fixed by i (the data cursor), every episode's sampling
+seed is derived from (run seed, stage, task, sample), the shuffling and dropout seeds from
+(run seed, iteration), and a checkpoint holds the adapter, the optimizer and the scheduler. A
+resumed run reloads the newest checkpoint and redoes any later `train/i` from stored rollouts, so
+it ends with the same weights and metrics as a run that was never interrupted.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rlcli.errors import RlcliError
+from rlcli.rollout import collect, derive_seed, sampling_config, unpack_floats, unpack_ids
+from rlcli.stages import stage_done
+
+LABEL_SET = "grpo"
+METRICS_STAGE = "grpo"
+
+
+@dataclass
+class TrainSequence:
+    """One training sequence: token ids, which of them are trainable, and their rollout logprobs."""
+
+    episode_id: int
+    group: int
+    ids: list[int]
+    mask: list[float]
+    rollout_logprobs: list[float]
+    turn_of_token: list[int]
+    advantage: list[float] = field(default_factory=list)  # per token
+    truncated: bool = False
+
+
+# --- building sequences from stored episodes ----------------------------------------------
+
+
+def episode_sequences(episode_id: int, group: int, turns: list[dict]) -> list[TrainSequence]:
+    """One sequence per episode when every turn's prompt extends the previous turn's tokens,
+    else one per turn; either way exactly the tokens that were seen and sampled."""
+    last = turns[-1]
+    full = last["prompt_ids"] + last["completion_ids"]
+    consistent = all(
+        full[: len(t["prompt_ids"])] == t["prompt_ids"]
+        and full[len(t["prompt_ids"]) : len(t["prompt_ids"]) + len(t["completion_ids"])] == t["completion_ids"]
+        for t in turns
+    )
+    groups = [turns] if consistent else [[t] for t in turns]
+    out = []
+    for part in groups:
+        ids = part[-1]["prompt_ids"] + part[-1]["completion_ids"]
+        mask, logps, turn_of = [0.0] * len(ids), [0.0] * len(ids), [0] * len(ids)
+        for t in part:
+            start = len(t["prompt_ids"])
+            for j, lp in enumerate(t["logprobs"]):
+                mask[start + j], logps[start + j], turn_of[start + j] = 1.0, lp, t["turn_index"]
+        out.append(TrainSequence(episode_id, group, ids, mask, logps, turn_of))
+    return out
+
+
+def load_iteration_batch(ctx, stage: str, eos_ids: set[int]) -> tuple[list[dict], dict[int, list[dict]]]:
+    """Episodes of a rollout stage with their total reward, and their turns with decoded blobs."""
+    episodes = list(
+        ctx.rundb.db.query(
+            """select e.id, e.task_index, e.end_reason, r.value as reward from episodes e
+               join rewards r on r.episode_id = e.id and r.label_set = ? and r.component = 'total'
+               where e.run = ? and e.stage = ? and e.status = 'ok' order by e.task_index, e.sample_index""",
+            [LABEL_SET, ctx.run, stage],
+        )
+    )
+    turns: dict[int, list[dict]] = {}
+    for ep in episodes:
+        rows = ctx.rundb.db.query(
+            "select turn_index, prompt_ids, completion_ids, logprobs, reward from turns "
+            "where episode_id = ? order by turn_index",
+            [ep["id"]],
+        )
+        turns[ep["id"]] = [
+            {
+                "turn_index": r["turn_index"],
+                "prompt_ids": unpack_ids(r["prompt_ids"]),
+                "completion_ids": unpack_ids(r["completion_ids"]),
+                "logprobs": unpack_floats(r["logprobs"]),
+                "reward": r["reward"],
+            }
+            for r in rows
+        ]
+        last = turns[ep["id"]][-1]["completion_ids"] if turns[ep["id"]] else []
+        # Cut off by the token cap or the context budget rather than ended by the model.
+        ep["truncated"] = ep["end_reason"] == "context" or not (last and last[-1] in eos_ids)
+    return episodes, turns
+
+
+# --- the loop ---------------------------------------------------------------------------------
+
+
+def run_grpo(ctx) -> None:
+    import torch
+
+    from rlcli import grpo as G
+    from rlcli.labelling import label_stage_episodes
+    from rlcli.models import check_reference_possible, load_policy
+    from rlcli.rewards import build_reward_fns
+
+    recipe, cfg = ctx.recipe, ctx.recipe.grpo
+    check_reference_possible(recipe.lora, cfg.beta)
+    reward_fns = build_reward_fns(recipe.rewards)
+
+    resume = latest_train_checkpoint(ctx)
+    start_iter = resume["iteration"] + 1 if resume else 0
+    if start_iter >= cfg.iterations:
+        ctx.console.print(f"train grpo: all {cfg.iterations} iterations are done.")
+        return
+    if resume:
+        adapter = resume["path"]
+    else:
+        sft = [c for c in ctx.rundb.checkpoints(ctx.run) if c["stage"] == "sft"]
+        adapter = sft[-1]["path"] if sft else None
+    model, tokenizer = load_policy(recipe.model, recipe.lora, recipe.quantization, adapter=adapter, trainable=True)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(model, "enable_input_require_grads"):
+            model.enable_input_require_grads()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    steps_per_iter = cfg.epochs * _minibatches_per_epoch(recipe)
+    scheduler = _scheduler(optimizer, cfg, steps_per_iter * cfg.iterations)
+    if resume:
+        state = torch.load(Path(resume["path"]) / "trainer_state.pt", weights_only=False)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        # Stages after the checkpoint were done with weights that were not saved: redo them.
+        for it in range(start_iter, cfg.iterations):
+            row = ctx.rundb.stage(ctx.run, f"train/{it}")
+            if row and row["status"] == "done":
+                ctx.rundb.mark_stage(ctx.run, f"train/{it}", "pending")
+    sampling = sampling_config(recipe.rollout)
+    eos_ids = _eos_ids(model, tokenizer)
+    view = MetricsView(ctx.console)
+    start_label = f"checkpoint {resume['id']}" if resume else ("sft" if adapter else "base")
+    ctx.console.print(f"train grpo: iterations {start_iter}..{cfg.iterations - 1}, starting from {start_label}")
+    for it in range(start_iter, cfg.iterations):
+        timings: dict[str, float] = {}
+        tasks = list(range(it * recipe.rollout.tasks, (it + 1) * recipe.rollout.tasks))
+        fresh_rollout = not stage_done(ctx.rundb, ctx.run, f"rollout/{it}")
+
+        t0 = time.perf_counter()
+        rollout_summary = ctx.stage(
+            f"rollout/{it}",
+            lambda: collect(
+                ctx, stage=f"rollout/{it}", policy_label=f"train/{it - 1}" if it > start_iter else start_label,
+                model=model, tokenizer=tokenizer, sampling=sampling, task_indices=tasks,
+                group_size=recipe.rollout.group_size, split="train", iteration=it, progress_label=f"rollout {it}",
+            ),
+            {"iteration": it, "tasks": [tasks[0], tasks[-1]]},
+        )
+        timings["perf/time_rollout_s"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        ctx.stage(f"label/{it}", lambda: label_stage_episodes(ctx, f"rollout/{it}", LABEL_SET, reward_fns))
+        timings["perf/time_label_s"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        result = ctx.stage(
+            f"train/{it}",
+            lambda: train_iteration(ctx, model, tokenizer, optimizer, scheduler, it, eos_ids, G),
+            {"iteration": it},
+        )
+        timings["perf/time_train_s"] = time.perf_counter() - t0
+        tokens = rollout_summary.get("tokens", 0)
+        metrics = {
+            "rollout/reward_mean": result.get("reward_mean"),
+            "rollout/reward_std": result.get("reward_std"),
+            "rollout/success_rate": rollout_summary.get("success_rate"),
+            "rollout/return_mean": rollout_summary.get("return_mean"),
+            "rollout/turns_mean": rollout_summary.get("turns_mean"),
+            "rollout/failed": rollout_summary.get("failed"),
+            **{k: v for k, v in result.items() if k.startswith("train/")},
+        }
+        if fresh_rollout:
+            timings["perf/tokens_per_s"] = tokens / max(timings["perf/time_rollout_s"], 1e-9)
+        else:  # timings of a resumed iteration would describe the resume, not the work
+            timings = {}
+        ctx.rundb.log_metrics(ctx.run, METRICS_STAGE, it, {**metrics, **timings})
+        view.show(it, {**metrics, **timings})
+
+
+def train_iteration(ctx, model, tokenizer, optimizer, scheduler, it: int, eos_ids: set[int], G) -> dict[str, Any]:
+    """Advantages and K epochs of updates on iteration `it`'s stored rollouts; save a checkpoint."""
+    import torch
+
+    recipe, cfg = ctx.recipe, ctx.recipe.grpo
+    episodes, turns = load_iteration_batch(ctx, f"rollout/{it}", eos_ids)
+    if not episodes:
+        raise RlcliError(f"Iteration {it} has no successfully finished, labelled episodes to train on "
+                         f"(see `rlcli runs show {ctx.run}` for failed episodes).")
+    rewards = torch.tensor([e["reward"] for e in episodes], dtype=torch.float64)
+    groups = torch.tensor([e["task_index"] for e in episodes])
+    G.check_finite("the rewards", rewards)
+    zero_var = G.zero_variance_groups(rewards, groups)
+    stats: dict[str, Any] = {
+        "reward_mean": float(rewards.mean()),
+        "reward_std": float(rewards.std(unbiased=False)),
+        "train/zero_var_groups": int(len(set(groups[zero_var].tolist()))),
+        "train/groups": int(len(set(groups.tolist()))),
+    }
+
+    if cfg.gamma is not None:
+        turn_returns = [
+            G.discounted_turn_returns([t["reward"] for t in turns[e["id"]]], cfg.gamma) for e in episodes
+        ]
+        turn_adv = G.turn_advantages(turn_returns, groups, cfg.advantage)
+    else:
+        adv = G.compute_advantages(rewards, groups, cfg.advantage)
+        turn_adv = [[float(adv[i])] * len(turns[e["id"]]) for i, e in enumerate(episodes)]
+
+    sequences: list[TrainSequence] = []
+    for i, ep in enumerate(episodes):
+        if cfg.drop_zero_var_groups and bool(zero_var[i]):
+            continue
+        if cfg.mask_truncated and ep["truncated"]:
+            continue
+        for seq in episode_sequences(ep["id"], ep["task_index"], turns[ep["id"]]):
+            seq.advantage = [turn_adv[i][t] for t in seq.turn_of_token]
+            seq.truncated = ep["truncated"]
+            sequences.append(seq)
+    stats["train/sequences"] = len(sequences)
+
+    if sequences:
+        torch.manual_seed(derive_seed(recipe.run.seed, "dropout", it))  # dropout, if any, replays exactly
+        model.train()
+        update_stats = _update(ctx, model, optimizer, scheduler, sequences, it, G)
+        stats.update(update_stats)
+    else:
+        # Every group had equal rewards: nothing to learn from, but the schedule still advances.
+        for _ in range(cfg.epochs * _minibatches_per_epoch(recipe)):
+            scheduler.step()
+        stats["train/skipped"] = 1.0
+    stats["train/lr"] = scheduler.get_last_lr()[0]
+
+    if (it + 1) % cfg.checkpoint_every == 0 or it + 1 == cfg.iterations:
+        save_train_checkpoint(ctx, model, tokenizer, optimizer, scheduler, it)
+    return stats
+
+
+def _update(ctx, model, optimizer, scheduler, sequences: list[TrainSequence], it: int, G) -> dict[str, float]:
+    import torch
+
+    recipe, cfg = ctx.recipe, ctx.recipe.grpo
+    temperature = sampling_config(recipe.rollout).logprob_temperature
+    n_mb = _minibatches_per_epoch(recipe)
+    needs_old = cfg.epochs > 1 or n_mb > 1
+    old_logprobs = _old_logprobs(model, sequences, cfg.micro_batch_size, temperature) if needs_old else None
+    max_len_norm = recipe.rollout.max_new_tokens * recipe.env.max_turns
+    totals: dict[str, float] = {}
+    weight_sum = 0.0
+    grad_norms = []
+    for epoch in range(cfg.epochs):
+        gen = torch.Generator().manual_seed(derive_seed(recipe.run.seed, "shuffle", it, epoch))
+        order = torch.randperm(len(sequences), generator=gen).tolist()
+        size = math.ceil(len(order) / n_mb)
+        for mb_start in range(0, len(order), size):
+            mb = order[mb_start : mb_start + size]
+            mb_tokens = sum(sum(sequences[i].mask) for i in mb)
+            mb_seqs = sum(1 for i in mb if any(sequences[i].mask))
+            optimizer.zero_grad(set_to_none=True)
+            for mc_start in range(0, len(mb), cfg.micro_batch_size):
+                micro_idx = mb[mc_start : mc_start + cfg.micro_batch_size]
+                micro = [sequences[i] for i in micro_idx]
+                batch = _collate(micro, model)
+                logits = _forward(model, batch)
+                logprobs = G.selective_log_softmax(logits / temperature, batch["targets"])
+                with torch.no_grad():
+                    entropy = G.entropy_from_logits(logits.detach() / temperature)
+                old = (
+                    _collate_values([old_logprobs[i] for i in micro_idx], batch)
+                    if old_logprobs is not None
+                    else logprobs.detach()
+                )
+                ref = None
+                if cfg.beta > 0:
+                    from rlcli.models import reference_context
+
+                    with torch.no_grad(), reference_context(model):
+                        ref = G.selective_log_softmax(_forward(model, batch) / temperature, batch["targets"])
+                loss, st = G.policy_loss(
+                    logprobs, old, batch["advantages"], batch["mask"],
+                    clip_low=cfg.clip_low, clip_high=cfg.clip_high, importance=cfg.importance,
+                    aggregation=cfg.aggregation, ref_logprobs=ref, beta=cfg.beta,
+                    rollout_logprobs=batch["rollout_logprobs"], tis_cap=cfg.tis_cap,
+                    entropy=entropy, entropy_top_frac=cfg.entropy_top_frac, max_len_norm=max_len_norm,
+                )
+                G.check_finite("the loss", loss)
+                # Scale so that accumulated micro-batch gradients equal the minibatch's gradient.
+                if cfg.aggregation == "token_mean":
+                    share = float(batch["mask"].sum()) / max(mb_tokens, 1.0)
+                else:
+                    share = sum(1 for s in micro if any(s.mask)) / max(mb_seqs, 1)
+                (loss * share).backward()
+                w = float(batch["mask"].sum())
+                weight_sum += w
+                for k, v in st.items():
+                    totals[k] = totals.get(k, 0.0) + float(v) * w
+            grad_norm = torch.nn.utils.clip_grad_norm_(
+                [p for p in model.parameters() if p.requires_grad], cfg.max_grad_norm
+            )
+            if not torch.isfinite(grad_norm):
+                optimizer.zero_grad(set_to_none=True)
+                raise RlcliError(
+                    f"Iteration {it}: the gradient norm is {float(grad_norm)}; the update was stopped before the "
+                    "optimizer step (try a lower grpo.lr or float32)."
+                )
+            grad_norms.append(float(grad_norm))
+            optimizer.step()
+            scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    out = {f"train/{k}": v / max(weight_sum, 1.0) for k, v in totals.items() if k != "tokens"}
+    out["train/tokens"] = sum(sum(s.mask) for s in sequences)
+    out["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
+    return out
+
+
+def _collate(micro: list[TrainSequence], model) -> dict[str, Any]:
+    """Left-pad a micro-batch and keep only the positions that end in trainable tokens."""
+    import torch
+
+    device = next(model.parameters()).device
+    width = max(len(s.ids) for s in micro)
+    # The first trainable token over the batch, measured from the right: logits before it are not needed.
+    keep = max(len(s.ids) - next(i for i, m in enumerate(s.mask) if m) for s in micro if any(s.mask)) \
+        if any(any(s.mask) for s in micro) else 1
+    B = len(micro)
+    ids = torch.zeros((B, width), dtype=torch.long)
+    attn = torch.zeros((B, width), dtype=torch.long)
+    mask = torch.zeros((B, keep))
+    adv = torch.zeros((B, keep))
+    roll = torch.zeros((B, keep))
+    for b, s in enumerate(micro):
+        n = len(s.ids)
+        ids[b, width - n :] = torch.tensor(s.ids)
+        attn[b, width - n :] = 1
+        tail = slice(max(n - keep, 0), n)
+        k = tail.stop - tail.start
+        mask[b, keep - k :] = torch.tensor(s.mask[tail])
+        adv[b, keep - k :] = torch.tensor(s.advantage[tail])
+        roll[b, keep - k :] = torch.tensor(s.rollout_logprobs[tail])
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    return {
+        "input_ids": ids.to(device),
+        "attention_mask": attn.to(device),
+        "position_ids": pos.to(device),
+        "keep": keep,
+        "targets": ids[:, width - keep :].to(device),
+        "mask": mask.to(device),
+        "advantages": adv.to(device),
+        "rollout_logprobs": roll.to(device),
+    }
+
+
+def _collate_values(values: list, batch: dict[str, Any]):
+    import torch
+
+    keep = batch["keep"]
+    out = torch.zeros((len(values), keep), device=batch["mask"].device)
+    for b, v in enumerate(values):
+        tail = v[-keep:]
+        out[b, keep - len(tail) :] = tail
+    return out
+
+
+def _forward(model, batch: dict[str, Any]):
+    """Logits predicting the last `keep` tokens of each row ([B, keep, V])."""
+    out = model(
+        input_ids=batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        position_ids=batch["position_ids"],
+        logits_to_keep=batch["keep"] + 1,
+        use_cache=False,
+    )
+    return out.logits[:, :-1, :].float()
+
+
+def _old_logprobs(model, sequences: list[TrainSequence], micro_batch_size: int, temperature: float) -> list:
+    """Logprobs of every sequence under the weights at the start of the iteration (PPO's pi_old)."""
+    import torch
+
+    from rlcli.grpo import selective_log_softmax
+
+    out = []
+    with torch.no_grad():
+        for start in range(0, len(sequences), micro_batch_size):
+            micro = sequences[start : start + micro_batch_size]
+            batch = _collate(micro, model)
+            lp = selective_log_softmax(_forward(model, batch) / temperature, batch["targets"])
+            for b, s in enumerate(micro):
+                n = min(len(s.ids), batch["keep"])
+                out.append(lp[b, batch["keep"] - n :].cpu())
+    return out
+
+
+# --- schedule, checkpoints ------------------------------------------------------------
+
+
+def _minibatches_per_epoch(recipe) -> int:
+    episodes = recipe.rollout.tasks * recipe.rollout.group_size
+    size = recipe.grpo.minibatch_size or episodes
+    return max(1, math.ceil(episodes / size))
+
+
+def _scheduler(optimizer, cfg, total_steps: int):
+    from transformers import get_scheduler
+
+    return get_scheduler(cfg.schedule, optimizer, num_warmup_steps=cfg.warmup_steps, num_training_steps=max(total_steps, 1))
+
+
+def latest_train_checkpoint(ctx) -> dict[str, Any] | None:
+    rows = [c for c in ctx.rundb.checkpoints(ctx.run) if c["stage"].startswith("train/")]
+    rows = [c for c in rows if (Path(c["path"]) / "trainer_state.pt").exists()]
+    return rows[-1] if rows else None
+
+
+def save_train_checkpoint(ctx, model, tokenizer, optimizer, scheduler, it: int) -> None:
+    """Write to a temporary folder, rename into place, then record the row: a kill leaves either
+    no row (the iteration is redone) or a complete checkpoint."""
+    import torch
+
+    from rlcli.models import save_checkpoint
+
+    final = ctx.run_dir / "checkpoints" / f"iter-{it:04d}"
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_checkpoint(model, tokenizer, tmp)
+    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "iteration": it},
+               tmp / "trainer_state.pt")
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    kind = "lora" if ctx.recipe.lora is not None else "full"
+    ctx.rundb.add_checkpoint(ctx.run, f"train/{it}", it, final, kind)
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    from rlcli.sampling import _eos_ids as eos
+
+    return eos(model, tokenizer)
+
+
+# --- live view -----------------------------------------------------------------------
+
+
+class MetricsView:
+    """One line per iteration with the numbers a researcher watches."""
+
+    COLUMNS = (
+        ("iter", None), ("reward", "rollout/reward_mean"), ("success", "rollout/success_rate"),
+        ("loss", "train/loss"), ("kl", "train/kl"), ("entropy", "train/entropy"),
+        ("clip", "train/clip_frac_high"), ("|g|", "train/grad_norm"), ("0-var", "train/zero_var_groups"),
+        ("tok/s", "perf/tokens_per_s"), ("t_roll", "perf/time_rollout_s"), ("t_train", "perf/time_train_s"),
+    )
+
+    def __init__(self, console):
+        self.console = console
+        self.header_shown = False
+
+    def show(self, it: int, metrics: dict[str, Any]) -> None:
+        if not self.header_shown:
+            self.console.print(" ".join(f"{name:>8}" for name, _ in self.COLUMNS), style="bold")
+            self.header_shown = True
+        cells = [f"{it:>8}"]
+        for _, key in self.COLUMNS[1:]:
+            value = metrics.get(key)
+            cells.append(f"{value:>8.3g}" if isinstance(value, (int, float)) else f"{'–':>8}")
+        self.console.print(" ".join(cells), highlight=False)

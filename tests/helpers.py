@@ -1,0 +1,63 @@
+"""Shared test helpers: recipes on the tiny random model, contexts, running the CLI in a process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+RLCLI = [sys.executable, "-m", "rlcli"]
+
+
+def write_recipe(path: Path, **sections) -> Path:
+    """A recipe on the tiny random model; keyword arguments replace or extend sections."""
+    data = {
+        "run": {"name": "t", "seed": 0},
+        "model": {"name": "tiny-random", "max_length": 512},
+        "lora": {"r": 4, "alpha": 8},
+        "env": {"name": "arithmetic"},
+        "rollout": {"tasks": 2, "group_size": 2, "max_new_tokens": 8, "batch_size": 4},
+        "grpo": {"iterations": 1},
+        "eval": {"tasks": 2},
+    }
+    for key, value in sections.items():
+        if isinstance(value, dict) and isinstance(data.get(key), dict):
+            data[key] = {**data[key], **value}
+        else:
+            data[key] = value
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def make_ctx(recipe_path: Path, runs_dir: Path, overrides: list[str] = ()):
+    """A RunContext as the CLI builds it (without the lock), for calling stages in-process."""
+    from rlcli.recipe import load_recipe
+    from rlcli.rundb import RunDB
+    from rlcli.stages import RunContext
+
+    recipe = load_recipe(recipe_path, list(overrides))
+    rundb = RunDB.open(runs_dir)
+    rundb.start_run(recipe.run.name, recipe, str(recipe_path))
+    return RunContext(recipe, rundb, recipe.run.name, runs_dir)
+
+
+def cli_env(runs_dir: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(RLCLI_HOME=str(runs_dir), PYTHONUNBUFFERED="1")
+    return env
+
+
+def run_cli(args: list[str], runs_dir: Path, cwd: Path | None = None, timeout: int = 600):
+    return subprocess.run(
+        RLCLI + args, env=cli_env(runs_dir), cwd=cwd or REPO, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def write_env_file(path: Path, body: str) -> Path:
+    path.write_text(textwrap.dedent(body))
+    return path
