@@ -228,9 +228,6 @@ def main(argv: list[str] | None = None) -> None:
         hint = " (another process holds it; try again)" if "locked" in str(exc) else ""
         err_console.print(f"[red]Error:[/red] the run database failed: {exc}{hint}.", highlight=False)
         sys.exit(1)
-    except KeyboardInterrupt:
-        err_console.print("Interrupted; run the same command again to resume.")
-        sys.exit(130)
     except Exception as exc:  # a bug: say so in one line unless asked for the traceback
         if debug:
             raise

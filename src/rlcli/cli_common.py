@@ -53,10 +53,12 @@ def open_run(
 
     if recipe_path is None and run is None:
         raise UsageError("Give a recipe with --recipe/-r FILE (or --run NAME to continue a recorded run).")
+    # A bad recipe must fail before anything is written, the database file included.
+    recipe = load_recipe(recipe_path, overrides or []) if recipe_path is not None else None
     runs_dir = Path(runs_dir) if runs_dir else default_runs_dir()
     rundb = RunDB.open(runs_dir)
     try:
-        if recipe_path is None:
+        if recipe is None:
             # Continue a recorded run with its stored recipe.
             from rlcli.recipe import apply_override, validate_recipe
 
@@ -64,8 +66,6 @@ def open_run(
             for item in overrides or []:
                 apply_override(data, item)
             recipe = validate_recipe(data, f"run {run!r}")
-        else:
-            recipe = load_recipe(recipe_path, overrides or [])
         name = check_run_name(run or recipe.run.name)
         recipe.run.name = name
         with RunLock(runs_dir, name):
@@ -75,19 +75,21 @@ def open_run(
         rundb.close()
 
 
-def _finish_status(ctx: Any, ok: bool) -> None:
-    ctx.rundb.set_run_status(ctx.run, "done" if ok else "failed")
-
-
 @contextlib.contextmanager
 def tracked(ctx: Any) -> Iterator[None]:
+    """The run's status follows the command: running, then done or failed."""
     ctx.rundb.set_run_status(ctx.run, "running")
     try:
         yield
-    except BaseException:
-        _finish_status(ctx, False)
+    except KeyboardInterrupt:
+        # Typer turns Ctrl-C into exit 130 before main() could say how to go on.
+        ctx.rundb.set_run_status(ctx.run, "failed")
+        err_console.print("Interrupted; run the same command again to resume.")
         raise
-    _finish_status(ctx, True)
+    except BaseException:
+        ctx.rundb.set_run_status(ctx.run, "failed")
+        raise
+    ctx.rundb.set_run_status(ctx.run, "done")
 
 
 def open_existing(runs_dir: Path | None, missing: str) -> Any:

@@ -56,7 +56,8 @@ def label_stage_episodes(ctx, rollout_stage: str, label_set: str, fns=None) -> d
     if not episodes:
         return {"episodes": 0, "label_set": label_set}
     labels = label_episodes(fns, episodes)
-    weights = {spec.component: spec.weight for spec in ctx.recipe.rewards}
+    weights = {fn.component: fn.weight for fn in fns}
+    failures = {fn.component: fn.failures for fn in fns}
     rows = []
     for ep, values in zip(episodes, labels):
         for component, value in values.items():
@@ -66,7 +67,8 @@ def label_stage_episodes(ctx, rollout_stage: str, label_set: str, fns=None) -> d
                     "label_set": label_set,
                     "component": component,
                     "value": float(value),
-                    "weight": weights.get(component, 1.0 if component == "total" else None),
+                    "weight": weights.get(component),
+                    "error": failures.get(component, {}).get(ep["id"]),
                 }
             )
     with ctx.rundb.transaction() as db:

@@ -92,7 +92,15 @@ def initial(db: Database) -> None:
     )
     db["turns"].create_index(["episode_id", "turn_index"], unique=True)
     db["rewards"].create(
-        {"id": int, "episode_id": int, "label_set": str, "component": str, "value": float, "weight": float},
+        {
+            "id": int,
+            "episode_id": int,
+            "label_set": str,
+            "component": str,  # a reward function's name, or "total" for the weighted sum
+            "value": float,
+            "weight": float,
+            "error": str,  # why the value is a fallback (e.g. a judge reply with no score)
+        },
         pk="id",
         foreign_keys=[("episode_id", "episodes", "id")],
     )

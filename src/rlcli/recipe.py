@@ -235,7 +235,11 @@ def load_recipe(path: str | Path | None, overrides: list[str] = ()) -> Recipe:
         if not path.is_file():
             raise UsageError(f"Recipe file {path} does not exist.")
         try:
-            data = yaml.safe_load(path.read_text()) or {}
+            text = path.read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UsageError(f"{path}: cannot read the recipe ({exc}).") from None
+        try:
+            data = yaml.safe_load(text) or {}
         except yaml.YAMLError as exc:
             mark = getattr(exc, "problem_mark", None)
             line = f" at line {mark.line + 1}" if mark else ""
@@ -252,10 +256,16 @@ def apply_override(data: dict[str, Any], item: str) -> None:
     key, sep, raw = item.partition("=")
     if not sep or not key:
         raise UsageError(f"Override {item!r} is not of the form section.field=value.")
-    value = yaml.safe_load(raw) if raw.strip() else ""
-    if isinstance(value, str) and _looks_like_float(value):
-        value = float(value)  # YAML 1.1 reads 1e-5 as a string; users mean a number.
     parts = key.split(".")
+    text_field = _text_field(parts)
+    if text_field == "str":
+        value: Any = raw
+    elif text_field == "optional-str" and raw.strip() not in ("null", "~"):
+        value = raw
+    else:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+        if isinstance(value, str) and _looks_like_float(value):
+            value = float(value)  # YAML 1.1 reads 1e-5 as a string; users mean a number.
     node = data
     for part in parts[:-1]:
         child = node.get(part)
@@ -266,6 +276,24 @@ def apply_override(data: dict[str, Any], item: str) -> None:
             raise UsageError(f"Override {item!r}: {part} is not a section.")
         node = child
     node[parts[-1]] = value
+
+
+def _text_field(parts: list[str]) -> str | None:
+    """'str' or 'optional-str' when the dotted path names a text field, so `run.name=007` stays text."""
+    model: type[BaseModel] | None = Recipe
+    info = None
+    for part in parts:
+        if model is None or part not in model.model_fields:
+            return None
+        info = model.model_fields[part]
+        model = _section_type(info.annotation)
+    if info is None:
+        return None
+    if info.annotation is str:
+        return "str"
+    if info.annotation == (str | None):
+        return "optional-str"
+    return None
 
 
 def _looks_like_float(text: str) -> bool:

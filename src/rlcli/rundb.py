@@ -55,8 +55,6 @@ class RunDB:
         # A generous busy timeout: a reader such as Datasette may hold the file briefly.
         conn = sqlite3.connect(str(path), timeout=30)
         try:
-            conn.execute("PRAGMA journal_mode=WAL")
-            conn.execute("PRAGMA foreign_keys=ON")
             db = Database(conn)
             known = {m.name for m in migrations._migrations}
             unknown = [m.name for m in migrations.applied(db) if m.name not in known]
@@ -69,6 +67,9 @@ class RunDB:
                 f"{path} was written by a newer rlcli (unknown migrations: {', '.join(unknown)}); "
                 "upgrade rlcli to use it. The file was left untouched."
             )
+        # Only now may the file change: it is ours and not from a newer rlcli.
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA foreign_keys=ON")
         migrations.apply(db)
         return cls(db, path)
 

@@ -1,0 +1,48 @@
+"""`rlcli models`: the registered short names and the local model cache.
+
+Cheap to import: rlcli.models imports torch and transformers only inside its functions.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from rlcli import models
+
+app = typer.Typer(
+    help="Registered models and the local model cache ($RLCLI_MODELS, else $RLCLI_HOME/models, else ~/.cache/rlcli/models).",
+    no_args_is_help=True,
+)
+
+DebugOpt = Annotated[bool, typer.Option("--debug", help="Show full tracebacks on errors.")]
+
+
+@app.command("pull")
+def pull(
+    name: Annotated[str, typer.Argument(help=f"Registered model: {', '.join(models.REGISTRY)}.", show_default=False)],
+    debug: DebugOpt = False,
+) -> None:
+    """Build a registered model into the cache (once) and print its folder."""
+    print(models.pull_model(name))
+
+
+@app.command("list")
+def list_cmd(
+    as_json: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of a table.")] = False,
+    debug: DebugOpt = False,
+) -> None:
+    """List the registered models (pulled or not) and other model folders in the cache."""
+    rows = models.list_models()
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return
+    table = Table("name", "kind", "size", "path", "description")
+    for row in rows:
+        size = f"{row['size_bytes'] / 1e6:.1f} MB" if row["size_bytes"] is not None else "not pulled"
+        table.add_row(row["name"], row["kind"], size, row["path"], row["description"])
+    Console().print(table)

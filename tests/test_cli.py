@@ -1,0 +1,429 @@
+"""The command line: exit codes, one-line errors, --json output, fast startup (no torch).
+
+Stage modules (rlcli.rollout, rlcli.train, ...) are not exercised here: every stage command below
+fails in `open_run` before it imports one, and runs are started through `open_run` directly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from rlcli.cli import main, open_run
+from rlcli.errors import RlcliError, UsageError
+from rlcli.recipe import Recipe
+from rlcli.rundb import DB_NAME, RunDB
+from rlcli.stages import RunContext, run_stage
+
+REPO = Path(__file__).parents[1]
+RLCLI = Path(sys.executable).parent / "rlcli"
+
+
+@pytest.fixture(autouse=True)
+def _cwd(tmp_path, monkeypatch):
+    # Nothing the CLI writes by default (./runs, git lookups) may land in the repository.
+    monkeypatch.chdir(tmp_path)
+
+
+@pytest.fixture
+def good(tmp_path) -> Path:
+    path = tmp_path / "good.yaml"
+    path.write_text("run:\n  name: good\n  seed: 3\ngrpo:\n  lr: 3.0e-4\n  iterations: 2\n")
+    return path
+
+
+@pytest.fixture
+def bad(tmp_path) -> Path:
+    path = tmp_path / "bad.yaml"
+    path.write_text("grpo:\n  lrr: 1\n")
+    return path
+
+
+def cli(capsys, *args: str) -> tuple[int, str, str]:
+    """Run `rlcli ARGS` in-process; return (exit code, stdout, stderr)."""
+    try:
+        main([str(a) for a in args])
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def one_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+def python(code: str, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], check=False, capture_output=True, text=True, timeout=60, **kwargs
+    )
+
+
+# --- fast startup ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--help"], ["recipes", "validate", "{good}"], ["runs", "list", "--json"], ["rollout", "--help"]],
+    ids=["help", "recipes-validate", "runs-list", "rollout-help"],
+)
+def test_light_commands_do_not_import_torch(argv, good):
+    argv = [a.format(good=good) for a in argv]
+    proc = python(
+        f"""
+        import sys
+        from rlcli.cli import app
+        try:
+            app(args={argv!r}, prog_name="rlcli")
+        except SystemExit as exc:
+            assert exc.code in (0, None), exc.code
+        heavy = [m for m in ("torch", "transformers", "trl", "peft", "datasets") if m in sys.modules]
+        assert not heavy, heavy
+        """
+    )
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_help_lists_the_commands(capsys):
+    code, out, _ = cli(capsys, "--help")
+    assert code == 0
+    for command in ("run", "sft", "rollout", "label", "train", "eval", "export", "runs", "recipes"):
+        assert command in out
+
+
+# --- recipes validate ----------------------------------------------------------------------
+
+
+def test_recipes_validate_good(capsys, good):
+    code, out, err = cli(capsys, "recipes", "validate", good)
+    assert code == 0 and str(good) in out and err == ""
+
+
+def test_recipes_validate_good_and_bad(capsys, good, bad):
+    code, out, err = cli(capsys, "recipes", "validate", good, bad)
+    assert code == 2
+    assert str(good) in out
+    line = one_line(err)
+    assert str(bad) in line and "grpo.lrr" in line and "grpo.lr?" in line
+
+
+def test_recipes_validate_reports_every_bad_file(capsys, tmp_path, bad):
+    missing = tmp_path / "missing.yaml"
+    code, _, err = cli(capsys, "recipes", "validate", bad, missing)
+    assert code == 2
+    assert "grpo.lrr" in err and str(missing) in err and "does not exist" in err
+
+
+def test_recipes_validate_shipped_recipes(capsys):
+    recipes = sorted((REPO / "recipes").glob("*.yaml"))
+    if not recipes:
+        pytest.skip("no recipes/*.yaml yet")
+    code, _, err = cli(capsys, "recipes", "validate", *recipes)
+    assert code == 0, err
+
+
+# --- stage commands: errors before any stage module is imported ------------------------------
+
+
+def test_unknown_recipe_key_through_a_stage_command(capsys, bad):
+    code, _, err = cli(capsys, "rollout", "-r", bad)
+    assert code == 2
+    line = one_line(err)
+    assert "grpo.lrr" in line and "did you mean grpo.lr?" in line and str(bad) in line
+
+
+def test_bad_override_through_a_stage_command(capsys, good):
+    code, _, err = cli(capsys, "train", "grpo", "-r", good, "grpo.lr")
+    assert code == 2 and "section.field=value" in one_line(err)
+    code, _, err = cli(capsys, "eval", "-r", good, "rollout.group_size=many")
+    assert code == 2 and "rollout.group_size" in one_line(err)
+
+
+def test_missing_recipe_file(capsys, tmp_path):
+    code, _, err = cli(capsys, "sft", "-r", tmp_path / "nope.yaml")
+    assert code == 2 and "does not exist" in one_line(err)
+
+
+def test_stage_command_without_recipe_or_run(capsys):
+    code, _, err = cli(capsys, "rollout")
+    assert code == 2 and "--recipe" in one_line(err)
+
+
+@pytest.mark.parametrize("name", ["bad/name", "../up", "with space", ".hidden"])
+def test_bad_run_name_via_run_option(capsys, good, name):
+    code, _, err = cli(capsys, "rollout", "-r", good, "--run", name)
+    assert code == 2
+    line = one_line(err)
+    assert "not valid" in line and repr(name) in line
+
+
+def test_bad_run_name_via_runs_resume(capsys):
+    code, _, err = cli(capsys, "runs", "resume", "bad/name")
+    assert code == 2 and "not valid" in one_line(err)
+
+
+def test_resume_of_unknown_run(capsys):
+    code, _, err = cli(capsys, "runs", "resume", "ghost")
+    assert code == 2 and "'ghost'" in one_line(err)
+
+
+def test_usage_errors_from_click_exit_2(capsys):
+    code, _, err = cli(capsys, "rollout", "--no-such-option")
+    assert code == 2 and "No such option" in err
+
+
+# --- open_run -----------------------------------------------------------------------------------
+
+
+def test_open_run_overrides_reach_the_stored_recipe(tmp_path, good):
+    runs = tmp_path / "runs"
+    with open_run(good, None, runs, ["grpo.lr=1e-3", "rollout.group_size=8"]) as ctx:
+        assert isinstance(ctx, RunContext)
+        assert ctx.run == "good" and ctx.run_dir == runs / "good"
+        assert ctx.recipe.grpo.lr == 1e-3
+        assert (runs / "good" / "lock").read_text() == str(os.getpid())
+    rundb = RunDB.open(runs)
+    try:
+        stored = rundb.run_recipe("good")
+        row = rundb.get_run("good")
+    finally:
+        rundb.close()
+    assert stored.grpo.lr == 1e-3 and stored.rollout.group_size == 8
+    assert stored.grpo.iterations == 2 and stored.run.seed == 3  # file values kept
+    assert row["recipe_path"] == str(good) and row["seed"] == 3
+    assert row["recipe_sha256"] == stored.sha256()
+
+
+def test_open_run_run_option_names_the_run(tmp_path, good):
+    runs = tmp_path / "runs"
+    with open_run(good, "other", runs, []) as ctx:
+        assert ctx.run == "other" and ctx.recipe.run.name == "other"
+    rundb = RunDB.open(runs)
+    try:
+        assert [r["name"] for r in rundb.list_runs()] == ["other"]
+        assert rundb.run_recipe("other").run.name == "other"
+    finally:
+        rundb.close()
+
+
+def test_open_run_changed_recipe_needs_force(tmp_path, good):
+    runs = tmp_path / "runs"
+    with open_run(good, None, runs, []):
+        pass
+    with open_run(good, None, runs, ["grpo.iterations=20"]):  # resume-safe
+        pass
+    with pytest.raises(UsageError, match="grpo.lr"), open_run(good, None, runs, ["grpo.lr=1e-3"]):
+        pytest.fail("entered a run whose recipe changed")
+    with open_run(good, None, runs, ["grpo.lr=1e-3"], force=True) as ctx:
+        assert ctx.recipe.grpo.lr == 1e-3
+
+
+def test_open_run_continues_a_recorded_run_from_its_stored_recipe(tmp_path, good):
+    runs = tmp_path / "runs"
+    with open_run(good, None, runs, ["grpo.lr=1e-3"]):
+        pass
+    with open_run(None, "good", runs, ["grpo.iterations=5"]) as ctx:
+        assert ctx.recipe.grpo.lr == 1e-3 and ctx.recipe.grpo.iterations == 5
+    with pytest.raises(UsageError, match="grpo.lr"), open_run(None, "good", runs, ["grpo.lr=1"]):
+        pass
+
+
+def test_open_run_refuses_a_locked_run(tmp_path, good):
+    runs = tmp_path / "runs"
+    with open_run(good, None, runs, []), pytest.raises(RlcliError, match=f"pid {os.getpid()}"), open_run(
+        good, None, runs, []
+    ):
+        pytest.fail("entered a locked run")
+
+
+# --- runs list / show ----------------------------------------------------------------------------
+
+
+def test_runs_list_json_on_an_empty_dir(capsys, rlcli_home):
+    code, out, err = cli(capsys, "runs", "list", "--json")
+    assert code == 0, err
+    assert json.loads(out) == []
+
+
+def test_runs_list_json_lists_runs(capsys, rlcli_home):
+    rundb = RunDB.open(rlcli_home)
+    try:
+        rundb.start_run("r1", Recipe(), None)
+        rundb.log_metrics("r1", "rollout", 0, {"rollout/reward_mean": 0.5, "other/x": 1.0})
+    finally:
+        rundb.close()
+    code, out, _ = cli(capsys, "runs", "list", "--json")
+    assert code == 0
+    [row] = json.loads(out)
+    assert row["name"] == "r1" and row["status"] == "created"
+    assert row["metrics"] == {"rollout/reward_mean": 0.5}
+    code, out, _ = cli(capsys, "runs", "list")
+    assert code == 0 and "r1" in out
+
+
+def test_runs_dir_option_and_env(capsys, tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    rundb = RunDB.open(elsewhere)
+    rundb.start_run("far", Recipe(), None)
+    rundb.close()
+    code, out, _ = cli(capsys, "runs", "list", "--json", "--runs-dir", elsewhere)
+    assert code == 0 and [r["name"] for r in json.loads(out)] == ["far"]
+
+
+def test_runs_show_unknown_run_without_a_database(capsys, rlcli_home):
+    code, out, err = cli(capsys, "runs", "show", "nosuchrun", "--json")
+    assert code == 2 and out == ""
+    line = one_line(err)
+    assert "nosuchrun" in line and "no run database" in line and str(rlcli_home / DB_NAME) in line
+    assert not (rlcli_home / DB_NAME).exists()
+
+
+def test_runs_show_unknown_run_in_a_database(capsys, rlcli_home):
+    rundb = RunDB.open(rlcli_home)
+    rundb.start_run("known", Recipe(), None)
+    rundb.close()
+    code, out, err = cli(capsys, "runs", "show", "nosuchrun", "--json")
+    assert code == 2 and out == ""
+    line = one_line(err)
+    assert "'nosuchrun'" in line and "known" in line
+
+
+def test_runs_show_json_has_stable_keys(capsys, rlcli_home):
+    rundb = RunDB.open(rlcli_home)
+    try:
+        recipe = Recipe()
+        rundb.start_run("r1", recipe, None)
+        run_stage(rundb, "r1", "sft", lambda: {"loss": 0.25})
+        with pytest.raises(RuntimeError):
+            run_stage(rundb, "r1", "rollout/0", lambda: (_ for _ in ()).throw(RuntimeError("env crashed")))
+        rundb.log_metrics("r1", "rollout", 0, {"rollout/reward_mean": 0.1})
+        rundb.log_metrics("r1", "rollout", 1, {"rollout/reward_mean": 0.3})
+        rundb.add_checkpoint("r1", "sft", 0, "ckpt/sft", "lora")
+    finally:
+        rundb.close()
+    code, out, err = cli(capsys, "runs", "show", "r1", "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert {"name", "status", "recipe_sha256", "stages"} <= data.keys()
+    assert data["name"] == "r1" and data["status"] == "created" and data["recipe_sha256"] == recipe.sha256()
+    assert [s["name"] for s in data["stages"]] == ["sft", "rollout/0"]
+    for stage in data["stages"]:
+        assert {"name", "status", "started_at", "finished_at", "error"} <= stage.keys()
+    sft, rollout = data["stages"]
+    assert (sft["status"], sft["error"], sft["result"]) == ("done", None, {"loss": 0.25})
+    assert (rollout["status"], rollout["error"]) == ("failed", "env crashed")
+    assert sft["started_at"] and sft["finished_at"]
+    assert data["reward_curve"] == [0.1, 0.3]
+    assert data["latest_metrics"] == {"rollout/reward_mean": 0.3}
+    assert [c["path"] for c in data["checkpoints"]] == ["ckpt/sft"]
+    assert data["episodes"] == {"total": 0, "failed": 0}
+    # The table view renders the same run.
+    code, out, _ = cli(capsys, "runs", "show", "r1")
+    assert code == 0 and "r1" in out and "rollout/0" in out
+
+
+def test_non_sqlite_database_is_refused_untouched(capsys, rlcli_home):
+    rlcli_home.mkdir(parents=True)
+    path = rlcli_home / DB_NAME
+    path.write_text("these are my notes, not a database\n")
+    before = hashlib.sha256(path.read_bytes()).hexdigest()
+    for argv in (["runs", "list"], ["runs", "list", "--json"], ["runs", "show", "x", "--json"]):
+        code, out, err = cli(capsys, *argv)
+        assert code == 2 and out == ""
+        line = one_line(err)
+        assert str(path) in line and "not an SQLite database" in line
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == before
+    assert os.listdir(rlcli_home) == [DB_NAME]
+
+
+# --- errors and --debug ---------------------------------------------------------------------------
+
+
+def test_debug_lets_the_exception_propagate(capsys):
+    with pytest.raises(UsageError, match="nosuchrun"):
+        main(["runs", "show", "nosuchrun", "--debug"])
+
+
+def test_without_debug_no_traceback(capsys):
+    code, _, err = cli(capsys, "runs", "show", "nosuchrun")
+    assert code == 2
+    assert "Traceback" not in err and err.startswith("Error:")
+
+
+def test_debug_traceback_in_a_real_process(tmp_path):
+    env = {**os.environ, "RLCLI_HOME": str(tmp_path / "home")}
+    plain = subprocess.run([str(RLCLI), "runs", "show", "ghost"], check=False, capture_output=True, text=True, env=env, timeout=60)
+    assert plain.returncode == 2 and "Traceback" not in plain.stderr and "ghost" in plain.stderr
+    debug = subprocess.run(
+        [str(RLCLI), "runs", "show", "ghost", "--debug"], check=False, capture_output=True, text=True, env=env, timeout=60
+    )
+    assert debug.returncode != 0
+    assert "Traceback" in debug.stderr and "UsageError" in debug.stderr
+
+
+def test_unexpected_error_is_one_line_without_debug(capsys, monkeypatch, good):
+    import rlcli.pipeline
+
+    def boom(ctx):
+        raise RuntimeError("kaboom")
+
+    monkeypatch.setattr(rlcli.pipeline, "run_all", boom)
+    code, _, err = cli(capsys, "run", "-r", good)
+    assert code == 1
+    line = one_line(err)
+    assert "RuntimeError" in line and "kaboom" in line and "--debug" in line
+    with pytest.raises(RuntimeError, match="kaboom"):
+        main(["run", "-r", str(good), "--debug"])
+    rundb = RunDB.open()
+    try:
+        assert rundb.get_run("good")["status"] == "failed"
+    finally:
+        rundb.close()
+
+
+def test_lock_held_elsewhere_exits_1_naming_the_pid(capsys, rlcli_home, good):
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import sys, time\nfrom rlcli.stages import RunLock\n"
+                "with RunLock(sys.argv[1], 'good'):\n    print('locked', flush=True)\n    time.sleep(60)\n"
+            ),
+            str(rlcli_home),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        code, _, err = cli(capsys, "rollout", "-r", good)
+        assert code == 1
+        assert f"pid {holder.pid}" in one_line(err)
+    finally:
+        holder.kill()
+        holder.wait(timeout=10)
+        holder.stdout.close()
+
+
+def test_interrupt_prints_the_resume_hint(capsys, monkeypatch, good):
+    import rlcli.pipeline
+
+    def interrupted(ctx):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(rlcli.pipeline, "run_all", interrupted)
+    code, _, err = cli(capsys, "run", "-r", good)
+    assert code == 130
+    assert "Interrupted" in err and "resume" in err

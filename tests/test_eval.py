@@ -1,0 +1,85 @@
+"""Evaluation: estimators against hand-computed values, several checkpoints in one call, resume."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from helpers import make_ctx, run_cli, write_recipe
+from rlcli.evaluate import eval_metrics, mean_interval, pass_at_k, run_eval, wilson_interval
+
+
+def test_pass_at_k_matches_hand_computed_values():
+    # n=5 samples, c=2 correct: pass@1 = 2/5; pass@2 = 1 - C(3,2)/C(5,2) = 1 - 3/10.
+    assert pass_at_k(5, 2, 1) == pytest.approx(0.4)
+    assert pass_at_k(5, 2, 2) == pytest.approx(0.7)
+    assert pass_at_k(5, 0, 3) == 0.0
+    assert pass_at_k(4, 2, 3) == 1.0  # fewer failures than k: some draw always contains a success
+    with pytest.raises(ValueError):
+        pass_at_k(2, 1, 3)
+
+
+def test_wilson_interval_matches_hand_computed_values():
+    # 8/10, z=1.96: centre (0.8 + 0.19208)/1.38416 = 0.71682, half 0.23520.
+    low, high = wilson_interval(8, 10)
+    assert low == pytest.approx(0.4902, abs=1e-4) and high == pytest.approx(0.9433, abs=1e-4)
+    assert wilson_interval(0, 20)[0] == 0.0 and wilson_interval(0, 20)[1] > 0
+    assert wilson_interval(0, 0) == (0.0, 1.0)
+
+
+def test_mean_interval_is_normal_over_task_rates():
+    low, high = mean_interval([0.0, 0.5, 1.0, 0.5])
+    sd = math.sqrt(((0.5) ** 2 * 2) / 3)
+    assert low == pytest.approx(0.5 - 1.96 * sd / 2) and high == pytest.approx(0.5 + 1.96 * sd / 2)
+
+
+def test_eval_metrics_from_episodes():
+    rows = []
+    for task, successes in enumerate([[1, 1, 0], [0, 0, 0]]):
+        for s in successes:
+            rows.append({"task_index": task, "success": s, "env_return": float(s), "num_turns": 2,
+                         "num_tokens": 10, "status": "ok"})
+    m = eval_metrics(rows, k=3)
+    assert m["tasks"] == 2 and m["success_rate"] == pytest.approx(2 / 6)
+    assert m["pass_at_k"] == pytest.approx(0.5)  # task 0 passes at k=3, task 1 never
+    assert m["avg_at_k"] == pytest.approx((2 / 3 + 0) / 2)
+    assert m["details"]["pass@1"] == pytest.approx(2 / 6)
+    assert m["mean_turns"] == 2 and m["mean_tokens"] == 10
+
+
+def test_eval_several_checkpoints_in_one_call_and_resume(tmp_path):
+    recipe = write_recipe(tmp_path / "r.yaml", env={"name": "guess_number", "max_turns": 2},
+                          rollout={"tasks": 2, "group_size": 2, "max_new_tokens": 6, "batch_size": 4},
+                          grpo={"iterations": 1, "lr": 1e-3}, eval={"tasks": 3, "k": 2})
+    ctx = make_ctx(recipe, tmp_path / "runs")
+    from rlcli.train import run_grpo
+
+    run_grpo(ctx)
+    rows = run_eval(ctx, ["base", "latest", "expert"])
+    assert [r["checkpoint"].split(" ")[0] for r in rows] == ["base", "latest", "expert"]
+    assert all(r["tasks"] == 3 and r["k"] == 2 for r in rows)
+    expert = rows[-1]
+    assert expert["success_rate"] == 1.0 and expert["pass_at_k"] == 1.0
+    # Eval tasks are the held-out split.
+    seeds = {r["seed"] for r in ctx.rundb.db.query("select seed from episodes where split = 'eval'")}
+    train_seeds = {r["seed"] for r in ctx.rundb.db.query("select seed from episodes where split = 'train'")}
+    assert seeds and not seeds & train_seeds
+    # A second call repeats nothing.
+    n = ctx.rundb.db["episodes"].count
+    run_eval(ctx, ["base", "latest"])
+    assert ctx.rundb.db["episodes"].count == n and ctx.rundb.db["evals"].count == 3
+
+
+def test_cli_eval_json_and_runs_show_include_evals(tmp_path):
+    runs = tmp_path / "runs"
+    recipe = write_recipe(tmp_path / "r.yaml", env={"name": "arithmetic"}, eval={"tasks": 2})
+    out = run_cli(["eval", "-r", str(recipe), "-c", "base", "--json"], runs)
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(out.stdout)
+    assert rows[0]["checkpoint"] == "base" and rows[0]["tasks"] == 2
+    show = run_cli(["runs", "show", "t", "--json"], runs)
+    data = json.loads(show.stdout)
+    assert data["evals"][0]["success_rate"] == rows[0]["success_rate"]
+    assert any(s["name"] == "eval/base" and s["status"] == "done" for s in data["stages"])
