@@ -50,7 +50,7 @@ def test_eval_metrics_from_episodes():
 
 
 def test_eval_several_checkpoints_in_one_call_and_resume(tmp_path):
-    recipe = write_recipe(tmp_path / "r.yaml", env={"name": "guess_number", "max_turns": 2},
+    recipe = write_recipe(tmp_path / "r.yaml", env={"name": "guess_number", "max_turns": 2, "kwargs": {"low": 1, "high": 3}},
                           rollout={"tasks": 2, "group_size": 2, "max_new_tokens": 6, "batch_size": 4},
                           grpo={"iterations": 1, "lr": 1e-3}, eval={"tasks": 3, "k": 2})
     ctx = make_ctx(recipe, tmp_path / "runs")

@@ -28,7 +28,7 @@ def _learnable_recipe(tmp_path, **extra):
         lora=None,
         rewards=[{"fn": f"{tmp_path / 'digit_reward.py'}:digits", "name": "digits"}],
         rollout={"tasks": 4, "group_size": 4, "max_new_tokens": 8, "batch_size": 16, "temperature": 1.0},
-        grpo={"iterations": 12, "lr": 3e-3, "advantage": "grpo", "beta": 0.0},
+        grpo={"iterations": 12, "lr": 3e-2, "advantage": "grpo", "beta": 0.0},
     )
     for k, v in extra.items():
         sections[k] = {**sections[k], **v} if isinstance(v, dict) and isinstance(sections.get(k), dict) else v
@@ -56,7 +56,7 @@ def test_reward_rises_over_iterations(tmp_path):
     {"advantage": "rloo", "importance": "sequence", "clip_low": 3e-4, "clip_high": 4e-4},
     {"advantage": "batch", "aggregation": "seq_mean", "tis_cap": 2.0, "entropy_top_frac": 0.2},
     {"epochs": 2, "minibatch_size": 4, "micro_batch_size": 2, "beta": 0.1, "warmup_steps": 1,
-     "schedule": "cosine", "drop_zero_var_groups": False, "mask_truncated": True},
+     "schedule": "cosine", "drop_zero_var_groups": False},
     {"gamma": 0.9, "gradient_checkpointing": True},
 ])
 def test_objective_variants_run_and_change_the_adapter(tmp_path, options):
@@ -71,6 +71,16 @@ def test_objective_variants_run_and_change_the_adapter(tmp_path, options):
     lora_b = [v for k, v in weights.items() if "lora_B" in k]
     assert lora_b and any(v.abs().sum() > 0 for v in lora_b), "LoRA B starts at zero and must have moved"
     assert _metric(ctx, "train/loss")
+
+
+def test_mask_truncated_leaves_out_episodes_cut_by_the_token_cap(tmp_path):
+    recipe = _learnable_recipe(tmp_path, rollout={"max_new_tokens": 4},
+                               grpo={"iterations": 1, "mask_truncated": True, "drop_zero_var_groups": False})
+    ctx = make_ctx(recipe, tmp_path / "runs")
+    run_grpo(ctx)
+    # A random model never ends an answer within 4 tokens: every episode is truncated.
+    assert _metric(ctx, "train/sequences") == [0.0]
+    assert _metric(ctx, "train/skipped") == [1.0]
 
 
 def test_grpo_trains_a_4bit_model(tmp_path):

@@ -92,7 +92,7 @@ def rollout_cmd(
     run: RunOpt = None,
     runs_dir: RunsDirOpt = None,
     policy: Annotated[
-        Optional[str], typer.Option(help="base, latest, expert or a checkpoint id [default: rollout.policy].")
+        Optional[str], typer.Option(help="base, latest, expert or a checkpoint id (default: rollout.policy).")
     ] = None,
     stage: Annotated[str, typer.Option(help="Stage name the episodes are recorded under.")] = "rollout",
     split: Annotated[str, typer.Option(help="Task split: train or eval.")] = "train",
@@ -147,7 +147,7 @@ def eval_cmd(
     runs_dir: RunsDirOpt = None,
     checkpoint: Annotated[
         Optional[list[str]],
-        typer.Option("--checkpoint", "-c", help="base, sft, latest or a checkpoint id; repeatable [default: eval.checkpoints]."),
+        typer.Option("--checkpoint", "-c", help="base, sft, latest or a checkpoint id; repeatable (default: eval.checkpoints)."),
     ] = None,
     as_json: JsonOpt = False,
     force: ForceOpt = False,

