@@ -112,6 +112,7 @@ def run_grpo(ctx) -> None:
     from rlcli.labelling import label_stage_episodes
     from rlcli.models import check_reference_possible, load_policy
     from rlcli.rewards import build_reward_fns
+    from rlcli.trackers import open_trackers
 
     recipe, cfg = ctx.recipe, ctx.recipe.grpo
     check_reference_possible(recipe.lora, cfg.beta)
@@ -151,50 +152,52 @@ def run_grpo(ctx) -> None:
     view = MetricsView(ctx.console)
     start_label = f"checkpoint {resume['id']}" if resume else ("sft" if adapter else "base")
     ctx.console.print(f"train grpo: iterations {start_iter}..{cfg.iterations - 1}, starting from {start_label}")
-    for it in range(start_iter, cfg.iterations):
-        timings: dict[str, float] = {}
-        tasks = list(range(it * recipe.rollout.tasks, (it + 1) * recipe.rollout.tasks))
-        fresh_rollout = not stage_done(ctx.rundb, ctx.run, f"rollout/{it}")
+    with open_trackers(recipe.run.trackers, ctx.run, recipe.to_dict(), log_dir=ctx.run_dir) as tracker:
+        for it in range(start_iter, cfg.iterations):
+            timings: dict[str, float] = {}
+            tasks = list(range(it * recipe.rollout.tasks, (it + 1) * recipe.rollout.tasks))
+            fresh_rollout = not stage_done(ctx.rundb, ctx.run, f"rollout/{it}")
 
-        t0 = time.perf_counter()
-        rollout_summary = ctx.stage(
-            f"rollout/{it}",
-            lambda: collect(
-                ctx, stage=f"rollout/{it}", policy_label=f"train/{it - 1}" if it > start_iter else start_label,
-                model=model, tokenizer=tokenizer, sampling=sampling, task_indices=tasks,
-                group_size=recipe.rollout.group_size, split="train", iteration=it, progress_label=f"rollout {it}",
-            ),
-            {"iteration": it, "tasks": [tasks[0], tasks[-1]]},
-        )
-        timings["perf/time_rollout_s"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            rollout_summary = ctx.stage(
+                f"rollout/{it}",
+                lambda: collect(
+                    ctx, stage=f"rollout/{it}", policy_label=f"train/{it - 1}" if it > start_iter else start_label,
+                    model=model, tokenizer=tokenizer, sampling=sampling, task_indices=tasks,
+                    group_size=recipe.rollout.group_size, split="train", iteration=it, progress_label=f"rollout {it}",
+                ),
+                {"iteration": it, "tasks": [tasks[0], tasks[-1]]},
+            )
+            timings["perf/time_rollout_s"] = time.perf_counter() - t0
 
-        t0 = time.perf_counter()
-        ctx.stage(f"label/{it}", lambda: label_stage_episodes(ctx, f"rollout/{it}", LABEL_SET, reward_fns))
-        timings["perf/time_label_s"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            ctx.stage(f"label/{it}", lambda: label_stage_episodes(ctx, f"rollout/{it}", LABEL_SET, reward_fns))
+            timings["perf/time_label_s"] = time.perf_counter() - t0
 
-        t0 = time.perf_counter()
-        result = ctx.stage(
-            f"train/{it}",
-            lambda: train_iteration(ctx, model, tokenizer, optimizer, scheduler, it, eos_ids, G),
-            {"iteration": it},
-        )
-        timings["perf/time_train_s"] = time.perf_counter() - t0
-        tokens = rollout_summary.get("tokens", 0)
-        metrics = {
-            "rollout/reward_mean": result.get("reward_mean"),
-            "rollout/reward_std": result.get("reward_std"),
-            "rollout/success_rate": rollout_summary.get("success_rate"),
-            "rollout/return_mean": rollout_summary.get("return_mean"),
-            "rollout/turns_mean": rollout_summary.get("turns_mean"),
-            "rollout/failed": rollout_summary.get("failed"),
-            **{k: v for k, v in result.items() if k.startswith("train/")},
-        }
-        if fresh_rollout:
-            timings["perf/tokens_per_s"] = tokens / max(timings["perf/time_rollout_s"], 1e-9)
-        else:  # timings of a resumed iteration would describe the resume, not the work
-            timings = {}
-        ctx.rundb.log_metrics(ctx.run, METRICS_STAGE, it, {**metrics, **timings})
-        view.show(it, {**metrics, **timings})
+            t0 = time.perf_counter()
+            result = ctx.stage(
+                f"train/{it}",
+                lambda: train_iteration(ctx, model, tokenizer, optimizer, scheduler, it, eos_ids, G),
+                {"iteration": it},
+            )
+            timings["perf/time_train_s"] = time.perf_counter() - t0
+            tokens = rollout_summary.get("tokens", 0)
+            metrics = {
+                "rollout/reward_mean": result.get("reward_mean"),
+                "rollout/reward_std": result.get("reward_std"),
+                "rollout/success_rate": rollout_summary.get("success_rate"),
+                "rollout/return_mean": rollout_summary.get("return_mean"),
+                "rollout/turns_mean": rollout_summary.get("turns_mean"),
+                "rollout/failed": rollout_summary.get("failed"),
+                **{k: v for k, v in result.items() if k.startswith("train/")},
+            }
+            if fresh_rollout:
+                timings["perf/tokens_per_s"] = tokens / max(timings["perf/time_rollout_s"], 1e-9)
+            else:  # timings of a resumed iteration would describe the resume, not the work
+                timings = {}
+            ctx.rundb.log_metrics(ctx.run, METRICS_STAGE, it, {**metrics, **timings})
+            tracker.log({**metrics, **timings}, step=it)
+            view.show(it, {**metrics, **timings})
 
 
 def train_iteration(ctx, model, tokenizer, optimizer, scheduler, it: int, eos_ids: set[int], G) -> dict[str, Any]:
