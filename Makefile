@@ -30,6 +30,7 @@ install: $(STAMP)
 
 demo: install
 	$(BIN)/rlcli run -r recipes/quickstart.yaml
+	$(BIN)/rlcli runs plot quickstart --out runs/quickstart/curves.png
 
 test: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

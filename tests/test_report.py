@@ -174,6 +174,20 @@ def test_plot_writes_a_real_png(capsys, runs_dir, tmp_path):
     assert len({tuple(p) for p in pixels[:: max(1, len(pixels) // 50_000)]}) > 10
 
 
+def test_plot_eval_bars_at_100_percent(capsys, runs_dir, tmp_path):
+    # Regression: Wilson's upper end at 100% is 0.9999999999999999, a negative error bar for matplotlib.
+    from rlcli.evaluate import wilson_interval
+    from rlcli.rundb import RunDB
+
+    rundb = RunDB.open(runs_dir)
+    low, high = wilson_interval(48, 48)
+    rundb.db.execute("update evals set success_rate = 1.0, ci_low = ?, ci_high = ? where run = 'demo'", [low, high])
+    rundb.db.conn.commit()
+    rundb.close()
+    code, _, err = cli(capsys, "runs", "plot", "demo", "--out", tmp_path / "full.png")
+    assert code == 0, err
+
+
 def test_plot_default_path_and_chosen_metrics(capsys, runs_dir):
     code, out, _ = cli(capsys, "runs", "plot", "demo", "-m", "train/kl", "-m", "sft/loss")
     assert code == 0 and Path(out.strip()) == runs_dir / "demo" / "metrics.png"

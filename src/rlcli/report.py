@@ -396,7 +396,9 @@ def _plot_evals(ax: Any, evals: list[dict[str, Any]]) -> None:
 
     labels = [r["label"] for r in evals]
     rates = [r["success_rate"] for r in evals]
-    errors = [[r["success_rate"] - r["ci_low"] for r in evals], [r["ci_high"] - r["success_rate"] for r in evals]]
+    # Clamped at 0: at 0% or 100% the interval's rounding can put its end a hair inside the rate.
+    errors = [[max(0.0, r["success_rate"] - r["ci_low"]) for r in evals],
+              [max(0.0, r["ci_high"] - r["success_rate"]) for r in evals]]
     colours = [f"C{i % 10}" for i in range(len(evals))]
     ax.bar(range(len(evals)), rates, yerr=errors, capsize=5, color=colours, alpha=0.85)
     # The rate goes under the label: inside the bar it would collide with the error bar.

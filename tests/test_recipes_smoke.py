@@ -1,0 +1,34 @@
+"""Every shipped recipe runs end to end (all its stages) on the tiny model, scaled down."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from helpers import REPO, make_ctx
+from rlcli.pipeline import run_all
+
+RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
+SMALL = [
+    "model.name=tiny-random", "model.max_length=1024", "sft.demos=4", "sft.batch_size=4",
+    "sft.micro_batch_size=4", "grpo.iterations=1", "rollout.tasks=1", "rollout.group_size=2",
+    "rollout.max_new_tokens=8", "eval.tasks=2", "eval.k=1",
+]
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
+def test_recipe_runs_on_the_tiny_model(recipe: Path, tmp_path):
+    first_line = recipe.read_text().splitlines()[0]
+    assert first_line.startswith("#"), f"{recipe.name} must start with a comment giving its command"
+    assert f"recipes/{recipe.name}" in recipe.read_text().split("\nrun:")[0]
+    if "textarena" in recipe.read_text():
+        pytest.importorskip("textarena")
+    if "reasoning_gym" in recipe.read_text():
+        pytest.importorskip("reasoning_gym")
+    ctx = make_ctx(recipe, tmp_path / "runs", SMALL)
+    run_all(ctx)
+    stages = {s["name"]: s["status"] for s in ctx.rundb.stages(ctx.run)}
+    assert stages and all(status == "done" for status in stages.values()), stages
+    evals = ctx.rundb.db["evals"].count
+    assert evals == len({c for c in ctx.recipe.eval.checkpoints if c != "sft" or ctx.recipe.sft.source != "none"})
