@@ -7,9 +7,24 @@ for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "HF
 import pytest
 
 
+@pytest.fixture(scope="session")
+def session_models(tmp_path_factory):
+    return tmp_path_factory.mktemp("models")
+
+
 @pytest.fixture(autouse=True)
-def rlcli_home(tmp_path, monkeypatch):
-    """Point the runs directory and the model cache at a temp dir for every test."""
+def rlcli_home(tmp_path, monkeypatch, session_models):
+    """Runs go to a temp dir per test; models (tiny-random, SmolLM2) are built once per session."""
     home = tmp_path / "rlcli-home"
     monkeypatch.setenv("RLCLI_HOME", str(home))
+    monkeypatch.setenv("RLCLI_MODELS", str(session_models))
     return home
+
+
+@pytest.fixture
+def smollm2_cache(session_models):
+    """The embedded SmolLM2-135M, pulled (about 30 s) on first use in the session."""
+    from rlcli.models import pull_model
+
+    pull_model("smollm2-135m")
+    return session_models

