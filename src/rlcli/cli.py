@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich.markup import escape
 
 from rlcli.cli_common import (
     DebugOpt, ForceOpt, JsonOpt, Overrides, RecipeOpt, RunOpt, RunsDirOpt, console, err_console, open_existing,
@@ -220,19 +221,21 @@ def main(argv: list[str] | None = None) -> None:
     except RlcliError as exc:
         if debug:
             raise
-        err_console.print(f"[red]Error:[/red] {exc}", highlight=False)
+        # escape: messages quote brackets ("pip install 'rlcli[envs]'") that are not terminal markup
+        err_console.print(f"[red]Error:[/red] {escape(str(exc))}", highlight=False)
         sys.exit(exc.exit_code)
     except sqlite3.OperationalError as exc:
         if debug:
             raise
         hint = " (another process holds it; try again)" if "locked" in str(exc) else ""
-        err_console.print(f"[red]Error:[/red] the run database failed: {exc}{hint}.", highlight=False)
+        err_console.print(f"[red]Error:[/red] the run database failed: {escape(str(exc))}{hint}.", highlight=False)
         sys.exit(1)
     except Exception as exc:  # a bug: say so in one line unless asked for the traceback
         if debug:
             raise
         err_console.print(
-            f"[red]Error:[/red] unexpected {type(exc).__name__}: {exc} (run with --debug for the traceback).",
+            f"[red]Error:[/red] unexpected {type(exc).__name__}: {escape(str(exc))} "
+            "(run with --debug for the traceback).",
             highlight=False,
         )
         sys.exit(1)

@@ -9,14 +9,17 @@ from typing import Annotated, Optional
 
 import typer
 from rich.panel import Panel
+from rich.text import Text
 
 from rlcli.cli_common import DebugOpt, JsonOpt, console
 from rlcli.errors import UsageError
 
 app = typer.Typer(help="Environments: list them, try one in the terminal.", no_args_is_help=True)
 
-ADAPTER_NOTE = ("Adapters (pip install 'rlcli[envs]'): textarena:<GameId> (single-player TextArena games), "
-                "reasoning_gym:<dataset>, gymnasium:<EnvId> (text observations and actions).")
+ADAPTER_NOTE = ("Adapters (pip install 'rlcli[envs]'): textarena:<GameId> (single-player TextArena games, e.g. "
+                "textarena:GuessTheNumber-v0), reasoning_gym:<dataset> (e.g. reasoning_gym:chain_sum), "
+                "gymnasium:<EnvId> (text observations, Discrete or Text actions, e.g. gymnasium:FrozenLake-v1). "
+                "See docs/environments.md.")
 RANDOM_ACTIONS = ["My guess: 7", "42", "up", "left", "hello", "<answer>3</answer>", "I don't know", "right", "down"]
 
 
@@ -83,7 +86,7 @@ def try_env(
                 break
             action = action.rstrip("\n")
         turn += 1
-        console.print(Panel(action, title=f"agent (turn {turn})", border_style="cyan", expand=False))
+        console.print(Panel(Text(action), title=f"agent (turn {turn})", border_style="cyan", expand=False))
         observation, reward, terminated, truncated, info = env.step(action)
         total += reward
         _show(as_messages(observation), reward)
@@ -100,4 +103,4 @@ def _show(messages: list[dict], reward: float | None = None) -> None:
             content = " ".join(p.get("text", "[image]") for p in content)
         title = message["role"] + (f" (reward {reward:g})" if reward is not None else "")
         style = {"system": "dim", "tool": "magenta"}.get(message["role"], "green")
-        console.print(Panel(str(content), title=title, border_style=style, expand=False))
+        console.print(Panel(Text(str(content)), title=title, border_style=style, expand=False))
