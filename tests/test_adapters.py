@@ -109,6 +109,15 @@ def test_textarena_clear_errors():
         load_env("textarena:GuessTheNumber-v0", {"colour": "red"})()
 
 
+def test_a_game_the_adapter_refuses_stops_the_rollout_stage_with_one_sentence(tmp_path):
+    from rlcli.rollout import run_rollout_stage
+
+    ctx = make_ctx(write_recipe(tmp_path / "r.yaml", env={"name": "textarena:TicTacToe-v0"}), tmp_path / "runs")
+    with pytest.raises(UsageError, match="only single-player"):
+        run_rollout_stage(ctx, stage="rollout", policy="base", split="train")
+    assert ctx.rundb.db["episodes"].count == 0
+
+
 # --- reasoning_gym ----------------------------------------------------------------
 
 

@@ -148,6 +148,8 @@ class EpisodeRunner:
                 ep.tools = getattr(ep.env, "tools", None) or None
             except EnvFailure as exc:
                 ep.finish("error", f"env reset failed: {exc}")
+            except UsageError:  # a recipe mistake (a game id, a kwarg): stop the stage with one sentence
+                raise
             except Exception as exc:  # the env factory itself
                 ep.finish("error", f"env could not be created: {type(exc).__name__}: {exc}")
             if self.model is not None:
