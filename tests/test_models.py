@@ -230,7 +230,8 @@ def test_checkpoint_reloads_and_export_merges(tmp_path):
     assert (checkpoint / "adapter_config.json").is_file() and (checkpoint / "tokenizer.json").is_file()
 
     reloaded, _ = models.load_policy(TINY, lora, NO_QUANT, adapter=checkpoint, trainable=False)
-    torch.testing.assert_close(logits(reloaded, tokenizer), expected)
+    assert not hasattr(reloaded, "peft_config"), "an inference-only load merges its adapter"
+    torch.testing.assert_close(logits(reloaded, tokenizer), expected, atol=1e-5, rtol=1e-4)
     assert not any(p.requires_grad for p in reloaded.parameters())
     resumed, _ = models.load_policy(TINY, lora, NO_QUANT, adapter=checkpoint)
     assert any(p.requires_grad for p in resumed.parameters())
