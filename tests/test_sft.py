@@ -359,3 +359,16 @@ def test_kill_during_sft_resumes_from_its_checkpoint(tmp_path):
     state = json.loads((checkpoints / f"checkpoint-{steps}" / "trainer_state.json").read_text())
     assert state["global_step"] == steps
     assert [h["step"] for h in state["log_history"] if "loss" in h] == list(range(1, steps + 1))
+
+
+@pytest.mark.slow
+def test_smollm2_held_out_success_rises_after_sft_on_expert_demos(tmp_path, smollm2_cache):
+    """The quickstart's first half on the real model: base SmolLM2 cannot play guess_number; after
+    SFT on expert demos it wins held-out games."""
+    from rlcli.evaluate import run_eval
+
+    recipe = REPO / "recipes" / "quickstart.yaml"
+    ctx = make_ctx(recipe, tmp_path / "runs", ["grpo.iterations=0", "eval.tasks=16"])
+    run_sft(ctx)
+    base, sft = run_eval(ctx, ["base", "sft"])
+    assert sft["success_rate"] >= base["success_rate"] + 0.25, (base["success_rate"], sft["success_rate"])
