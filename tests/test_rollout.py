@@ -72,10 +72,12 @@ def check_exact_records(tmp_path, env, model):
 
 
 def test_rollout_is_deterministic_and_independent_of_batching(tmp_path):
-    recipe = write_recipe(tmp_path / "r.yaml", rollout={"tasks": 3, "group_size": 2, "max_new_tokens": 6, "batch_size": 6})
+    # Multi-turn, so episodes end at different turns and leave the batch's turn cache.
+    recipe = write_recipe(tmp_path / "r.yaml", env={"name": "guess_number", "max_turns": 3, "kwargs": {"high": 3}},
+                          rollout={"tasks": 3, "group_size": 2, "max_new_tokens": 6, "batch_size": 6})
     a = make_ctx(recipe, tmp_path / "a")
     run_rollout_stage(a, stage="rollout", policy="base", split="train")
-    b = make_ctx(recipe, tmp_path / "b", ["rollout.batch_size=6"])
+    b = make_ctx(recipe, tmp_path / "b", ["rollout.batch_size=2"])
     run_rollout_stage(b, stage="rollout", policy="base", split="train")
     ids_a = [unpack_ids(t["completion_ids"]) for e in _episodes(a) for t in _turns(a, e["id"])]
     ids_b = [unpack_ids(t["completion_ids"]) for e in _episodes(b) for t in _turns(b, e["id"])]
@@ -84,6 +86,36 @@ def test_rollout_is_deterministic_and_independent_of_batching(tmp_path):
     eps = _episodes(a)
     assert eps[0]["seed"] == eps[1]["seed"] and eps[0]["task"] == eps[1]["task"]
     assert derive_seed(0, "rollout", 0, 0) != derive_seed(0, "rollout", 0, 1)
+
+
+def test_turn_cache_prefills_only_new_tokens_and_matches_a_full_prefill():
+    """Turn 2 with the cache of turn 1 (one row dropped, rows of different lengths) samples what a
+    fresh prefill of the whole conversation samples, with the same logprobs."""
+    from rlcli.models import load_policy
+    from rlcli.recipe import ModelSection, QuantizationSection
+    from rlcli.sampling import SamplingConfig, TurnCache, sample_batch
+
+    model, tokenizer = load_policy(ModelSection(name="tiny-random"), None, QuantizationSection(), trainable=False)
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=5)
+    gens = lambda n, salt: [torch.Generator().manual_seed(salt + i) for i in range(n)]  # noqa: E731
+    first = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [14, 15, 16, 17]]
+    cache = TurnCache()
+    cache.align(["a", "b", "c"])
+    turn1 = sample_batch(model, tokenizer, first, gens(3, 0), cfg, [2, 5, 4], turn_cache=cache)  # rows end apart
+    assert [len(c) for c in cache.ids] == [len(p) + len(s.ids) - 1 for p, s in zip(first, turn1)]
+    feedback = {"a": [20, 21], "c": [22, 23, 24, 25]}
+    second = [first[0] + turn1[0].ids + feedback["a"], first[2] + turn1[2].ids + feedback["c"]]
+    cache.align(["a", "c"])  # episode b ended
+    assert cache.new_tokens(second) == [[turn1[0].ids[-1], *feedback["a"]], [turn1[2].ids[-1], *feedback["c"]]]
+    cached = sample_batch(model, tokenizer, second, gens(2, 100), cfg, turn_cache=cache)
+    full = sample_batch(model, tokenizer, second, gens(2, 100), cfg)
+    for c, f in zip(cached, full):
+        assert c.ids == f.ids
+        assert torch.allclose(torch.tensor(c.logprobs), torch.tensor(f.logprobs), atol=1e-4)
+    # A prompt that does not extend its cached row (a rewritten transcript) gets a full prefill.
+    assert cache.new_tokens([[1, 2, 3], second[1]]) is None
+    cache.align(["a", "z"])
+    assert cache.kv is None and cache.new_tokens(second) is None
 
 
 def test_expert_policy_solves_and_stores_text_only(tmp_path):

@@ -156,11 +156,16 @@ class EpisodeRunner:
                 import torch
 
                 ep.generator = torch.Generator().manual_seed(ep.spec.sample_seed)
+        turn_cache = None
+        if self.model is not None:
+            from rlcli.sampling import TurnCache
+
+            turn_cache = TurnCache()  # the chunk's KV cache, carried from turn to turn
         while True:
             live = [ep for ep in episodes if not ep.done]
             if not live:
                 break
-            actions = self._act(live)
+            actions = self._act(live, turn_cache)
             for ep, (action_text, ids, logps, prompt_ids, gen_time) in zip(live, actions):
                 if ep.done:  # ended while building its prompt (context budget)
                     continue
@@ -171,7 +176,7 @@ class EpisodeRunner:
 
     # --- acting ---------------------------------------------------------------
 
-    def _act(self, live: list[Episode]) -> list[tuple[str, list[int], list[float], list[int], float]]:
+    def _act(self, live: list[Episode], turn_cache) -> list[tuple[str, list[int], list[float], list[int], float]]:
         if self.model is None:
             out = []
             for ep in live:
@@ -203,8 +208,9 @@ class EpisodeRunner:
         results: dict[int, tuple] = {}
         if rows:
             start = time.perf_counter()
+            turn_cache.align([id(ep) for ep in rows])
             samples = sample_batch(
-                self.model, self.tokenizer, prompts, [ep.generator for ep in rows], self.sampling, budgets
+                self.model, self.tokenizer, prompts, [ep.generator for ep in rows], self.sampling, budgets, turn_cache
             )
             elapsed = (time.perf_counter() - start) / len(rows)
             for ep, prompt, sample in zip(rows, prompts, samples):
