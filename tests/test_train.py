@@ -131,3 +131,45 @@ def test_kill_and_resume_ends_identical_to_an_uninterrupted_run(tmp_path):
     assert [(s, k) for s, k, _ in metrics_a] == [(s, k) for s, k, _ in metrics_b]
     for (_, key, va), (_, _, vb) in zip(metrics_a, metrics_b):
         assert va == pytest.approx(vb, abs=1e-6), key
+
+
+def test_shared_prefix_forward_gives_the_same_loss_and_gradients(monkeypatch):
+    """The update forwards a micro-batch's common prefix once; loss and LoRA gradients equal those
+    of forwarding every full sequence (rows of different lengths, left padding included)."""
+    from rlcli import grpo as G
+    from rlcli import train
+    from rlcli.models import load_policy
+    from rlcli.recipe import LoraSection, ModelSection, QuantizationSection
+
+    torch.manual_seed(0)
+    model, _ = load_policy(ModelSection(name="tiny-random"), LoraSection(r=4, alpha=8, dropout=0.0),
+                           QuantizationSection(), trainable=True)
+    model.train()
+    prompt = list(range(3, 23))  # 20 shared tokens
+    tails = [[30, 31, 32, 33, 34], [40, 41, 42], [50, 51, 52, 53, 54, 55, 56]]
+    seqs = []
+    for i, tail in enumerate(tails):
+        ids = prompt + tail
+        mask = [0.0] * (len(prompt) + 1) + [1.0] * (len(tail) - 1)
+        seqs.append(train.TrainSequence(i, 0, ids, mask, [0.0] * len(ids), [0] * len(ids),
+                                        advantage=[float(i) - 1.0] * len(ids)))
+    assert train._shared_prefix(seqs) == 20
+
+    def loss_and_grads():
+        model.zero_grad(set_to_none=True)
+        batch = train._collate(seqs, model)
+        logprobs = G.selective_log_softmax(train._forward(model, batch), batch["targets"])
+        loss, _ = G.policy_loss(logprobs, logprobs.detach() - 0.1, batch["advantages"], batch["mask"],
+                                clip_low=0.2, clip_high=0.2)
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+        return batch, loss.detach(), grads
+
+    shared_batch, shared_loss, shared_grads = loss_and_grads()
+    assert shared_batch["prefix_ids"].shape == (1, 20)
+    monkeypatch.setattr(train, "_shared_prefix", lambda micro: 0)
+    full_batch, full_loss, full_grads = loss_and_grads()
+    assert full_batch["prefix_ids"] is None
+    assert torch.allclose(shared_loss, full_loss, atol=1e-5)
+    for name, grad in full_grads.items():
+        assert torch.allclose(shared_grads[name], grad, atol=1e-5, rtol=1e-3), name

@@ -269,7 +269,8 @@ def _update(ctx, model, optimizer, scheduler, sequences: list[TrainSequence], it
     temperature = sampling_config(recipe.rollout).logprob_temperature
     n_mb = _minibatches_per_epoch(recipe)
     needs_old = cfg.epochs > 1 or n_mb > 1
-    old_logprobs = _old_logprobs(model, sequences, cfg.micro_batch_size, temperature) if needs_old else None
+    old_logprobs = (_old_logprobs(model, sequences, cfg.micro_batch_size, temperature, not cfg.gradient_checkpointing)
+                    if needs_old else None)
     max_len_norm = recipe.rollout.max_new_tokens * recipe.env.max_turns
     totals: dict[str, float] = {}
     weight_sum = 0.0
@@ -286,7 +287,7 @@ def _update(ctx, model, optimizer, scheduler, sequences: list[TrainSequence], it
             for mc_start in range(0, len(mb), cfg.micro_batch_size):
                 micro_idx = mb[mc_start : mc_start + cfg.micro_batch_size]
                 micro = [sequences[i] for i in micro_idx]
-                batch = _collate(micro, model)
+                batch = _collate(micro, model, share_prefix=not cfg.gradient_checkpointing)
                 logits = _forward(model, batch)
                 logprobs = G.selective_log_softmax(logits / temperature, batch["targets"])
                 with torch.no_grad():
@@ -339,12 +340,15 @@ def _update(ctx, model, optimizer, scheduler, sequences: list[TrainSequence], it
     return out
 
 
-def _collate(micro: list[TrainSequence], model) -> dict[str, Any]:
-    """Left-pad a micro-batch and keep only the positions that end in trainable tokens."""
+def _collate(micro: list[TrainSequence], model, share_prefix: bool = True) -> dict[str, Any]:
+    """A micro-batch as one shared prefix (forwarded once) plus left-padded suffixes; only the
+    positions that end in trainable tokens are kept. share_prefix=False (gradient checkpointing,
+    which cannot return a KV cache) forwards every row whole."""
     import torch
 
     device = next(model.parameters()).device
-    width = max(len(s.ids) for s in micro)
+    prefix = _shared_prefix(micro) if share_prefix else 0
+    width = max(len(s.ids) for s in micro) - prefix
     # The first trainable token over the batch, measured from the right: logits before it are not needed.
     keep = max(len(s.ids) - next(i for i, m in enumerate(s.mask) if m) for s in micro if any(s.mask)) \
         if any(any(s.mask) for s in micro) else 1
@@ -355,16 +359,19 @@ def _collate(micro: list[TrainSequence], model) -> dict[str, Any]:
     adv = torch.zeros((B, keep))
     roll = torch.zeros((B, keep))
     for b, s in enumerate(micro):
-        n = len(s.ids)
-        ids[b, width - n :] = torch.tensor(s.ids)
+        n = len(s.ids) - prefix
+        ids[b, width - n :] = torch.tensor(s.ids[prefix:])
         attn[b, width - n :] = 1
-        tail = slice(max(n - keep, 0), n)
+        tail = slice(max(len(s.ids) - keep, 0), len(s.ids))
         k = tail.stop - tail.start
         mask[b, keep - k :] = torch.tensor(s.mask[tail])
         adv[b, keep - k :] = torch.tensor(s.advantage[tail])
         roll[b, keep - k :] = torch.tensor(s.rollout_logprobs[tail])
-    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    # Padding sits between the prefix and each suffix; the mask hides it and positions skip it.
+    pos = prefix + (attn.cumsum(-1) - 1).clamp(min=0)
+    attn = torch.cat([torch.ones((B, prefix), dtype=torch.long), attn], dim=-1)
     return {
+        "prefix_ids": torch.tensor([micro[0].ids[:prefix]], device=device) if prefix else None,
         "input_ids": ids.to(device),
         "attention_mask": attn.to(device),
         "position_ids": pos.to(device),
@@ -374,6 +381,20 @@ def _collate(micro: list[TrainSequence], model) -> dict[str, Any]:
         "advantages": adv.to(device),
         "rollout_logprobs": roll.to(device),
     }
+
+
+def _shared_prefix(micro: list[TrainSequence], minimum: int = 16) -> int:
+    """How many leading tokens every sequence shares (the group's prompt, often the system prompt
+    of every task), stopping two tokens before the first trainable one so that every logit the
+    loss needs comes from the per-row forward. 0 when sharing is not worth a separate forward."""
+    if len(micro) < 2:
+        return 0
+    limit = min(next((i for i, m in enumerate(s.mask) if m), len(s.ids)) for s in micro) - 1
+    first = micro[0].ids
+    n = 0
+    while n < limit and all(len(s.ids) > n and s.ids[n] == first[n] for s in micro):
+        n += 1
+    return n if n >= minimum else 0
 
 
 def _collate_values(values: list, batch: dict[str, Any]):
@@ -388,18 +409,25 @@ def _collate_values(values: list, batch: dict[str, Any]):
 
 
 def _forward(model, batch: dict[str, Any]):
-    """Logits predicting the last `keep` tokens of each row ([B, keep, V])."""
+    """Logits predicting the last `keep` tokens of each row ([B, keep, V]). A shared prefix is
+    forwarded once and its KV cache repeated for every row; gradients flow through it to all rows."""
+    cache = None
+    if batch["prefix_ids"] is not None:
+        cache = model(input_ids=batch["prefix_ids"], use_cache=True, logits_to_keep=1).past_key_values
+        cache.batch_repeat_interleave(batch["input_ids"].shape[0])
     out = model(
         input_ids=batch["input_ids"],
         attention_mask=batch["attention_mask"],
         position_ids=batch["position_ids"],
+        past_key_values=cache,
         logits_to_keep=batch["keep"] + 1,
-        use_cache=False,
+        use_cache=cache is not None,
     )
     return out.logits[:, :-1, :].float()
 
 
-def _old_logprobs(model, sequences: list[TrainSequence], micro_batch_size: int, temperature: float) -> list:
+def _old_logprobs(model, sequences: list[TrainSequence], micro_batch_size: int, temperature: float,
+                  share_prefix: bool) -> list:
     """Logprobs of every sequence under the weights at the start of the iteration (PPO's pi_old)."""
     import torch
 
@@ -409,7 +437,7 @@ def _old_logprobs(model, sequences: list[TrainSequence], micro_batch_size: int, 
     with torch.no_grad():
         for start in range(0, len(sequences), micro_batch_size):
             micro = sequences[start : start + micro_batch_size]
-            batch = _collate(micro, model)
+            batch = _collate(micro, model, share_prefix)
             lp = selective_log_softmax(_forward(model, batch) / temperature, batch["targets"])
             for b, s in enumerate(micro):
                 n = min(len(s.ids), batch["keep"])
