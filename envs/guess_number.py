@@ -2,10 +2,7 @@
 
 The agent answers "My guess: K" (a bare number at the end is accepted too). Reward 1.0 on the
 right guess, which ends the episode; the rollout's env.max_turns (or the max_turns kwarg) caps it.
-The expert (`demonstrator="bisect"`) plays binary search, so it always succeeds within
-ceil(log2(high - low + 1)) turns. `demonstrator="random"` guesses uniformly among the numbers the
-feedback still allows: demonstrations that teach the rules and the format but not the efficient
-strategy, which leaves reinforcement learning something to discover (the quickstart uses it).
+The expert plays binary search, so it always succeeds within ceil(log2(high - low + 1)) turns.
 """
 
 from __future__ import annotations
@@ -17,19 +14,13 @@ from rlcli.env import parse_last_number
 
 
 class GuessNumber:
-    DEMONSTRATORS = ("bisect", "random")
-
-    def __init__(self, low: int = 1, high: int = 32, max_turns: int | None = None, demonstrator: str = "bisect"):
+    def __init__(self, low: int = 1, high: int = 32, max_turns: int | None = None):
         if low >= high:
             raise ValueError(f"low ({low}) must be below high ({high})")
-        if demonstrator not in self.DEMONSTRATORS:
-            raise ValueError(f"demonstrator must be one of {', '.join(self.DEMONSTRATORS)}, got {demonstrator!r}")
-        self.low, self.high, self.max_turns, self.demonstrator = low, high, max_turns, demonstrator
+        self.low, self.high, self.max_turns = low, high, max_turns
 
     def reset(self, seed: int):
-        rng = random.Random(seed)
-        self.target = rng.randint(self.low, self.high)
-        self.demo_rng = random.Random(rng.random())  # the random demonstrator's choices, fixed by the seed
+        self.target = random.Random(seed).randint(self.low, self.high)
         self.lo, self.hi, self.turns = self.low, self.high, 0
         system = (
             f"You are playing a guessing game. I picked a whole number from {self.low} to {self.high}. "
@@ -61,10 +52,8 @@ class GuessNumber:
         return f"{feedback} Guess again.", 0.0, False, truncated, info
 
     def expert_action(self) -> str:
-        if self.demonstrator == "random":
-            return f"My guess: {self.demo_rng.randint(self.lo, self.hi)}"
         return f"My guess: {(self.lo + self.hi) // 2}"
 
 
-def make_env(low: int = 1, high: int = 32, max_turns: int | None = None, demonstrator: str = "bisect") -> GuessNumber:
-    return GuessNumber(low, high, max_turns, demonstrator)
+def make_env(low: int = 1, high: int = 32, max_turns: int | None = None) -> GuessNumber:
+    return GuessNumber(low, high, max_turns)
