@@ -363,12 +363,13 @@ def test_kill_during_sft_resumes_from_its_checkpoint(tmp_path):
 
 @pytest.mark.slow
 def test_smollm2_held_out_success_rises_after_sft_on_expert_demos(tmp_path, smollm2_cache):
-    """The quickstart's first half on the real model: base SmolLM2 cannot play guess_number; after
-    SFT on expert demos it wins held-out games."""
+    """The quickstart's game on the real model: base SmolLM2 cannot play guess_number; after SFT
+    on 48 expert demos (twice the quickstart's light warm-start) it wins held-out games greedily."""
     from rlcli.evaluate import run_eval
 
     recipe = REPO / "recipes" / "quickstart.yaml"
-    ctx = make_ctx(recipe, tmp_path / "runs", ["grpo.iterations=0", "eval.tasks=16"])
+    ctx = make_ctx(recipe, tmp_path / "runs", ["sft.demos=48", "grpo.iterations=0", "eval.tasks=16",
+                                               "eval.temperature=0"])
     run_sft(ctx)
     base, sft = run_eval(ctx, ["base", "sft"])
     assert sft["success_rate"] >= base["success_rate"] + 0.25, (base["success_rate"], sft["success_rate"])
