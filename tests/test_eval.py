@@ -72,6 +72,19 @@ def test_eval_several_checkpoints_in_one_call_and_resume(tmp_path):
     assert ctx.rundb.db["episodes"].count == n and ctx.rundb.db["evals"].count == 3
 
 
+def test_eval_with_other_decoding_or_more_tasks_is_measured_not_read_back(tmp_path):
+    recipe = write_recipe(tmp_path / "r.yaml", env={"name": "guess_number", "max_turns": 2, "kwargs": {"low": 1, "high": 3}},
+                          eval={"tasks": 3, "k": 1})
+    runs = tmp_path / "runs"
+    (greedy,) = run_eval(make_ctx(recipe, runs), ["base"])
+    (sampled,) = run_eval(make_ctx(recipe, runs, ["eval.temperature=1.0"]), ["base"])
+    (more,) = run_eval(make_ctx(recipe, runs, ["eval.tasks=5"]), ["base"])
+    assert (greedy["stage"], sampled["stage"], more["stage"]) == ("eval/base", "eval/base@t1-k1", "eval/base")
+    assert (greedy["tasks"], sampled["tasks"], more["tasks"]) == (3, 3, 5)
+    ctx = make_ctx(recipe, runs)
+    assert ctx.rundb.db.execute("select count(*) from episodes where stage = 'eval/base'").fetchone()[0] == 5
+
+
 def test_cli_eval_json_and_runs_show_include_evals(tmp_path):
     runs = tmp_path / "runs"
     recipe = write_recipe(tmp_path / "r.yaml", env={"name": "arithmetic"}, eval={"tasks": 2})

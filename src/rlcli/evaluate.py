@@ -96,7 +96,11 @@ def run_eval(ctx, checkpoints: list[str]) -> list[dict[str, Any]]:
         if key in seen:
             continue
         seen.add(key)
-        stage = f"eval/{key}"
+        # Another decoding (temperature, k) is another measurement, stored beside the first.
+        stage = f"eval/{key}" if (temperature, recipe.eval.k) == (0.0, 1) else f"eval/{key}@t{temperature:g}-k{recipe.eval.k}"
+        done = ctx.rundb.stage(ctx.run, stage)
+        if done and done["status"] == "done" and json.loads(done["params"] or "{}").get("tasks", 0) < recipe.eval.tasks:
+            ctx.rundb.mark_stage(ctx.run, stage, "pending")  # more tasks asked for: add the missing ones
         ctx.stage(stage, lambda: _evaluate(ctx, stage, which, ckpt, sampling),
                   {"checkpoint": which, "tasks": recipe.eval.tasks, "k": recipe.eval.k, "temperature": temperature})
         row = next(ctx.rundb.db["evals"].rows_where("run = ? and stage = ?", [ctx.run, stage]))

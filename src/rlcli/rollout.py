@@ -355,15 +355,16 @@ def collect(
     env_factory = load_env(recipe.env.name, recipe.env.kwargs)
     specs = episode_specs(recipe.run.seed, stage, task_indices, group_size, split, recipe.env.eval_seed_start)
     have = stored_keys(ctx.rundb, ctx.run, stage)
-    todo = [c for c in chunks(specs, recipe.rollout.batch_size)
-            if not all((s.task_index, s.sample_index) in have for s in c)]
+    # A killed stage never leaves a chunk half stored (one transaction per chunk); a chunk is only
+    # partly stored when the stage was asked for more tasks (eval.tasks raised): play the missing ones.
+    todo = [missing for c in chunks(specs, recipe.rollout.batch_size)
+            if (missing := [s for s in c if (s.task_index, s.sample_index) not in have])]
     limits = RolloutLimits(recipe.env.max_turns, recipe.model.max_length, recipe.env.step_timeout_s)
     runner = EpisodeRunner(env_factory, limits, model, tokenizer, sampling)
     if model is not None:
         model.eval()
     with _progress(ctx, progress_label or stage, len(specs), len(specs) - sum(len(c) for c in todo)) as advance:
         for chunk in todo:
-            # A chunk is replayed whole: a partly stored chunk cannot exist (one transaction).
             episodes = runner.run(chunk, on_turns=lambda n: advance(0, n))
             store_episodes(ctx.rundb, ctx.run, stage, iteration, split, policy_label, episodes)
             advance(len(chunk), 0)
