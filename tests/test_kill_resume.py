@@ -63,14 +63,14 @@ def test_kill_during_eval_resumes_to_the_same_result(tmp_path):
     runs, clean = tmp_path / "runs", tmp_path / "clean"
     args = ["eval", "-r", str(recipe), "-c", "base"]
 
-    stored = kill_when(args, runs, "select count(*) from episodes where stage = 'eval/base'", 4)
+    stored = kill_when(args, runs, "select count(*) from episodes where stage = 'eval/base@t1-k2'", 4)
     assert 0 < stored < 32, "the kill must land mid-evaluation"
     assert query(runs, "select count(*) from evals") == [(0,)]
     resumed = run_cli(args, runs)
     assert resumed.returncode == 0, resumed.stderr
     assert run_cli(args, clean).returncode == 0
 
-    keys = query(runs, "select task_index, sample_index from episodes where stage = 'eval/base'")
+    keys = query(runs, "select task_index, sample_index from episodes where stage = 'eval/base@t1-k2'")
     assert len(keys) == len(set(keys)) == 32
     same = ("select e.task_index, e.sample_index, t.turn_index, t.completion_ids from episodes e "
             "join turns t on t.episode_id = e.id order by 1, 2, 3")
