@@ -83,6 +83,9 @@ def test_eval_with_other_decoding_or_more_tasks_is_measured_not_read_back(tmp_pa
     assert (greedy["tasks"], sampled["tasks"], more["tasks"]) == (3, 3, 5)
     ctx = make_ctx(recipe, runs)
     assert ctx.rundb.db.execute("select count(*) from episodes where stage = 'eval/base'").fetchone()[0] == 5
+    from rlcli.report import eval_rows
+
+    assert [r["label"] for r in eval_rows(ctx.rundb, ctx.run)] == ["base @t1-k1", "base"]
 
 
 def test_cli_eval_json_and_runs_show_include_evals(tmp_path):

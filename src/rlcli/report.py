@@ -119,13 +119,12 @@ def eval_rows(rundb: RunDB, run: str) -> list[dict[str, Any]]:
 
 
 def _eval_label(row: dict[str, Any]) -> str:
-    # "latest" means a different checkpoint each time it is evaluated: name the one it was.
+    # "latest" means a different checkpoint each time it is evaluated: name the one it was; a
+    # sampled eval says how it sampled, to tell it from the greedy one of the same checkpoint.
     which, ckpt = row["checkpoint"], row["checkpoint_id"]
-    if ckpt is None:
-        return which
-    if which == str(ckpt):
-        return f"ckpt-{ckpt}"
-    return f"{which} (ckpt-{ckpt})"
+    decoding = row["stage"].partition("@")[2]
+    label = which if ckpt is None else f"ckpt-{ckpt}" if which == str(ckpt) else f"{which} (ckpt-{ckpt})"
+    return f"{label} @{decoding}" if decoding else label
 
 
 def _curve(rundb: RunDB, run: str, key: str) -> list[float]:
