@@ -36,7 +36,7 @@ def measure(config: str, new_tokens: int, repeats: int) -> dict:
     """Runs inside the child process: load, warm up, time generation."""
     import torch
 
-    from rlcli.models import load_policy
+    from rlcli.models.loading import load_policy
     from rlcli.recipe import ModelSection, QuantizationSection
 
     spec = CONFIGS[config]
@@ -84,7 +84,7 @@ def main() -> None:
 
     import torch
 
-    from rlcli.models import pull_model
+    from rlcli.models.loading import pull_model
 
     console = Console()
     pull_model("smollm2-135m")

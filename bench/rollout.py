@@ -5,7 +5,7 @@
     .venv/bin/python bench/rollout.py --batches 8 --new-tokens 32 --dtype bfloat16 --lora 8 --greedy
 
 What is measured, per batch size B (generated tokens per second = B x new tokens / wall time of one call):
-  * rlcli: `rlcli.sampling.sample_batch`, the decode loop every rollout (`rlcli rollout`, the GRPO
+  * rlcli: `rlcli.engine.sampling.sample_batch`, the decode loop every rollout (`rlcli rollout`, the GRPO
     rollout stage, eval) calls, with one torch.Generator per row as the EpisodeRunner gives it. The
     prompts go in as token ids, exactly as the runner passes them.
   * bare: `model.generate` on the same left-padded prompts, same sampling (temperature, top_k 0,
@@ -112,7 +112,7 @@ def prompts_for(tokenizer, count: int) -> list[list[int]]:
 def time_rlcli(model, tokenizer, prompts, new_tokens: int, temperature: float, repeats: int) -> float:
     import torch
 
-    from rlcli.sampling import SamplingConfig, sample_batch
+    from rlcli.engine.sampling import SamplingConfig, sample_batch
 
     cfg = SamplingConfig(temperature=temperature, max_new_tokens=new_tokens)
     no_eos = _NoEos(tokenizer)
@@ -182,7 +182,7 @@ def main() -> None:
 
     import torch
 
-    from rlcli.models import load_policy, pull_model
+    from rlcli.models.loading import load_policy, pull_model
     from rlcli.recipe import LoraSection, ModelSection, QuantizationSection
 
     if args.threads:

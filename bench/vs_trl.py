@@ -80,7 +80,7 @@ def busy_warning(console) -> None:
 
 def task_rows(n: int, split: str) -> list[dict]:
     """The env's first observation and answer for tasks 0..n-1 of a split (the seeds rlcli uses)."""
-    from rlcli.env import as_messages, load_env, task_seed
+    from rlcli.envs.base import as_messages, load_env, task_seed
 
     factory = load_env("arithmetic", {"digits": 2})
     rows = []
@@ -93,7 +93,7 @@ def task_rows(n: int, split: str) -> list[dict]:
 def numeric_match(completions, answer, **kwargs) -> list[float]:
     """TRL-style reward: 1.0 when the last number of the completion equals the answer (rlcli's
     built-in `numeric_match` with parse last_number, field answer, tol 1e-6, same regex)."""
-    from rlcli.rewards import NUMBER
+    from rlcli.rewards.core import NUMBER
 
     out = []
     for completion, expected in zip(completions, answer):
@@ -108,7 +108,7 @@ def heldout_accuracy(model, tokenizer, n: int, max_tokens: int) -> float:
     """Greedy accuracy on n held-out tasks (eval seeds) with rlcli's sampler, for either side's model."""
     import torch
 
-    from rlcli.sampling import SamplingConfig, sample_batch
+    from rlcli.engine.sampling import SamplingConfig, sample_batch
 
     rows = task_rows(n, "eval")
     prompts = [
@@ -134,9 +134,9 @@ def run_rlcli(args) -> dict:
     from rich.console import Console
 
     from rlcli.recipe import load_recipe
-    from rlcli.rundb import RunDB
-    from rlcli.stages import RunContext
-    from rlcli.train import run_grpo
+    from rlcli.store.db import RunDB
+    from rlcli.store.stages import RunContext
+    from rlcli.engine.train import run_grpo
 
     batch = args.prompts * args.generations
     recipe_data = {
@@ -171,7 +171,7 @@ def run_rlcli(args) -> dict:
         steps = [per_step[i] for i in sorted(per_step)]
         accuracy = None
         if args.eval_tasks:
-            from rlcli.models import load_policy
+            from rlcli.models.loading import load_policy
 
             ckpt = [c for c in rundb.checkpoints(recipe.run.name) if c["stage"].startswith("train/")][-1]
             model, tokenizer = load_policy(recipe.model, recipe.lora, recipe.quantization, adapter=ckpt["path"],
@@ -203,7 +203,7 @@ def run_trl(args) -> dict:
     from transformers import AutoModelForCausalLM, TrainerCallback
 
     import trl.extras.profiling as profiling
-    from rlcli.models import load_tokenizer, pull_model
+    from rlcli.models.loading import load_tokenizer, pull_model
     from rlcli.recipe import ModelSection
     from trl import GRPOConfig, GRPOTrainer
 
@@ -359,7 +359,7 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from rlcli.models import pull_model
+    from rlcli.models.loading import pull_model
 
     console = Console(width=None if sys.stdout.isatty() else 150)
     pull_model(MODEL)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import random
 
-from rlcli.env import parse_answer_tag, parse_last_number, parse_tool_call, safe_arithmetic
+from rlcli.envs.base import parse_answer_tag, parse_last_number, parse_tool_call, safe_arithmetic
 
 TOOL = {
     "type": "function",

@@ -24,7 +24,7 @@ def rlcli_home(tmp_path, monkeypatch, session_models):
 @pytest.fixture
 def smollm2_cache(session_models):
     """The embedded SmolLM2-135M, pulled (about 30 s) on first use in the session."""
-    from rlcli.models import pull_model
+    from rlcli.models.loading import pull_model
 
     pull_model("smollm2-135m")
     return session_models

@@ -37,8 +37,8 @@ def write_recipe(path: Path, **sections) -> Path:
 def make_ctx(recipe_path: Path, runs_dir: Path, overrides: list[str] = ()):
     """A RunContext as the CLI builds it (without the lock), for calling stages in-process."""
     from rlcli.recipe import load_recipe
-    from rlcli.rundb import RunDB
-    from rlcli.stages import RunContext
+    from rlcli.store.db import RunDB
+    from rlcli.store.stages import RunContext
 
     recipe = load_recipe(recipe_path, list(overrides))
     rundb = RunDB.open(runs_dir)

@@ -11,8 +11,8 @@ import pytest
 from typer.testing import CliRunner
 
 from helpers import make_ctx, write_recipe
-from rlcli.env import as_messages, load_env, task_seed
-from rlcli.envs_cli import RANDOM_ACTIONS, app
+from rlcli.envs.base import as_messages, load_env, task_seed
+from rlcli.cli.envs import RANDOM_ACTIONS, app
 from rlcli.errors import UsageError
 
 pytest.importorskip("textarena")
@@ -110,7 +110,7 @@ def test_textarena_clear_errors():
 
 
 def test_a_game_the_adapter_refuses_stops_the_rollout_stage_with_one_sentence(tmp_path):
-    from rlcli.rollout import run_rollout_stage
+    from rlcli.engine.rollout import run_rollout_stage
 
     ctx = make_ctx(write_recipe(tmp_path / "r.yaml", env={"name": "textarena:TicTacToe-v0"}), tmp_path / "runs")
     with pytest.raises(UsageError, match="only single-player"):
@@ -263,9 +263,9 @@ def test_envs_try_runs_adapters():
 
 
 def test_a_missing_extra_says_what_to_install(monkeypatch, capsys):
-    from rlcli.cli import main
+    from rlcli.cli.app import main
 
-    monkeypatch.delitem(sys.modules, "rlcli.adapters.textarena", raising=False)
+    monkeypatch.delitem(sys.modules, "rlcli.envs.adapters.textarena", raising=False)
     monkeypatch.setitem(sys.modules, "textarena", None)  # as if the package were not installed
     with pytest.raises(SystemExit) as exit_info:
         main(["envs", "try", "textarena:GuessTheNumber-v0"])
@@ -278,7 +278,7 @@ ADAPTER_ENVS = ["textarena:GuessTheNumber-v0", "reasoning_gym:chain_sum", "gymna
 
 @pytest.mark.parametrize("env_name", ADAPTER_ENVS)
 def test_tiny_model_rollout_on_adapter_envs(tmp_path, env_name):
-    from rlcli.rollout import run_rollout_stage
+    from rlcli.engine.rollout import run_rollout_stage
 
     recipe = write_recipe(tmp_path / "r.yaml", env={"name": env_name, "max_turns": 2},
                           rollout={"tasks": 1, "group_size": 2, "max_new_tokens": 4, "batch_size": 2})
@@ -290,7 +290,7 @@ def test_tiny_model_rollout_on_adapter_envs(tmp_path, env_name):
 
 
 def test_expert_rollout_through_the_engine(tmp_path):
-    from rlcli.rollout import run_rollout_stage
+    from rlcli.engine.rollout import run_rollout_stage
 
     recipe = write_recipe(tmp_path / "r.yaml", env={"name": "reasoning_gym:basic_arithmetic", "max_turns": 1},
                           rollout={"tasks": 4, "group_size": 1})

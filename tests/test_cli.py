@@ -1,6 +1,6 @@
 """The command line: exit codes, one-line errors, --json output, fast startup (no torch).
 
-Stage modules (rlcli.rollout, rlcli.train, ...) are not exercised here: every stage command below
+Stage modules (rlcli.engine.rollout, rlcli.engine.train, ...) are not exercised here: every stage command below
 fails in `open_run` before it imports one, and runs are started through `open_run` directly.
 """
 
@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from rlcli.cli import main, open_run
+from rlcli.cli.app import main, open_run
 from rlcli.errors import RlcliError, UsageError
 from rlcli.recipe import Recipe
-from rlcli.rundb import DB_NAME, RunDB
-from rlcli.stages import RunContext, run_stage
+from rlcli.store.db import DB_NAME, RunDB
+from rlcli.store.stages import RunContext, run_stage
 
 REPO = Path(__file__).parents[1]
 RLCLI = Path(sys.executable).parent / "rlcli"
@@ -83,7 +83,7 @@ def test_light_commands_do_not_import_torch(argv, good):
     proc = python(
         f"""
         import sys
-        from rlcli.cli import app
+        from rlcli.cli.app import app
         try:
             app(args={argv!r}, prog_name="rlcli")
         except SystemExit as exc:
@@ -373,12 +373,12 @@ def test_debug_traceback_in_a_real_process(tmp_path):
 
 
 def test_unexpected_error_is_one_line_without_debug(capsys, monkeypatch, good):
-    import rlcli.pipeline
+    import rlcli.engine.pipeline
 
     def boom(ctx):
         raise RuntimeError("kaboom")
 
-    monkeypatch.setattr(rlcli.pipeline, "run_all", boom)
+    monkeypatch.setattr(rlcli.engine.pipeline, "run_all", boom)
     code, _, err = cli(capsys, "run", "-r", good)
     assert code == 1
     line = one_line(err)
@@ -398,7 +398,7 @@ def test_lock_held_elsewhere_exits_1_naming_the_pid(capsys, rlcli_home, good):
             sys.executable,
             "-c",
             (
-                "import sys, time\nfrom rlcli.stages import RunLock\n"
+                "import sys, time\nfrom rlcli.store.stages import RunLock\n"
                 "with RunLock(sys.argv[1], 'good'):\n    print('locked', flush=True)\n    time.sleep(60)\n"
             ),
             str(rlcli_home),
@@ -418,12 +418,12 @@ def test_lock_held_elsewhere_exits_1_naming_the_pid(capsys, rlcli_home, good):
 
 
 def test_interrupt_prints_the_resume_hint(capsys, monkeypatch, good):
-    import rlcli.pipeline
+    import rlcli.engine.pipeline
 
     def interrupted(ctx):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(rlcli.pipeline, "run_all", interrupted)
+    monkeypatch.setattr(rlcli.engine.pipeline, "run_all", interrupted)
     code, _, err = cli(capsys, "run", "-r", good)
     assert code == 130
     assert "Interrupted" in err and "resume" in err

@@ -8,11 +8,11 @@ import time
 import pytest
 from typer.testing import CliRunner
 
-from rlcli.env import (
+from rlcli.envs.base import (
     EnvFailure, as_messages, call_with_timeout, list_builtin_envs, load_env, parse_answer_tag, parse_last_number,
     parse_tool_call, safe_arithmetic, task_seed,
 )
-from rlcli.envs_cli import RANDOM_ACTIONS, app
+from rlcli.cli.envs import RANDOM_ACTIONS, app
 from rlcli.errors import UsageError
 
 BUILTINS = ["arithmetic", "calculator", "guess_number", "maze"]

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from helpers import make_ctx, run_cli, write_recipe
-from rlcli.evaluate import eval_metrics, mean_interval, pass_at_k, run_eval, wilson_interval
+from rlcli.engine.evaluate import eval_metrics, mean_interval, pass_at_k, run_eval, wilson_interval
 
 
 def test_pass_at_k_matches_hand_computed_values():
@@ -54,7 +54,7 @@ def test_eval_several_checkpoints_in_one_call_and_resume(tmp_path):
                           rollout={"tasks": 2, "group_size": 2, "max_new_tokens": 6, "batch_size": 4},
                           grpo={"iterations": 1, "lr": 1e-3}, eval={"tasks": 3, "k": 2})
     ctx = make_ctx(recipe, tmp_path / "runs")
-    from rlcli.train import run_grpo
+    from rlcli.engine.train import run_grpo
 
     run_grpo(ctx)
     rows = run_eval(ctx, ["base", "latest", "expert"])
@@ -83,7 +83,7 @@ def test_eval_with_other_decoding_or_more_tasks_is_measured_not_read_back(tmp_pa
     assert (greedy["tasks"], sampled["tasks"], more["tasks"]) == (3, 3, 5)
     ctx = make_ctx(recipe, runs)
     assert ctx.rundb.db.execute("select count(*) from episodes where stage = 'eval/base'").fetchone()[0] == 5
-    from rlcli.report import eval_rows
+    from rlcli.report.core import eval_rows
 
     assert [r["label"] for r in eval_rows(ctx.rundb, ctx.run)] == ["base @t1-k1", "base"]
 

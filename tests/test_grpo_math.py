@@ -1,4 +1,4 @@
-"""GRPO maths (rlcli.grpo) against values worked out by hand in the comments next to each case."""
+"""GRPO maths (rlcli.engine.grpo) against values worked out by hand in the comments next to each case."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rlcli.errors import RlcliError
-from rlcli.grpo import (
+from rlcli.engine.grpo import (
     check_finite,
     compute_advantages,
     discounted_turn_returns,

@@ -13,7 +13,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from rlcli import models
+from rlcli.models import loading as models
 from rlcli.errors import UsageError
 from rlcli.recipe import LoraSection, ModelSection, QuantizationSection
 
@@ -123,7 +123,7 @@ def test_list_models_and_a_cached_folder_by_name(models_cache):
 
 
 def test_cli_list_and_pull():
-    from rlcli.models_cli import app
+    from rlcli.cli.models import app
 
     runner = CliRunner()
     result = runner.invoke(app, ["pull", "tiny-random"])
@@ -137,7 +137,7 @@ def test_cli_list_and_pull():
 
 
 def test_importing_the_cli_module_does_not_import_torch():
-    code = "import sys, rlcli.models_cli; print('torch' in sys.modules, 'transformers' in sys.modules)"
+    code = "import sys, rlcli.cli.models; print('torch' in sys.modules, 'transformers' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from helpers import REPO, make_ctx
-from rlcli.pipeline import run_all
+from rlcli.engine.pipeline import run_all
 
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
 SMALL = [

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from rlcli.cli import main
+from rlcli.cli.app import main
 from rlcli.errors import UsageError
 from rlcli.recipe import Recipe
-from rlcli.rollout import pack_floats, pack_ids
-from rlcli.rundb import DB_NAME, RunDB
+from rlcli.engine.rollout import pack_floats, pack_ids
+from rlcli.store.db import DB_NAME, RunDB
 
 STAGES = [  # (name, status, start second, end second, error)
     ("sft", "done", 0, 30, None),
@@ -112,7 +112,7 @@ def runs_dir(rlcli_home, template_db, tmp_path, monkeypatch) -> Path:
 @pytest.fixture(autouse=True)
 def wide_console(monkeypatch):
     # Tables wrap to the 80 columns of a pipe; the assertions look for whole cells.
-    from rlcli.cli_common import console
+    from rlcli.cli.common import console
 
     monkeypatch.setattr(console, "width", 160)
 
@@ -176,8 +176,8 @@ def test_plot_writes_a_real_png(capsys, runs_dir, tmp_path):
 
 def test_plot_eval_bars_at_100_percent(capsys, runs_dir, tmp_path):
     # Regression: Wilson's upper end at 100% is 0.9999999999999999, a negative error bar for matplotlib.
-    from rlcli.evaluate import wilson_interval
-    from rlcli.rundb import RunDB
+    from rlcli.engine.evaluate import wilson_interval
+    from rlcli.store.db import RunDB
 
     rundb = RunDB.open(runs_dir)
     low, high = wilson_interval(48, 48)
@@ -314,7 +314,7 @@ def test_without_a_database_exits_2(capsys, tmp_path):
 def test_every_runs_command_and_option_has_help():
     import typer.main
 
-    from rlcli.runs_cli import app
+    from rlcli.cli.runs import app
 
     group = typer.main.get_command(app)
     for name, command in group.commands.items():
@@ -327,7 +327,7 @@ def test_every_runs_command_and_option_has_help():
 
 
 def test_no_trackers_is_a_no_op(tmp_path):
-    from rlcli.trackers import open_trackers
+    from rlcli.engine.trackers import open_trackers
 
     with open_trackers([], "demo", {}, log_dir=tmp_path) as tracker:
         tracker.log({"train/loss": 1.0}, step=0)
@@ -335,7 +335,7 @@ def test_no_trackers_is_a_no_op(tmp_path):
 
 
 def test_missing_tracker_package_names_what_to_install(monkeypatch, tmp_path):
-    from rlcli import trackers
+    from rlcli.engine import trackers
 
     monkeypatch.setitem(trackers.PACKAGES, "wandb", "rlcli_no_such_package")
     with pytest.raises(UsageError, match="pip install rlcli_no_such_package"):
@@ -348,7 +348,7 @@ def test_tensorboard_tracker_writes_scalars(tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from rlcli.trackers import open_trackers
+    from rlcli.engine.trackers import open_trackers
 
     with open_trackers(["tensorboard"], "demo", Recipe().to_dict(), log_dir=tmp_path) as tracker:
         for step in range(3):

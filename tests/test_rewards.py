@@ -9,7 +9,7 @@ import pytest
 
 from rlcli.errors import RlcliError, UsageError
 from rlcli.recipe import RewardSpec
-from rlcli.rewards import build_reward_fns, label_episodes, parse_answer, parse_score
+from rlcli.rewards.core import build_reward_fns, label_episodes, parse_answer, parse_score
 
 
 def episode(id: int, completion: str, **fields) -> dict:

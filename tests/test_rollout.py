@@ -10,9 +10,9 @@ import time
 import pytest
 import torch
 
-from rlcli.env import load_env
+from rlcli.envs.base import load_env
 from helpers import RLCLI, cli_env, make_ctx, run_cli, write_env_file, write_recipe
-from rlcli.rollout import derive_seed, load_rollout_policy, run_rollout_stage, unpack_floats, unpack_ids
+from rlcli.engine.rollout import derive_seed, load_rollout_policy, run_rollout_stage, unpack_floats, unpack_ids
 
 
 def _episodes(ctx, stage="rollout"):
@@ -44,7 +44,7 @@ def check_exact_records(tmp_path, env, model):
     summary = run_rollout_stage(ctx, stage="rollout", policy="base", split="train")
     assert summary["episodes"] == 4
     _, model, tokenizer = load_rollout_policy(ctx, "base")
-    from rlcli.sampling import sequence_logprobs
+    from rlcli.engine.sampling import sequence_logprobs
 
     for ep in _episodes(ctx):
         assert ep["status"] == "ok", ep["error"]
@@ -91,9 +91,9 @@ def test_rollout_is_deterministic_and_independent_of_batching(tmp_path):
 def test_turn_cache_prefills_only_new_tokens_and_matches_a_full_prefill():
     """Turn 2 with the cache of turn 1 (one row dropped, rows of different lengths) samples what a
     fresh prefill of the whole conversation samples, with the same logprobs."""
-    from rlcli.models import load_policy
+    from rlcli.models.loading import load_policy
     from rlcli.recipe import ModelSection, QuantizationSection
-    from rlcli.sampling import SamplingConfig, TurnCache, sample_batch
+    from rlcli.engine.sampling import SamplingConfig, TurnCache, sample_batch
 
     model, tokenizer = load_policy(ModelSection(name="tiny-random"), None, QuantizationSection(), trainable=False)
     cfg = SamplingConfig(temperature=1.0, max_new_tokens=5)
@@ -206,7 +206,7 @@ def test_relabelling_adds_a_label_set_without_touching_episodes(tmp_path):
     ctx = make_ctx(recipe, tmp_path / "runs")
     run_rollout_stage(ctx, stage="rollout", policy="base", split="train")
     before = [dict(e) for e in _episodes(ctx)]
-    from rlcli.labelling import run_label_stage
+    from rlcli.engine.labelling import run_label_stage
 
     run_label_stage(ctx, label_set="v1")
     from rlcli.recipe import load_recipe

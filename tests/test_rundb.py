@@ -18,8 +18,8 @@ import pytest
 
 from rlcli.errors import RlcliError, UsageError
 from rlcli.recipe import Recipe, load_recipe
-from rlcli.rundb import DB_NAME, RunDB, check_run_name, package_versions
-from rlcli.stages import RunLock, run_stage, stage_done
+from rlcli.store.db import DB_NAME, RunDB, check_run_name, package_versions
+from rlcli.store.stages import RunLock, run_stage, stage_done
 
 TABLES = {"runs", "stages", "episodes", "turns", "rewards", "metrics", "checkpoints", "evals"}
 
@@ -212,7 +212,7 @@ def test_start_run_records_recipe_and_provenance(rundb, tmp_path):
 
 
 def test_package_versions_does_not_import_torch():
-    code = "import sys; from rlcli.rundb import package_versions as p; p(); assert 'torch' not in sys.modules"
+    code = "import sys; from rlcli.store.db import package_versions as p; p(); assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
     assert package_versions()["python"]
 
@@ -434,7 +434,7 @@ def test_stages_listed_in_order(rundb, run1):
 HOLDER = textwrap.dedent(
     """
     import sys, time
-    from rlcli.stages import RunLock
+    from rlcli.store.stages import RunLock
     with RunLock(sys.argv[1], "r1"):
         print("locked", flush=True)
         if sys.argv[2] == "hold":

@@ -15,7 +15,7 @@ import torch
 
 from helpers import REPO, cli_env, make_ctx, write_recipe
 from rlcli.errors import UsageError
-from rlcli.sft import (
+from rlcli.engine.sft import (
     Conversation, build_trainer, conversation_from_row, encode_conversations, episode_conversations, load_conversations,
     read_conversations, run_sft, split_examples, tokenize_conversation,
 )
@@ -34,9 +34,9 @@ CHAT = [
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """The tiny-random policy and tokenizer, built once for the module's tokenisation tests."""
-    from rlcli.models import load_policy
+    from rlcli.models.loading import load_policy
     from rlcli.recipe import ModelSection, QuantizationSection
-    from rlcli.sampling import _eos_ids
+    from rlcli.engine.sampling import _eos_ids
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("RLCLI_HOME", str(tmp_path_factory.mktemp("home")))
@@ -279,8 +279,8 @@ def _mean_assistant_nll(model, rows) -> float:
 
 
 def test_sft_on_expert_demos_raises_their_likelihood(tmp_path):
-    from rlcli.models import load_policy
-    from rlcli.sampling import _eos_ids
+    from rlcli.models.loading import load_policy
+    from rlcli.engine.sampling import _eos_ids
 
     recipe = write_recipe(tmp_path / "r.yaml", env={"name": "guess_number"}, sft={
         "source": "expert", "demos": 16, "lr": 1e-2, "epochs": 4, "batch_size": 4, "micro_batch_size": 4,
@@ -310,7 +310,7 @@ def test_sft_on_expert_demos_raises_their_likelihood(tmp_path):
 
 @pytest.mark.parametrize("sections, kind", [({"lora": None}, "full"), ({"quantization": "4bit"}, "lora")])
 def test_full_fine_tuning_and_4bit_lora_train_and_save(tmp_path, sections, kind):
-    from rlcli.models import load_policy
+    from rlcli.models.loading import load_policy
 
     data = _write(tmp_path / "data", "jsonl", [{"messages": CHAT}] * 4)
     ctx = make_ctx(write_recipe(tmp_path / "r.yaml", sft={"source": str(data), "batch_size": 2, "micro_batch_size": 1,
@@ -365,7 +365,7 @@ def test_kill_during_sft_resumes_from_its_checkpoint(tmp_path):
 def test_smollm2_held_out_success_rises_after_sft_on_expert_demos(tmp_path, smollm2_cache):
     """The quickstart's game on the real model: base SmolLM2 cannot play guess_number; after SFT
     on 48 expert demos (twice the quickstart's light warm-start) it wins held-out games greedily."""
-    from rlcli.evaluate import run_eval
+    from rlcli.engine.evaluate import run_eval
 
     recipe = REPO / "recipes" / "quickstart.yaml"
     ctx = make_ctx(recipe, tmp_path / "runs", ["sft.demos=48", "grpo.iterations=0", "eval.tasks=16",

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from helpers import RLCLI, cli_env, make_ctx, run_cli, write_recipe
-from rlcli.train import run_grpo
+from rlcli.engine.train import run_grpo
 
 DIGITS = "def digits(completions, **kwargs):\n    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]\n"
 
@@ -136,9 +136,9 @@ def test_kill_and_resume_ends_identical_to_an_uninterrupted_run(tmp_path):
 def test_shared_prefix_forward_gives_the_same_loss_and_gradients(monkeypatch):
     """The update forwards a micro-batch's common prefix once; loss and LoRA gradients equal those
     of forwarding every full sequence (rows of different lengths, left padding included)."""
-    from rlcli import grpo as G
-    from rlcli import train
-    from rlcli.models import load_policy
+    from rlcli.engine import grpo as G
+    from rlcli.engine import train
+    from rlcli.models.loading import load_policy
     from rlcli.recipe import LoraSection, ModelSection, QuantizationSection
 
     torch.manual_seed(0)

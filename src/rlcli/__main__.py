@@ -1,3 +1,3 @@
-from rlcli.cli import main
+from rlcli.cli.app import main
 
 main()

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from rlcli.errors import RlcliError
-from rlcli.rundb import RunDB, now
+from rlcli.store.db import RunDB, now
 
 
 class RunLock:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from rlcli.rundb import RunDB
+from rlcli.store.db import RunDB
 
 
 def episode_dicts(rundb: RunDB, where: str, params: list[Any]) -> list[dict[str, Any]]:
@@ -49,7 +49,7 @@ def _text(message: dict) -> str:
 
 def label_stage_episodes(ctx, rollout_stage: str, label_set: str, fns=None) -> dict[str, Any]:
     """Label every successfully finished episode of a stage; failed episodes carry no reward."""
-    from rlcli.rewards import build_reward_fns, label_episodes
+    from rlcli.rewards.core import build_reward_fns, label_episodes
 
     fns = fns if fns is not None else build_reward_fns(ctx.recipe.rewards)
     episodes = episode_dicts(ctx.rundb, "run = ? and stage = ? and status = 'ok'", [ctx.run, rollout_stage])
@@ -83,7 +83,7 @@ def label_stage_episodes(ctx, rollout_stage: str, label_set: str, fns=None) -> d
 
 def run_label_stage(ctx, *, label_set: str) -> list[dict[str, Any]]:
     """`rlcli label`: label every rollout stage of the run that has episodes, under one label set."""
-    from rlcli.rewards import build_reward_fns
+    from rlcli.rewards.core import build_reward_fns
 
     stages = [
         r[0]

@@ -12,8 +12,8 @@ import math
 from collections import defaultdict
 from typing import Any
 
-from rlcli.rollout import collect, sampling_config
-from rlcli.rundb import now
+from rlcli.engine.rollout import collect, sampling_config
+from rlcli.store.db import now
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -78,7 +78,7 @@ def eval_metrics(episodes: list[dict[str, Any]], k: int) -> dict[str, Any]:
 
 
 def run_eval(ctx, checkpoints: list[str]) -> list[dict[str, Any]]:
-    from rlcli.report import evals_table
+    from rlcli.report.core import evals_table
 
     recipe = ctx.recipe
     sampling = sampling_config(recipe.rollout)
@@ -115,7 +115,7 @@ def _evaluate(ctx, stage: str, which: str, ckpt: dict | None, sampling) -> dict[
     if which == "expert":
         label, model, tokenizer = "expert", None, None
     else:
-        from rlcli.models import load_policy
+        from rlcli.models.loading import load_policy
 
         model, tokenizer = load_policy(
             recipe.model, recipe.lora, recipe.quantization, adapter=ckpt["path"] if ckpt else None, trainable=False

@@ -48,8 +48,8 @@ def open_run(
 ) -> Iterator[Any]:
     """Validate the recipe, open the database, lock the run, record it; yield a RunContext."""
     from rlcli.recipe import load_recipe
-    from rlcli.rundb import RunDB, check_run_name, default_runs_dir
-    from rlcli.stages import RunContext, RunLock
+    from rlcli.store.db import RunDB, check_run_name, default_runs_dir
+    from rlcli.store.stages import RunContext, RunLock
 
     if recipe_path is None and run is None:
         raise UsageError("Give a recipe with --recipe/-r FILE (or --run NAME to continue a recorded run).")
@@ -93,7 +93,7 @@ def tracked(ctx: Any) -> Iterator[None]:
 
 
 def open_existing(runs_dir: Path | None, missing: str) -> Any:
-    from rlcli.rundb import DB_NAME, RunDB, default_runs_dir
+    from rlcli.store.db import DB_NAME, RunDB, default_runs_dir
 
     path = (Path(runs_dir) if runs_dir else default_runs_dir()) / DB_NAME
     if not path.exists():

@@ -1,6 +1,6 @@
 """`rlcli models`: the registered short names and the local model cache.
 
-Cheap to import: rlcli.models imports torch and transformers only inside its functions.
+Cheap to import: rlcli.models.loading imports torch and transformers only inside its functions.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from rlcli import models
+from rlcli.models import loading as models
 
 app = typer.Typer(
     help="Registered models and the local model cache ($RLCLI_MODELS, else $RLCLI_HOME/models, else ~/.cache/rlcli/models).",

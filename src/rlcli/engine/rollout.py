@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from rlcli.errors import UsageError
-from rlcli.rundb import RunDB, now
+from rlcli.store.db import RunDB, now
 
 EXPERT = "expert"
 
@@ -136,7 +136,7 @@ class EpisodeRunner:
         self.sampling = sampling
 
     def run(self, specs: list[EpisodeSpec], on_turns: Callable[[int], None] | None = None) -> list[Episode]:
-        from rlcli.env import EnvFailure, as_messages, call_with_timeout
+        from rlcli.envs.base import EnvFailure, as_messages, call_with_timeout
 
         episodes = [Episode(spec) for spec in specs]
         for ep in episodes:
@@ -158,7 +158,7 @@ class EpisodeRunner:
                 ep.generator = torch.Generator().manual_seed(ep.spec.sample_seed)
         turn_cache = None
         if self.model is not None:
-            from rlcli.sampling import TurnCache
+            from rlcli.engine.sampling import TurnCache
 
             turn_cache = TurnCache()  # the chunk's KV cache, carried from turn to turn
         while True:
@@ -189,7 +189,7 @@ class EpisodeRunner:
                 out.append((text, [], [], [], time.perf_counter() - start))
             return out
 
-        from rlcli.sampling import sample_batch
+        from rlcli.engine.sampling import sample_batch
 
         prompts, budgets, rows = [], [], []
         for ep in live:
@@ -293,7 +293,7 @@ class EpisodeRunner:
 
 def episode_specs(run_seed: int, stage: str, task_indices: list[int], group_size: int, split: str,
                   eval_seed_start: int) -> list[EpisodeSpec]:
-    from rlcli.env import task_seed
+    from rlcli.envs.base import task_seed
 
     return [
         EpisodeSpec(t, g, task_seed(split, t, eval_seed_start), derive_seed(run_seed, stage, t, g))
@@ -349,7 +349,7 @@ def collect(
     progress_label: str | None = None,
 ) -> dict[str, Any]:
     """Roll out every missing episode of a stage and store it; return a summary of the stage."""
-    from rlcli.env import load_env
+    from rlcli.envs.base import load_env
 
     recipe = ctx.recipe
     env_factory = load_env(recipe.env.name, recipe.env.kwargs)
@@ -422,7 +422,7 @@ def load_rollout_policy(ctx, policy: str):
     """Resolve base / latest / expert / a checkpoint id into (label, model, tokenizer)."""
     if policy == EXPERT:
         return EXPERT, None, None
-    from rlcli.models import load_policy
+    from rlcli.models.loading import load_policy
 
     row = ctx.rundb.resolve_checkpoint(ctx.run, policy) if policy != "base" else None
     label = "base" if row is None else str(row["id"])
@@ -434,7 +434,7 @@ def load_rollout_policy(ctx, policy: str):
 
 
 def sampling_config(rollout_cfg) -> Any:
-    from rlcli.sampling import SamplingConfig
+    from rlcli.engine.sampling import SamplingConfig
 
     return SamplingConfig(
         temperature=rollout_cfg.temperature,

@@ -7,7 +7,7 @@ database unless a Space is configured (TRACKIO_SPACE_ID), TensorBoard writes eve
 
 The training loop opens the trackers once and logs beside every `rundb.log_metrics` call:
 
-    from rlcli.trackers import open_trackers
+    from rlcli.engine.trackers import open_trackers
 
     with open_trackers(recipe.run.trackers, ctx.run, recipe.to_dict(), log_dir=ctx.run_dir) as tracker:
         for it in range(start_iter, cfg.iterations):
@@ -66,7 +66,7 @@ def open_trackers(
     log_dir is the run's folder (default <runs-dir>/<run>): TensorBoard writes to log_dir/tensorboard,
     wandb its offline files under log_dir/wandb.
     """
-    from rlcli.rundb import default_runs_dir
+    from rlcli.store.db import default_runs_dir
 
     names = list(dict.fromkeys(names))
     for name in names:

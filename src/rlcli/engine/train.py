@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from rlcli.errors import RlcliError
-from rlcli.rollout import collect, derive_seed, sampling_config, unpack_floats, unpack_ids
-from rlcli.stages import stage_done
+from rlcli.engine.rollout import collect, derive_seed, sampling_config, unpack_floats, unpack_ids
+from rlcli.store.stages import stage_done
 
 LABEL_SET = "grpo"
 METRICS_STAGE = "grpo"
@@ -108,11 +108,11 @@ def load_iteration_batch(ctx, stage: str, eos_ids: set[int]) -> tuple[list[dict]
 def run_grpo(ctx) -> None:
     import torch
 
-    from rlcli import grpo as G
-    from rlcli.labelling import label_stage_episodes
-    from rlcli.models import check_reference_possible, load_policy
-    from rlcli.rewards import build_reward_fns
-    from rlcli.trackers import open_trackers
+    from rlcli.engine import grpo as G
+    from rlcli.engine.labelling import label_stage_episodes
+    from rlcli.models.loading import check_reference_possible, load_policy
+    from rlcli.rewards.core import build_reward_fns
+    from rlcli.engine.trackers import open_trackers
 
     recipe, cfg = ctx.recipe, ctx.recipe.grpo
     check_reference_possible(recipe.lora, cfg.beta)
@@ -299,7 +299,7 @@ def _update(ctx, model, optimizer, scheduler, sequences: list[TrainSequence], it
                 )
                 ref = None
                 if cfg.beta > 0:
-                    from rlcli.models import reference_context
+                    from rlcli.models.loading import reference_context
 
                     with torch.no_grad(), reference_context(model):
                         ref = G.selective_log_softmax(_forward(model, batch) / temperature, batch["targets"])
@@ -431,7 +431,7 @@ def _old_logprobs(model, sequences: list[TrainSequence], micro_batch_size: int, 
     """Logprobs of every sequence under the weights at the start of the iteration (PPO's pi_old)."""
     import torch
 
-    from rlcli.grpo import selective_log_softmax
+    from rlcli.engine.grpo import selective_log_softmax
 
     out = []
     with torch.no_grad():
@@ -471,7 +471,7 @@ def save_train_checkpoint(ctx, model, tokenizer, optimizer, scheduler, it: int) 
     no row (the iteration is redone) or a complete checkpoint."""
     import torch
 
-    from rlcli.models import save_checkpoint
+    from rlcli.models.loading import save_checkpoint
 
     final = ctx.run_dir / "checkpoints" / f"iter-{it:04d}"
     tmp = final.with_name(final.name + ".tmp")
@@ -486,7 +486,7 @@ def save_train_checkpoint(ctx, model, tokenizer, optimizer, scheduler, it: int) 
 
 
 def _eos_ids(model, tokenizer) -> set[int]:
-    from rlcli.sampling import _eos_ids as eos
+    from rlcli.engine.sampling import _eos_ids as eos
 
     return eos(model, tokenizer)
 

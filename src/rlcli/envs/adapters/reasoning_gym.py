@@ -23,7 +23,7 @@ import reasoning_gym
 from reasoning_gym.factory import DATASETS
 from reasoning_gym.utils import SYSTEM_PROMPTS
 
-from rlcli.env import parse_answer_tag
+from rlcli.envs.base import parse_answer_tag
 from rlcli.errors import UsageError
 
 FULL_SCORE = 1.0 - 1e-6  # verifiers return floats; a rounding hair below 1.0 is still a full score

@@ -11,7 +11,7 @@ import typer
 from rich.panel import Panel
 from rich.text import Text
 
-from rlcli.cli_common import DebugOpt, JsonOpt, console
+from rlcli.cli.common import DebugOpt, JsonOpt, console
 from rlcli.errors import UsageError
 
 app = typer.Typer(help="Environments: list them, try one in the terminal.", no_args_is_help=True)
@@ -26,7 +26,7 @@ RANDOM_ACTIONS = ["My guess: 7", "42", "up", "left", "hello", "<answer>3</answer
 @app.command("list")
 def list_envs(as_json: JsonOpt = False, debug: DebugOpt = False) -> None:
     """List the built-in environments (and the adapter URIs)."""
-    from rlcli.env import list_builtin_envs
+    from rlcli.envs.base import list_builtin_envs
 
     envs = list_builtin_envs()
     if as_json:
@@ -57,7 +57,7 @@ def try_env(
     """Play or watch one episode, rendered turn by turn."""
     import yaml
 
-    from rlcli.env import as_messages, load_env
+    from rlcli.envs.base import as_messages, load_env
 
     if policy not in ("expert", "random", "human"):
         raise UsageError(f"--policy must be expert, random or human, got {policy!r}.")

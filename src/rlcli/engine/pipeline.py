@@ -2,21 +2,21 @@
 
 from __future__ import annotations
 
-from rlcli.stages import RunContext
+from rlcli.store.stages import RunContext
 
 
 def run_all(ctx: RunContext) -> None:
     recipe = ctx.recipe
     if recipe.sft.source != "none":
-        from rlcli.sft import run_sft
+        from rlcli.engine.sft import run_sft
 
         run_sft(ctx)
     if recipe.grpo.iterations > 0:
-        from rlcli.train import run_grpo
+        from rlcli.engine.train import run_grpo
 
         run_grpo(ctx)
     if recipe.eval.tasks > 0:
-        from rlcli.evaluate import run_eval
+        from rlcli.engine.evaluate import run_eval
 
         wanted = [c for c in recipe.eval.checkpoints if c != "sft" or recipe.sft.source != "none"]
         run_eval(ctx, wanted)

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from rlcli.cli_common import (
+from rlcli.cli.common import (
     DebugOpt, JsonOpt, RunsDirOpt, console, err_console, open_existing, open_run, tracked,
 )
 from rlcli.errors import UsageError
@@ -27,8 +27,8 @@ class ExportFormat(str, Enum):
 @app.command("list")
 def runs_list(runs_dir: RunsDirOpt = None, as_json: JsonOpt = False, debug: DebugOpt = False) -> None:
     """List runs with status, creation time and latest key metrics."""
-    from rlcli import report
-    from rlcli.rundb import RunDB
+    from rlcli.report import core as report
+    from rlcli.store.db import RunDB
 
     rundb = RunDB.open(runs_dir)
     try:
@@ -44,7 +44,7 @@ def runs_list(runs_dir: RunsDirOpt = None, as_json: JsonOpt = False, debug: Debu
 @app.command("show")
 def runs_show(run: RunArg, runs_dir: RunsDirOpt = None, as_json: JsonOpt = False, debug: DebugOpt = False) -> None:
     """Show a run: stages with durations, reward and success curves, latest metrics, checkpoints, evals."""
-    from rlcli import report
+    from rlcli.report import core as report
 
     rundb = open_existing(runs_dir, f"No run named {run!r}")
     try:
@@ -66,7 +66,7 @@ def runs_compare(
     debug: DebugOpt = False,
 ) -> None:
     """Runs side by side: status, latest key metrics, best eval success per checkpoint, reward curve."""
-    from rlcli import report
+    from rlcli.report import core as report
 
     rundb = open_existing(runs_dir, "Nothing to compare")
     try:
@@ -96,7 +96,7 @@ def runs_plot(
     debug: DebugOpt = False,
 ) -> None:
     """Plot reward, success, loss, KL and entropy curves and eval success (95% CI) to an image."""
-    from rlcli import report
+    from rlcli.report import core as report
 
     rundb = open_existing(runs_dir, f"No run named {run!r}")
     try:
@@ -129,7 +129,7 @@ def runs_episodes(
     debug: DebugOpt = False,
 ) -> None:
     """Read episodes: messages by role, reward components, end reason, and the error of failed ones."""
-    from rlcli import report
+    from rlcli.report import core as report
 
     if best and worst:
         raise UsageError("--best and --worst exclude each other; give one of them.")
@@ -161,7 +161,7 @@ def runs_export(
     """Export episodes, turns (token ids as lists), rewards, metrics and evals, plus run.json."""
     from rich.table import Table
 
-    from rlcli import report
+    from rlcli.report import core as report
 
     rundb = open_existing(runs_dir, f"No run named {run!r}")
     try:
@@ -183,6 +183,6 @@ def runs_export(
 def runs_resume(run: RunArg, runs_dir: RunsDirOpt = None, debug: DebugOpt = False) -> None:
     """Continue a recorded run with its stored recipe (every stage of it)."""
     with open_run(None, run, runs_dir, []) as ctx, tracked(ctx):
-        from rlcli.pipeline import run_all
+        from rlcli.engine.pipeline import run_all
 
         run_all(ctx)

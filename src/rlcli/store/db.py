@@ -20,7 +20,7 @@ from typing import Any
 from sqlite_utils import Database
 
 from rlcli.errors import UsageError
-from rlcli.migrations import migrations
+from rlcli.store.migrations import migrations
 from rlcli.recipe import Recipe, changed_fields
 
 SQLITE_MAGIC = b"SQLite format 3\x00"

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 import gymnasium
 from gymnasium import spaces
 
-from rlcli.env import parse_last_number
+from rlcli.envs.base import parse_last_number
 from rlcli.errors import UsageError
 
 MAX_VECTOR = 64  # more numbers than this per observation is not something to read as text

@@ -26,11 +26,11 @@ from typing import Any, Protocol, runtime_checkable
 
 from rlcli.errors import UsageError
 
-BUILTIN_DIR = Path(__file__).resolve().parents[2] / "envs"
+BUILTIN_DIR = Path(__file__).resolve().parents[3] / "envs"
 ADAPTERS = {
-    "textarena": "rlcli.adapters.textarena",
-    "reasoning_gym": "rlcli.adapters.reasoning_gym",
-    "gymnasium": "rlcli.adapters.gymnasium",
+    "textarena": "rlcli.envs.adapters.textarena",
+    "reasoning_gym": "rlcli.envs.adapters.reasoning_gym",
+    "gymnasium": "rlcli.envs.adapters.gymnasium",
 }
 
 

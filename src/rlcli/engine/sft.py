@@ -65,8 +65,8 @@ def train_sft(ctx) -> dict[str, Any]:
     """The stage's work: data, policy, tokens, training, the saved checkpoint; returns its summary."""
     from transformers import set_seed
 
-    from rlcli.models import load_policy, save_checkpoint
-    from rlcli.sampling import _eos_ids
+    from rlcli.models.loading import load_policy, save_checkpoint
+    from rlcli.engine.sampling import _eos_ids
 
     recipe = ctx.recipe
     # Data first: a malformed file fails in a second, before any model loads.
@@ -141,7 +141,7 @@ def load_conversations(ctx) -> list[Conversation]:
 
 def expert_conversations(ctx) -> list[Conversation]:
     """sft.demos episodes played by the env's expert (stage sft/demos), read back from the database."""
-    from rlcli.rollout import EXPERT, collect
+    from rlcli.engine.rollout import EXPERT, collect
 
     demos = ctx.recipe.sft.demos
     ctx.stage(
@@ -201,7 +201,7 @@ def episode_conversations(ctx) -> list[Conversation]:
 
 def _env_tools(env_cfg) -> list[dict] | None:
     """The tool schemas the env shows the policy, so SFT renders prompts exactly as rollouts did."""
-    from rlcli.env import load_env
+    from rlcli.envs.base import load_env
 
     return getattr(load_env(env_cfg.name, env_cfg.kwargs)(), "tools", None) or None
 
@@ -418,7 +418,7 @@ def split_examples(rows: list[dict], eval_fraction: float, seed: int) -> tuple[l
     """A seeded held-out share for eval loss: at least one example when asked for, never all of them."""
     if eval_fraction == 0 or len(rows) < 2:
         return rows, []
-    from rlcli.rollout import derive_seed
+    from rlcli.engine.rollout import derive_seed
 
     order = list(range(len(rows)))
     random.Random(derive_seed(seed, "sft/split")).shuffle(order)
@@ -460,7 +460,7 @@ def sft_args(ctx, *, has_eval: bool) -> Any:
     import torch
     from trl import SFTConfig
 
-    from rlcli.models import resolve_device
+    from rlcli.models.loading import resolve_device
 
     recipe, cfg = ctx.recipe, ctx.recipe.sft
     device = resolve_device(recipe.model.device)
@@ -497,7 +497,7 @@ def _training_dtype(recipe, device: str) -> Any:
     """The dtype the matmuls run in, which mixed precision should follow."""
     import torch
 
-    from rlcli.models import resolve_dtype
+    from rlcli.models.loading import resolve_dtype
 
     if recipe.quantization.mode == "4bit":
         return getattr(torch, recipe.quantization.compute_dtype)

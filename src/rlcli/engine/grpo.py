@@ -1,6 +1,6 @@
 """GRPO maths as pure tensor functions: advantages, the clipped policy loss and its options, log-prob helpers.
 
-The training loop (rlcli.train) owns models, batching and optimizers; everything here is a function of
+The training loop (rlcli.engine.train) owns models, batching and optimizers; everything here is a function of
 tensors, so each option can be checked against hand-computed numbers (tests/test_grpo_math.py).
 
 Conventions:

@@ -16,7 +16,7 @@ from typing import Annotated, Optional
 import typer
 from rich.markup import escape
 
-from rlcli.cli_common import (
+from rlcli.cli.common import (
     DebugOpt, ForceOpt, JsonOpt, Overrides, RecipeOpt, RunOpt, RunsDirOpt, console, err_console, open_existing,
     open_run, tracked,
 )
@@ -39,7 +39,7 @@ app.add_typer(recipes_app, name="recipes")
 
 def _mount_optional_apps() -> None:
     # The runs, envs and models command groups live in their own modules (cheap to import).
-    for module, name in (("rlcli.runs_cli", "runs"), ("rlcli.envs_cli", "envs"), ("rlcli.models_cli", "models")):
+    for module, name in (("rlcli.cli.runs", "runs"), ("rlcli.cli.envs", "envs"), ("rlcli.cli.models", "models")):
         try:
             sub = __import__(module, fromlist=["app"])
         except ModuleNotFoundError as exc:
@@ -65,7 +65,7 @@ def run_cmd(
 ) -> None:
     """Run every stage of a recipe (SFT, GRPO, eval), skipping what is already done."""
     with open_run(recipe, run, runs_dir, overrides, force) as ctx, tracked(ctx):
-        from rlcli.pipeline import run_all
+        from rlcli.engine.pipeline import run_all
 
         run_all(ctx)
 
@@ -81,7 +81,7 @@ def sft_cmd(
 ) -> None:
     """SFT warm-start from a dataset, expert demonstrations, or the run's best episodes."""
     with open_run(recipe, run, runs_dir, overrides, force) as ctx, tracked(ctx):
-        from rlcli.sft import run_sft
+        from rlcli.engine.sft import run_sft
 
         run_sft(ctx)
 
@@ -102,7 +102,7 @@ def rollout_cmd(
 ) -> None:
     """Collect episodes (tasks x group size) with a policy and record them token by token."""
     with open_run(recipe, run, runs_dir, overrides, force) as ctx, tracked(ctx):
-        from rlcli.rollout import run_rollout_stage
+        from rlcli.engine.rollout import run_rollout_stage
 
         run_rollout_stage(ctx, stage=stage, policy=policy or ctx.recipe.rollout.policy, split=split)
 
@@ -119,7 +119,7 @@ def label_cmd(
 ) -> None:
     """(Re)label the run's episodes with the recipe's reward functions, without new rollouts."""
     with open_run(recipe, run, runs_dir, overrides, force) as ctx, tracked(ctx):
-        from rlcli.labelling import run_label_stage
+        from rlcli.engine.labelling import run_label_stage
 
         run_label_stage(ctx, label_set=label_set)
 
@@ -135,7 +135,7 @@ def train_grpo_cmd(
 ) -> None:
     """Online GRPO: per iteration rollout -> label -> advantages -> update -> checkpoint."""
     with open_run(recipe, run, runs_dir, overrides, force) as ctx, tracked(ctx):
-        from rlcli.train import run_grpo
+        from rlcli.engine.train import run_grpo
 
         run_grpo(ctx)
 
@@ -156,7 +156,7 @@ def eval_cmd(
 ) -> None:
     """Evaluate checkpoints on held-out tasks: success rate (95% CI), mean return, pass@k."""
     with open_run(recipe, run, runs_dir, overrides, force) as ctx, tracked(ctx):
-        from rlcli.evaluate import run_eval
+        from rlcli.engine.evaluate import run_eval
 
         rows = run_eval(ctx, checkpoint or ctx.recipe.eval.checkpoints)
     if as_json:
@@ -172,7 +172,7 @@ def export_cmd(
     debug: DebugOpt = False,
 ) -> None:
     """Write a run's checkpoint merged into its base model, loadable with from_pretrained."""
-    from rlcli.models import export_merged
+    from rlcli.models.loading import export_merged
 
     rundb = open_existing(runs_dir, f"No run named {run!r}")
     try:

@@ -22,7 +22,7 @@ from rich.table import Table
 from rich.text import Text
 
 from rlcli.errors import UsageError
-from rlcli.rundb import RunDB
+from rlcli.store.db import RunDB
 
 KEY_METRICS = ("rollout/reward_mean", "rollout/success_rate", "train/loss")
 COMPARE_METRICS = (
@@ -504,7 +504,7 @@ def print_episodes(console: Console, episodes: list[dict[str, Any]]) -> None:
 
 
 def episode_panel(ep: dict[str, Any]) -> Panel:
-    from rlcli.rewards import message_text
+    from rlcli.rewards.core import message_text
 
     title = f"episode {ep['id']} · {ep['stage']} · task {ep['task_index']} sample {ep['sample_index']}"
     if ep["reward"] is not None:
@@ -565,7 +565,7 @@ def export_run(rundb: RunDB, name: str, fmt: str, out: Path) -> dict[str, int]:
     One file per table, as in the database (turns join episodes on episode_id): token ids and
     logprobs become lists, and columns holding JSON text (messages, task, info, details) stay text.
     """
-    from rlcli.rollout import unpack_floats, unpack_ids
+    from rlcli.engine.rollout import unpack_floats, unpack_ids
 
     run = rundb.require_run(name)
     if out.exists() and not out.is_dir():

@@ -1,0 +1,1 @@
+"""The command line: a Typer app, one module per command group."""

@@ -1,0 +1,1 @@
+"""Environments: the protocol, loading, and adapters to other libraries' envs."""

@@ -1,0 +1,1 @@
+"""Models: the cache, loading with LoRA and quantisation, checkpoints, tiny test models."""

@@ -1,0 +1,1 @@
+"""Reports: queries over the run database, tables, plots and exports."""

@@ -1,0 +1,1 @@
+"""Reward functions: built-ins, judges and user code, all in TRL's shape."""

@@ -1,0 +1,1 @@
+"""The only code that speaks SQL or knows how records are stored."""
