@@ -1,4 +1,5 @@
-"""Benchmark the embedded SmolLM2-135M per weight format: load time, peak RSS, generation speed.
+"""Benchmark the embedded SmolLM2-135M per weight format: load time, peak RSS, generation speed;
+and how fast the tests' tiny-random model builds and loads.
 
     .venv/bin/python bench/models.py                    # float32, bfloat16, 8bit, 4bit
     .venv/bin/python bench/models.py --configs 4bit --new-tokens 32
@@ -7,7 +8,8 @@ Each configuration runs in its own subprocess, so its peak RSS is its own; "RSS 
 process after importing torch, transformers and peft, before loading SmolLM2. Generation is greedy
 with exactly --new-tokens new tokens per sequence (eos is ignored), at batch 1 and batch 8, best of
 --repeats runs. The model is pulled into the cache first, so load time is reading the cached
-safetensors (and quantising them).
+safetensors (and quantising them). tiny-random's build (its first use) and load are timed after
+the imports, in this process.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ import platform
 import resource
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -49,10 +53,17 @@ def measure(config: str, new_tokens: int, repeats: int) -> dict:
     load_s = time.perf_counter() - start
 
     prompts = [
-        tokenizer.apply_chat_template([{"role": "user", "content": f"What is {a} + {b}?"}], add_generation_prompt=True, tokenize=False)
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": f"What is {a} + {b}?"}], add_generation_prompt=True, tokenize=False
+        )
         for a, b in [(2, 3), (17, 25), (40, 2), (9, 9), (123, 456), (7, 8), (64, 36), (11, 31)]
     ]
-    row = {"config": config, "load_s": load_s, "footprint_mb": model.get_memory_footprint() / 1e6, "rss_before_mb": rss_before_mb}
+    row = {
+        "config": config,
+        "load_s": load_s,
+        "footprint_mb": model.get_memory_footprint() / 1e6,
+        "rss_before_mb": rss_before_mb,
+    }
     with torch.no_grad():
         for size in BATCHES:
             inputs = tokenizer(prompts[:size], return_tensors="pt", padding=True)
@@ -65,6 +76,26 @@ def measure(config: str, new_tokens: int, repeats: int) -> dict:
             row[f"tok_s_b{size}"] = size * new_tokens / best
     row["peak_rss_mb"] = _peak_rss_mb()
     return row
+
+
+def measure_tiny(repeats: int) -> dict:
+    """tiny-random, which every test loads: seconds to build it and to load it, best of `repeats`."""
+    with tempfile.TemporaryDirectory() as tmp:
+        _build_and_load_tiny(Path(tmp) / "warm-up")  # pays for the imports (tokenizers, transformers' Llama)
+        timings = [_build_and_load_tiny(Path(tmp) / str(n)) for n in range(repeats)]
+    return {"build_s": min(build for build, _ in timings), "load_s": min(load for _, load in timings)}
+
+
+def _build_and_load_tiny(folder: Path) -> tuple[float, float]:
+    from rlcli.models.loading import load_policy
+    from rlcli.models.tiny import build_tiny_random
+    from rlcli.recipe import ModelSection, QuantizationSection
+
+    start = time.perf_counter()
+    build_tiny_random(folder)
+    built = time.perf_counter()
+    load_policy(ModelSection(name=str(folder)), None, QuantizationSection(), trainable=False)
+    return built - start, time.perf_counter() - built
 
 
 def _peak_rss_mb() -> float:
@@ -84,15 +115,28 @@ def main() -> None:
 
     import torch
 
-    from rlcli.models.loading import pull_model
+    from rlcli.models.cache import pull_model
 
     console = Console()
+    tiny = measure_tiny(args.repeats)
+    console.print(
+        f"tiny-random: builds in {tiny['build_s']:.2f} s, loads in {tiny['load_s']:.3f} s (after the imports)"
+    )
     pull_model("smollm2-135m")
     rows = []
     for config in args.configs:
         with console.status(f"Measuring {config}"):
             proc = subprocess.run(
-                [sys.executable, __file__, "--one", config, "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats)],
+                [
+                    sys.executable,
+                    __file__,
+                    "--one",
+                    config,
+                    "--new-tokens",
+                    str(args.new_tokens),
+                    "--repeats",
+                    str(args.repeats),
+                ],
                 check=False,
                 capture_output=True,
                 text=True,
@@ -102,7 +146,9 @@ def main() -> None:
             continue
         rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
 
-    table = Table(title=f"SmolLM2-135M, {args.new_tokens} new tokens, {torch.get_num_threads()} torch threads, {platform.processor() or platform.machine()}")
+    table = Table(
+        title=f"SmolLM2-135M, {args.new_tokens} new tokens, {torch.get_num_threads()} torch threads, {platform.processor() or platform.machine()}"
+    )
     for column in ("config", "load s", "weights MB", "RSS before MB", "peak RSS MB", "tok/s batch 1", "tok/s batch 8"):
         table.add_column(column, justify="left" if column == "config" else "right")
     for row in rows:

@@ -119,6 +119,7 @@ def time_rlcli(model, tokenizer, prompts, new_tokens: int, temperature: float, r
     saved = model.generation_config.eos_token_id
     model.generation_config.eos_token_id = None
     try:
+
         def once(budget: int) -> float:
             generators = [torch.Generator().manual_seed(1000 + i) for i in range(len(prompts))]
             start = time.perf_counter()
@@ -150,7 +151,12 @@ def time_bare(model, tokenizer, prompts, new_tokens: int, temperature: float, re
         start = time.perf_counter()
         with torch.no_grad():
             out = model.generate(
-                input_ids=ids, attention_mask=attention, max_new_tokens=n, min_new_tokens=n, pad_token_id=pad, **sampling
+                input_ids=ids,
+                attention_mask=attention,
+                max_new_tokens=n,
+                min_new_tokens=n,
+                pad_token_id=pad,
+                **sampling,
             )
         elapsed = time.perf_counter() - start
         assert out.shape[1] - width == n, "generate stopped before the budget"
@@ -166,12 +172,21 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32], help="Batch sizes (rows per call).")
     parser.add_argument("--new-tokens", type=int, default=64, help="New tokens per row (eos stopping is disabled).")
     parser.add_argument("--repeats", type=int, default=2, help="Timed calls per engine and batch; the best counts.")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                        help="Weights dtype (rlcli's CPU default, model.dtype auto, is float32).")
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="Weights dtype (rlcli's CPU default, model.dtype auto, is float32).",
+    )
     parser.add_argument("--temperature", type=float, default=0.7, help="Sampling temperature (recipes' 0.7).")
     parser.add_argument("--greedy", action="store_true", help="Greedy decoding instead of sampling.")
-    parser.add_argument("--lora", type=int, default=0, metavar="R",
-                        help="Put an (untrained) LoRA adapter of rank R on all linear layers, as GRPO rollouts do.")
+    parser.add_argument(
+        "--lora",
+        type=int,
+        default=0,
+        metavar="R",
+        help="Put an (untrained) LoRA adapter of rank R on all linear layers, as GRPO rollouts do.",
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads(N); 0 keeps torch's default.")
     parser.add_argument("--quick", action="store_true", help="Batch 1 and 8, 16 new tokens, 1 repeat, 1 thread.")
     args = parser.parse_args()
@@ -182,7 +197,8 @@ def main() -> None:
 
     import torch
 
-    from rlcli.models.loading import load_policy, pull_model
+    from rlcli.models.cache import pull_model
+    from rlcli.models.loading import load_policy
     from rlcli.recipe import LoraSection, ModelSection, QuantizationSection
 
     if args.threads:
@@ -191,8 +207,10 @@ def main() -> None:
     pull_model("smollm2-135m")
     load = os.getloadavg()[0]
     if load > 0.5:
-        console.print(f"[yellow]Load average {load:.1f} before the start: other processes are using the CPU; "
-                      "timings will be noisy (--threads 1 is far more robust on a busy machine).[/yellow]")
+        console.print(
+            f"[yellow]Load average {load:.1f} before the start: other processes are using the CPU; "
+            "timings will be noisy (--threads 1 is far more robust on a busy machine).[/yellow]"
+        )
     dtype = getattr(torch, args.dtype)
     with console.status("Measuring the matmul peak and read bandwidth"):
         peak = matmul_peak_gflops(dtype)
@@ -218,14 +236,16 @@ def main() -> None:
             t_bare = time_bare(model, tokenizer, prompts, args.new_tokens, temperature, args.repeats)
         tokens = size * args.new_tokens
         bw_bound = size * bandwidth * 1e9 / weight_bytes
-        rows.append({
-            "batch": size,
-            "prompt_len": statistics.mean(len(p) for p in prompts),
-            "rlcli": tokens / t_rlcli,
-            "bare": tokens / t_bare,
-            "bw_bound": bw_bound,
-            "bound": min(compute_bound, bw_bound),
-        })
+        rows.append(
+            {
+                "batch": size,
+                "prompt_len": statistics.mean(len(p) for p in prompts),
+                "rlcli": tokens / t_rlcli,
+                "bare": tokens / t_bare,
+                "bw_bound": bw_bound,
+                "bound": min(compute_bound, bw_bound),
+            }
+        )
 
     mode = "greedy" if temperature == 0 else f"sampling T={temperature}"
     title = (
@@ -234,13 +254,26 @@ def main() -> None:
         f"({'set' if args.threads else 'default'}), {os.cpu_count()} CPUs, {platform.processor() or platform.machine()}"
     )
     table = Table(title=title)
-    for column in ("batch", "prompt tok", "rlcli tok/s", "bare generate tok/s", "rlcli / bare",
-                   "compute bound tok/s", "bandwidth bound tok/s", "rlcli / bound"):
+    for column in (
+        "batch",
+        "prompt tok",
+        "rlcli tok/s",
+        "bare generate tok/s",
+        "rlcli / bare",
+        "compute bound tok/s",
+        "bandwidth bound tok/s",
+        "rlcli / bound",
+    ):
         table.add_column(column, justify="right")
     for r in rows:
         table.add_row(
-            str(r["batch"]), f"{r['prompt_len']:.0f}", f"{r['rlcli']:.1f}", f"{r['bare']:.1f}",
-            f"{r['rlcli'] / r['bare']:.2f}", f"{compute_bound:.0f}", f"{r['bw_bound']:.0f}",
+            str(r["batch"]),
+            f"{r['prompt_len']:.0f}",
+            f"{r['rlcli']:.1f}",
+            f"{r['bare']:.1f}",
+            f"{r['rlcli'] / r['bare']:.2f}",
+            f"{compute_bound:.0f}",
+            f"{r['bw_bound']:.0f}",
             f"{r['rlcli'] / r['bound']:.0%}",
         )
     console.print(table)

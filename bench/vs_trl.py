@@ -80,7 +80,8 @@ def busy_warning(console) -> None:
 
 def task_rows(n: int, split: str) -> list[dict]:
     """The env's first observation and answer for tasks 0..n-1 of a split (the seeds rlcli uses)."""
-    from rlcli.envs.base import as_messages, load_env, task_seed
+    from rlcli.envs.loading import load_env
+    from rlcli.envs.protocol import as_messages, task_seed
 
     factory = load_env("arithmetic", {"digits": 2})
     rows = []
@@ -93,7 +94,7 @@ def task_rows(n: int, split: str) -> list[dict]:
 def numeric_match(completions, answer, **kwargs) -> list[float]:
     """TRL-style reward: 1.0 when the last number of the completion equals the answer (rlcli's
     built-in `numeric_match` with parse last_number, field answer, tol 1e-6, same regex)."""
-    from rlcli.rewards.core import NUMBER
+    from rlcli.envs.parsing import NUMBER
 
     out = []
     for completion, expected in zip(completions, answer):
@@ -112,16 +113,23 @@ def heldout_accuracy(model, tokenizer, n: int, max_tokens: int) -> float:
 
     rows = task_rows(n, "eval")
     prompts = [
-        tokenizer(tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False),
-                  add_special_tokens=False)["input_ids"]
+        tokenizer(
+            tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False),
+            add_special_tokens=False,
+        )["input_ids"]
         for r in rows
     ]
     model.eval()
     texts = []
     for start in range(0, n, 32):
         chunk = prompts[start : start + 32]
-        samples = sample_batch(model, tokenizer, chunk, [torch.Generator() for _ in chunk],
-                               SamplingConfig(temperature=0.0, max_new_tokens=max_tokens))
+        samples = sample_batch(
+            model,
+            tokenizer,
+            chunk,
+            [torch.Generator() for _ in chunk],
+            SamplingConfig(temperature=0.0, max_new_tokens=max_tokens),
+        )
         texts += [tokenizer.decode(s.ids, skip_special_tokens=True) for s in samples]
     return sum(numeric_match(texts, [r["answer"] for r in rows])) / n
 
@@ -133,10 +141,10 @@ def run_rlcli(args) -> dict:
     import yaml
     from rich.console import Console
 
+    from rlcli.engine.context import RunContext
+    from rlcli.engine.train import run_grpo
     from rlcli.recipe import load_recipe
     from rlcli.store.db import RunDB
-    from rlcli.store.stages import RunContext
-    from rlcli.engine.train import run_grpo
 
     batch = args.prompts * args.generations
     recipe_data = {
@@ -144,14 +152,35 @@ def run_rlcli(args) -> dict:
         "model": {"name": MODEL, "dtype": "float32", "max_length": 256},
         "lora": {"r": args.lora_r, "alpha": 2 * args.lora_r, "dropout": 0.0, "target_modules": "all-linear"},
         "env": {"name": "arithmetic", "kwargs": {"digits": 2}, "max_turns": 1},
-        "rollout": {"tasks": args.prompts, "group_size": args.generations, "temperature": args.temperature,
-                    "top_p": 1.0, "top_k": 0, "max_new_tokens": args.max_tokens, "batch_size": batch},
+        "rollout": {
+            "tasks": args.prompts,
+            "group_size": args.generations,
+            "temperature": args.temperature,
+            "top_p": 1.0,
+            "top_k": 0,
+            "max_new_tokens": args.max_tokens,
+            "batch_size": batch,
+        },
         "rewards": [{"fn": "numeric_match", "kwargs": {"field": "answer"}}],
-        "grpo": {"iterations": args.steps, "lr": args.lr, "schedule": "constant", "warmup_steps": 0,
-                 "weight_decay": 0.0, "max_grad_norm": 1.0, "beta": 0.0, "advantage": "grpo",
-                 "aggregation": "token_mean", "drop_zero_var_groups": False, "clip_low": 0.2, "clip_high": 0.28,
-                 "epochs": 1, "minibatch_size": 0, "micro_batch_size": batch, "mask_truncated": False,
-                 "gradient_checkpointing": False},
+        "grpo": {
+            "iterations": args.steps,
+            "lr": args.lr,
+            "schedule": "constant",
+            "warmup_steps": 0,
+            "weight_decay": 0.0,
+            "max_grad_norm": 1.0,
+            "beta": 0.0,
+            "advantage": "grpo",
+            "aggregation": "token_mean",
+            "drop_zero_var_groups": False,
+            "clip_low": 0.2,
+            "clip_high": 0.28,
+            "epochs": 1,
+            "minibatch_size": 0,
+            "micro_batch_size": batch,
+            "mask_truncated": False,
+            "gradient_checkpointing": False,
+        },
         "eval": {"tasks": 0},
     }
     with tempfile.TemporaryDirectory(prefix="vs-trl-rlcli-") as tmp:
@@ -167,15 +196,16 @@ def run_rlcli(args) -> dict:
         total = time.perf_counter() - start
         per_step: dict[int, dict[str, float]] = {}
         for row in rundb.metrics(recipe.run.name):
-            per_step.setdefault(row["step"], {})[row["key"]] = row["value"]
+            per_step.setdefault(row.step, {})[row.key] = row.value
         steps = [per_step[i] for i in sorted(per_step)]
         accuracy = None
         if args.eval_tasks:
             from rlcli.models.loading import load_policy
 
-            ckpt = [c for c in rundb.checkpoints(recipe.run.name) if c["stage"].startswith("train/")][-1]
-            model, tokenizer = load_policy(recipe.model, recipe.lora, recipe.quantization, adapter=ckpt["path"],
-                                           trainable=False)
+            ckpt = [c for c in rundb.checkpoints(recipe.run.name) if c.stage.startswith("train/")][-1]
+            model, tokenizer = load_policy(
+                recipe.model, recipe.lora, recipe.quantization, adapter=ckpt.path, trainable=False
+            )
             accuracy = heldout_accuracy(model, tokenizer, args.eval_tasks, args.max_tokens)
     rollout = [s.get("perf/time_rollout_s", 0.0) for s in steps]
     label = [s.get("perf/time_label_s", 0.0) for s in steps]
@@ -198,14 +228,15 @@ def run_rlcli(args) -> dict:
 
 def run_trl(args) -> dict:
     import torch
+    import trl.extras.profiling as profiling
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, TrainerCallback
-
-    import trl.extras.profiling as profiling
-    from rlcli.models.loading import load_tokenizer, pull_model
-    from rlcli.recipe import ModelSection
     from trl import GRPOConfig, GRPOTrainer
+
+    from rlcli.models.cache import pull_model
+    from rlcli.models.loading import load_tokenizer
+    from rlcli.recipe import ModelSection
 
     spans: dict[str, list[float]] = {}
     original = profiling.ProfilingContext._log_metrics
@@ -281,14 +312,22 @@ def run_trl(args) -> dict:
             args=config,
             train_dataset=dataset,
             processing_class=tokenizer,
-            peft_config=LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, lora_dropout=0.0,
-                                   target_modules="all-linear", bias="none", task_type="CAUSAL_LM"),
+            peft_config=LoraConfig(
+                r=args.lora_r,
+                lora_alpha=2 * args.lora_r,
+                lora_dropout=0.0,
+                target_modules="all-linear",
+                bias="none",
+                task_type="CAUSAL_LM",
+            ),
             callbacks=[timer],
         )
         start = time.perf_counter()
         trainer.train()
         total = time.perf_counter() - start
-        accuracy = heldout_accuracy(trainer.model, tokenizer, args.eval_tasks, args.max_tokens) if args.eval_tasks else None
+        accuracy = (
+            heldout_accuracy(trainer.model, tokenizer, args.eval_tasks, args.max_tokens) if args.eval_tasks else None
+        )
     gen = spans.get("transformers.generate", [])
     return {
         "step_s": timer.times,
@@ -334,8 +373,12 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--lora-r", type=int, default=8, help="LoRA rank (alpha = 2r).")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--eval-tasks", type=int, default=32, help="Held-out tasks for the final greedy eval; 0 skips it.")
-    parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads(N) in each side; 0 keeps the default.")
+    parser.add_argument(
+        "--eval-tasks", type=int, default=32, help="Held-out tasks for the final greedy eval; 0 skips it."
+    )
+    parser.add_argument(
+        "--threads", type=int, default=0, help="torch.set_num_threads(N) in each side; 0 keeps the default."
+    )
     parser.add_argument("--only", choices=["rlcli", "trl"], help="Run one side only.")
     parser.add_argument("--order", choices=["rlcli", "trl"], default="rlcli", help="Which side runs first.")
     parser.add_argument("--quick", action="store_true", help="3 steps each, no held-out eval, 1 torch thread.")
@@ -359,28 +402,39 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from rlcli.models.loading import pull_model
+    from rlcli.models.cache import pull_model
 
     console = Console(width=None if sys.stdout.isatty() else 150)
     pull_model(MODEL)
     sides = [args.only] if args.only else ([args.order, "trl" if args.order == "rlcli" else "rlcli"])
     child_args = [
         f"--{name.replace('_', '-')}={getattr(args, name)}"
-        for name in ("steps", "prompts", "generations", "max_tokens", "lr", "temperature", "lora_r", "seed",
-                     "eval_tasks", "threads")
+        for name in (
+            "steps",
+            "prompts",
+            "generations",
+            "max_tokens",
+            "lr",
+            "temperature",
+            "lora_r",
+            "seed",
+            "eval_tasks",
+            "threads",
+        )
     ]
     busy_warning(console)
     results: dict[str, dict] = {}
     for side in sides:
         log(f"--- {side}: {args.steps} steps ---")
         start = time.perf_counter()
-        proc = subprocess.run([sys.executable, __file__, *child_args, "--one", side],
-                              stdout=subprocess.PIPE, text=True, check=False)
+        proc = subprocess.run(
+            [sys.executable, __file__, *child_args, "--one", side], stdout=subprocess.PIPE, text=True, check=False
+        )
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(MARK)]
         if proc.returncode != 0 or not lines:
             console.print(f"[red]{side} failed (exit {proc.returncode})[/red]; see its output above.")
             continue
-        results[side] = json.loads(lines[-1][len(MARK):])
+        results[side] = json.loads(lines[-1][len(MARK) :])
         results[side]["process_s"] = time.perf_counter() - start
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
@@ -389,16 +443,24 @@ def main() -> None:
 
     rows = {side: summary(r) for side, r in results.items()}
     threads = next(iter(results.values()))["threads"]
-    table = Table(title=(
-        f"GRPO on CPU ({os.cpu_count()} cores, {threads} torch threads): SmolLM2-135M + LoRA r={args.lora_r}, "
-        f"{args.prompts} prompts x {args.generations} generations x {args.max_tokens} max tokens, "
-        f"lr {args.lr:g}, {args.steps} steps"
-    ))
+    table = Table(
+        title=(
+            f"GRPO on CPU ({os.cpu_count()} cores, {threads} torch threads): SmolLM2-135M + LoRA r={args.lora_r}, "
+            f"{args.prompts} prompts x {args.generations} generations x {args.max_tokens} max tokens, "
+            f"lr {args.lr:g}, {args.steps} steps"
+        )
+    )
     columns = [
-        ("s/step (median)", "s_step", "{:.2f}"), ("gen s", "gen_s", "{:.2f}"), ("reward s", "label_s", "{:.3f}"),
-        ("update s", "update_s", "{:.2f}"), ("gen tok/step", "tok_step", "{:.0f}"), ("gen tok/s", "tok_s", "{:.1f}"),
-        ("reward first 1/4", "reward_first", "{:.3f}"), ("reward last 1/4", "reward_last", "{:.3f}"),
-        ("held-out acc", "heldout", "{:.3f}"), ("train wall s", "total_s", "{:.0f}"),
+        ("s/step (median)", "s_step", "{:.2f}"),
+        ("gen s", "gen_s", "{:.2f}"),
+        ("reward s", "label_s", "{:.3f}"),
+        ("update s", "update_s", "{:.2f}"),
+        ("gen tok/step", "tok_step", "{:.0f}"),
+        ("gen tok/s", "tok_s", "{:.1f}"),
+        ("reward first 1/4", "reward_first", "{:.3f}"),
+        ("reward last 1/4", "reward_last", "{:.3f}"),
+        ("held-out acc", "heldout", "{:.3f}"),
+        ("train wall s", "total_s", "{:.0f}"),
     ]
     table.add_column("", justify="left")
     for name, _, _ in columns:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 
-from rlcli.envs.base import parse_last_number
+from rlcli.envs.parsing import parse_last_number
 
 
 class Arithmetic:

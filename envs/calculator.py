@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import random
 
-from rlcli.envs.base import parse_answer_tag, parse_last_number, parse_tool_call, safe_arithmetic
+from rlcli.envs.parsing import parse_answer_tag, parse_last_number, parse_tool_call, safe_arithmetic
 
 TOOL = {
     "type": "function",
@@ -62,8 +62,13 @@ class Calculator:
             return feedback, float(correct), True, False, {"success": correct, "tool_calls": self.calls}
         call = parse_tool_call(action)
         if call is None or call["name"] != "calculator":
-            return ("Call the calculator with a <tool_call> JSON, or answer with <answer>NUMBER</answer>.",
-                    0.0, False, False, {"tool_calls": self.calls})
+            return (
+                "Call the calculator with a <tool_call> JSON, or answer with <answer>NUMBER</answer>.",
+                0.0,
+                False,
+                False,
+                {"tool_calls": self.calls},
+            )
         self.calls += 1
         if self.calls > self.max_calls:
             return "Too many calculator calls.", 0.0, False, True, {"success": False, "tool_calls": self.calls}
@@ -73,8 +78,13 @@ class Calculator:
             self.last_result = result
         except (ValueError, SyntaxError, ZeroDivisionError, TypeError) as exc:
             content = json.dumps({"error": str(exc) or type(exc).__name__})
-        return [{"role": "tool", "name": "calculator", "content": content}], 0.0, False, False, {
-            "tool_calls": self.calls}
+        return (
+            [{"role": "tool", "name": "calculator", "content": content}],
+            0.0,
+            False,
+            False,
+            {"tool_calls": self.calls},
+        )
 
     def expert_action(self) -> str:
         if self.last_result is None:

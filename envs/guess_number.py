@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 import re
 
-from rlcli.envs.base import parse_last_number
+from rlcli.envs.parsing import parse_last_number
 
 
 class GuessNumber:

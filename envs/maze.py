@@ -31,8 +31,10 @@ class Maze:
             self.pos, self.goal = rng.sample(free, 2)
             if self._path(self.pos) is not None:
                 break
-        system = ("You are in a grid maze. A is you, G is the goal, # are walls, . are free cells. "
-                  "Each turn reply with one move: up, down, left or right.")
+        system = (
+            "You are in a grid maze. A is you, G is the goal, # are walls, . are free cells. "
+            "Each turn reply with one move: up, down, left or right."
+        )
         return [{"role": "system", "content": system}, {"role": "user", "content": self.render()}], {
             "task": {"start": list(self.pos), "goal": list(self.goal), "shortest": len(self._path(self.pos))}
         }
@@ -40,8 +42,12 @@ class Maze:
     def render(self) -> str:
         rows = []
         for r in range(self.size):
-            rows.append("".join("A" if (r, c) == self.pos else "G" if (r, c) == self.goal
-                                else "#" if (r, c) in self.walls else "." for c in range(self.size)))
+            rows.append(
+                "".join(
+                    "A" if (r, c) == self.pos else "G" if (r, c) == self.goal else "#" if (r, c) in self.walls else "."
+                    for c in range(self.size)
+                )
+            )
         return "\n".join(rows)
 
     def step(self, action: str):
@@ -81,8 +87,15 @@ class Maze:
         draw = ImageDraw.Draw(image)
         for r in range(self.size):
             for c in range(self.size):
-                colour = ("black" if (r, c) in self.walls else "royalblue" if (r, c) == self.pos
-                          else "seagreen" if (r, c) == self.goal else None)
+                colour = (
+                    "black"
+                    if (r, c) in self.walls
+                    else "royalblue"
+                    if (r, c) == self.pos
+                    else "seagreen"
+                    if (r, c) == self.goal
+                    else None
+                )
                 if colour:
                     draw.rectangle([c * cell, r * cell, (c + 1) * cell - 1, (r + 1) * cell - 1], fill=colour)
         return image

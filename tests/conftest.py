@@ -4,7 +4,7 @@ import os
 for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HUB_DISABLE_TELEMETRY"):
     os.environ.setdefault(var, "1")
 
-import pytest
+import pytest  # noqa: E402 (the variables above must be set before any HF import)
 
 
 @pytest.fixture(scope="session")
@@ -24,7 +24,7 @@ def rlcli_home(tmp_path, monkeypatch, session_models):
 @pytest.fixture
 def smollm2_cache(session_models):
     """The embedded SmolLM2-135M, pulled (about 30 s) on first use in the session."""
-    from rlcli.models.loading import pull_model
+    from rlcli.models.cache import pull_model
 
     pull_model("smollm2-135m")
     return session_models

@@ -36,9 +36,9 @@ def write_recipe(path: Path, **sections) -> Path:
 
 def make_ctx(recipe_path: Path, runs_dir: Path, overrides: list[str] = ()):
     """A RunContext as the CLI builds it (without the lock), for calling stages in-process."""
+    from rlcli.engine.context import RunContext
     from rlcli.recipe import load_recipe
     from rlcli.store.db import RunDB
-    from rlcli.store.stages import RunContext
 
     recipe = load_recipe(recipe_path, list(overrides))
     rundb = RunDB.open(runs_dir)
@@ -61,3 +61,14 @@ def run_cli(args: list[str], runs_dir: Path, cwd: Path | None = None, timeout: i
 def write_env_file(path: Path, body: str) -> Path:
     path.write_text(textwrap.dedent(body))
     return path
+
+
+def sequence_logprobs(model, ids: list[int], start: int):
+    """Logprobs of ids[start:] given what precedes them, recomputed to check the recorded ones."""
+    import torch
+
+    with torch.no_grad():
+        inp = torch.tensor([ids], device=next(model.parameters()).device)
+        logits = model(input_ids=inp).logits[0, start - 1 : len(ids) - 1].float()
+    target = inp[0, start:]
+    return torch.log_softmax(logits, -1).gather(-1, target[:, None])[:, 0]

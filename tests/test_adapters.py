@@ -11,8 +11,9 @@ import pytest
 from typer.testing import CliRunner
 
 from helpers import make_ctx, write_recipe
-from rlcli.envs.base import as_messages, load_env, task_seed
 from rlcli.cli.envs import RANDOM_ACTIONS, app
+from rlcli.envs.loading import load_env
+from rlcli.envs.protocol import as_messages, task_seed
 from rlcli.errors import UsageError
 
 pytest.importorskip("textarena")
@@ -176,10 +177,13 @@ def test_reasoning_gym_clear_errors():
 # --- gymnasium --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("env_id, names", [
-    ("FrozenLake-v1", ["left", "down", "right", "up"]),
-    ("Taxi-v4", ["south", "north", "east", "west", "pickup", "dropoff"]),
-])
+@pytest.mark.parametrize(
+    "env_id, names",
+    [
+        ("FrozenLake-v1", ["left", "down", "right", "up"]),
+        ("Taxi-v4", ["south", "north", "east", "west", "pickup", "dropoff"]),
+    ],
+)
 def test_gymnasium_random_policy_end_to_end(env_id, names):
     factory = load_env(f"gymnasium:{env_id}", {})
     rng = random.Random(0)
@@ -280,11 +284,14 @@ ADAPTER_ENVS = ["textarena:GuessTheNumber-v0", "reasoning_gym:chain_sum", "gymna
 def test_tiny_model_rollout_on_adapter_envs(tmp_path, env_name):
     from rlcli.engine.rollout import run_rollout_stage
 
-    recipe = write_recipe(tmp_path / "r.yaml", env={"name": env_name, "max_turns": 2},
-                          rollout={"tasks": 1, "group_size": 2, "max_new_tokens": 4, "batch_size": 2})
+    recipe = write_recipe(
+        tmp_path / "r.yaml",
+        env={"name": env_name, "max_turns": 2},
+        rollout={"tasks": 1, "group_size": 2, "max_new_tokens": 4, "batch_size": 2},
+    )
     ctx = make_ctx(recipe, tmp_path / "runs")
     summary = run_rollout_stage(ctx, stage="rollout", policy="base", split="train")
-    assert summary["episodes"] == 2 and summary["failed"] == 0
+    assert summary.episodes == 2 and summary.failed == 0
     episodes = list(ctx.rundb.db.query("select * from episodes where run = ?", [ctx.run]))
     assert all(e["num_turns"] >= 1 and json.loads(e["task"]) for e in episodes)
 
@@ -292,8 +299,11 @@ def test_tiny_model_rollout_on_adapter_envs(tmp_path, env_name):
 def test_expert_rollout_through_the_engine(tmp_path):
     from rlcli.engine.rollout import run_rollout_stage
 
-    recipe = write_recipe(tmp_path / "r.yaml", env={"name": "reasoning_gym:basic_arithmetic", "max_turns": 1},
-                          rollout={"tasks": 4, "group_size": 1})
+    recipe = write_recipe(
+        tmp_path / "r.yaml",
+        env={"name": "reasoning_gym:basic_arithmetic", "max_turns": 1},
+        rollout={"tasks": 4, "group_size": 1},
+    )
     ctx = make_ctx(recipe, tmp_path / "runs")
     summary = run_rollout_stage(ctx, stage="demos", policy="expert", split="eval")
-    assert summary["episodes"] == 4 and summary["success_rate"] == 1.0
+    assert summary.episodes == 4 and summary.success_rate == 1.0

@@ -16,11 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from rlcli.cli.app import main, open_run
+from rlcli.cli.app import main
+from rlcli.cli.common import open_run
+from rlcli.engine.context import RunContext
 from rlcli.errors import RlcliError, UsageError
 from rlcli.recipe import Recipe
 from rlcli.store.db import DB_NAME, RunDB
-from rlcli.store.stages import RunContext, run_stage
+from rlcli.store.stages import run_stage
 
 REPO = Path(__file__).parents[1]
 RLCLI = Path(sys.executable).parent / "rlcli"
@@ -75,8 +77,14 @@ def python(code: str, **kwargs) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize(
     "argv",
-    [["--help"], ["recipes", "validate", "{good}"], ["runs", "list", "--json"], ["rollout", "--help"]],
-    ids=["help", "recipes-validate", "runs-list", "rollout-help"],
+    [
+        ["--help"],
+        ["recipes", "validate", "{good}"],
+        ["recipes", "explain", "grpo"],
+        ["runs", "list", "--json"],
+        ["rollout", "--help"],
+    ],
+    ids=["help", "recipes-validate", "recipes-explain", "runs-list", "rollout-help"],
 )
 def test_light_commands_do_not_import_torch(argv, good):
     argv = [a.format(good=good) for a in argv]
@@ -95,10 +103,26 @@ def test_light_commands_do_not_import_torch(argv, good):
     assert proc.returncode == 0, proc.stderr
 
 
+def test_every_command_and_option_has_help():
+    import click
+    import typer.main
+
+    from rlcli.cli.app import app
+
+    def walk(command: click.Command, path: str) -> None:
+        for param in command.params:
+            assert getattr(param, "help", None), f"{path} {param.name}"
+        for name, sub in getattr(command, "commands", {}).items():
+            assert sub.help, f"{path} {name}"
+            walk(sub, f"{path} {name}")
+
+    walk(typer.main.get_command(app), "rlcli")
+
+
 def test_help_lists_the_commands(capsys):
     code, out, _ = cli(capsys, "--help")
     assert code == 0
-    for command in ("run", "sft", "rollout", "label", "train", "eval", "export", "runs", "recipes"):
+    for command in ("run", "sft", "rollout", "label", "train", "eval", "export", "runs", "envs", "models", "recipes"):
         assert command in out
 
 
@@ -196,13 +220,13 @@ def test_open_run_overrides_reach_the_stored_recipe(tmp_path, good):
     rundb = RunDB.open(runs)
     try:
         stored = rundb.run_recipe("good")
-        row = rundb.get_run("good")
+        record = rundb.get_run("good")
     finally:
         rundb.close()
     assert stored.grpo.lr == 1e-3 and stored.rollout.group_size == 8
     assert stored.grpo.iterations == 2 and stored.run.seed == 3  # file values kept
-    assert row["recipe_path"] == str(good) and row["seed"] == 3
-    assert row["recipe_sha256"] == stored.sha256()
+    assert record.recipe_path == str(good) and record.seed == 3
+    assert record.recipe_sha256 == stored.sha256()
 
 
 def test_open_run_run_option_names_the_run(tmp_path, good):
@@ -211,7 +235,7 @@ def test_open_run_run_option_names_the_run(tmp_path, good):
         assert ctx.run == "other" and ctx.recipe.run.name == "other"
     rundb = RunDB.open(runs)
     try:
-        assert [r["name"] for r in rundb.list_runs()] == ["other"]
+        assert [r.name for r in rundb.list_runs()] == ["other"]
         assert rundb.run_recipe("other").run.name == "other"
     finally:
         rundb.close()
@@ -241,8 +265,10 @@ def test_open_run_continues_a_recorded_run_from_its_stored_recipe(tmp_path, good
 
 def test_open_run_refuses_a_locked_run(tmp_path, good):
     runs = tmp_path / "runs"
-    with open_run(good, None, runs, []), pytest.raises(RlcliError, match=f"pid {os.getpid()}"), open_run(
-        good, None, runs, []
+    with (
+        open_run(good, None, runs, []),
+        pytest.raises(RlcliError, match=f"pid {os.getpid()}"),
+        open_run(good, None, runs, []),
     ):
         pytest.fail("entered a locked run")
 
@@ -272,13 +298,30 @@ def test_runs_list_json_lists_runs(capsys, rlcli_home):
     assert code == 0 and "r1" in out
 
 
-def test_runs_dir_option_and_env(capsys, tmp_path):
+def test_runs_dir_option_and_env(capsys, tmp_path, monkeypatch):
     elsewhere = tmp_path / "elsewhere"
     rundb = RunDB.open(elsewhere)
     rundb.start_run("far", Recipe(), None)
     rundb.close()
-    code, out, _ = cli(capsys, "runs", "list", "--json", "--runs-dir", elsewhere)
+    code, out, _ = cli(capsys, "--runs-dir", elsewhere, "runs", "list", "--json")
     assert code == 0 and [r["name"] for r in json.loads(out)] == ["far"]
+    monkeypatch.setenv("RLCLI_HOME", str(elsewhere))
+    code, out, _ = cli(capsys, "runs", "list", "--json")
+    assert code == 0 and [r["name"] for r in json.loads(out)] == ["far"]
+
+
+def test_runs_dir_reaches_stage_commands(capsys, monkeypatch, tmp_path, good):
+    import rlcli.engine.pipeline
+
+    monkeypatch.setattr(rlcli.engine.pipeline, "run_all", lambda ctx, on_summary=None: None)
+    code, _, err = cli(capsys, "--runs-dir", tmp_path / "elsewhere", "run", "-r", good)
+    assert code == 0, err
+    assert (tmp_path / "elsewhere" / DB_NAME).exists() and not (tmp_path / "runs").exists()
+
+
+def test_shared_options_go_before_the_command(capsys, tmp_path):
+    code, _, err = cli(capsys, "runs", "list", "--runs-dir", tmp_path)
+    assert code == 2 and "No such option" in err
 
 
 def test_runs_show_unknown_run_without_a_database(capsys, rlcli_home):
@@ -352,7 +395,13 @@ def test_non_sqlite_database_is_refused_untouched(capsys, rlcli_home):
 
 def test_debug_lets_the_exception_propagate(capsys):
     with pytest.raises(UsageError, match="nosuchrun"):
-        main(["runs", "show", "nosuchrun", "--debug"])
+        main(["--debug", "runs", "show", "nosuchrun"])
+
+
+def test_debug_from_the_environment(capsys, monkeypatch):
+    monkeypatch.setenv("RLCLI_DEBUG", "1")
+    with pytest.raises(UsageError, match="nosuchrun"):
+        main(["runs", "show", "nosuchrun"])
 
 
 def test_without_debug_no_traceback(capsys):
@@ -363,10 +412,17 @@ def test_without_debug_no_traceback(capsys):
 
 def test_debug_traceback_in_a_real_process(tmp_path):
     env = {**os.environ, "RLCLI_HOME": str(tmp_path / "home")}
-    plain = subprocess.run([str(RLCLI), "runs", "show", "ghost"], check=False, capture_output=True, text=True, env=env, timeout=60)
+    plain = subprocess.run(
+        [str(RLCLI), "runs", "show", "ghost"], check=False, capture_output=True, text=True, env=env, timeout=60
+    )
     assert plain.returncode == 2 and "Traceback" not in plain.stderr and "ghost" in plain.stderr
     debug = subprocess.run(
-        [str(RLCLI), "runs", "show", "ghost", "--debug"], check=False, capture_output=True, text=True, env=env, timeout=60
+        [str(RLCLI), "--debug", "runs", "show", "ghost"],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
     )
     assert debug.returncode != 0
     assert "Traceback" in debug.stderr and "UsageError" in debug.stderr
@@ -375,7 +431,7 @@ def test_debug_traceback_in_a_real_process(tmp_path):
 def test_unexpected_error_is_one_line_without_debug(capsys, monkeypatch, good):
     import rlcli.engine.pipeline
 
-    def boom(ctx):
+    def boom(ctx, on_summary=None):
         raise RuntimeError("kaboom")
 
     monkeypatch.setattr(rlcli.engine.pipeline, "run_all", boom)
@@ -384,10 +440,10 @@ def test_unexpected_error_is_one_line_without_debug(capsys, monkeypatch, good):
     line = one_line(err)
     assert "RuntimeError" in line and "kaboom" in line and "--debug" in line
     with pytest.raises(RuntimeError, match="kaboom"):
-        main(["run", "-r", str(good), "--debug"])
+        main(["--debug", "run", "-r", str(good)])
     rundb = RunDB.open()
     try:
-        assert rundb.get_run("good")["status"] == "failed"
+        assert rundb.get_run("good").status == "failed"
     finally:
         rundb.close()
 
@@ -420,7 +476,7 @@ def test_lock_held_elsewhere_exits_1_naming_the_pid(capsys, rlcli_home, good):
 def test_interrupt_prints_the_resume_hint(capsys, monkeypatch, good):
     import rlcli.engine.pipeline
 
-    def interrupted(ctx):
+    def interrupted(ctx, on_summary=None):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(rlcli.engine.pipeline, "run_all", interrupted)

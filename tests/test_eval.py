@@ -9,6 +9,7 @@ import pytest
 
 from helpers import make_ctx, run_cli, write_recipe
 from rlcli.engine.evaluate import eval_metrics, mean_interval, pass_at_k, run_eval, wilson_interval
+from rlcli.store.records import EndReason, Episode
 
 
 def test_pass_at_k_matches_hand_computed_values():
@@ -36,12 +37,34 @@ def test_mean_interval_is_normal_over_task_rates():
 
 
 def test_eval_metrics_from_episodes():
-    rows = []
+    episodes = []
     for task, successes in enumerate([[1, 1, 0], [0, 0, 0]]):
-        for s in successes:
-            rows.append({"task_index": task, "success": s, "env_return": float(s), "num_turns": 2,
-                         "num_tokens": 10, "status": "ok"})
-    m = eval_metrics(rows, k=3)
+        for sample, s in enumerate(successes):
+            episodes.append(
+                Episode(
+                    id=None,
+                    run="r",
+                    stage="eval/base",
+                    iteration=None,
+                    split="eval",
+                    task_index=task,
+                    sample_index=sample,
+                    seed=0,
+                    policy="base",
+                    status="ok",
+                    end_reason=EndReason.TERMINATED,
+                    env_return=float(s),
+                    success=bool(s),
+                    num_turns=2,
+                    num_tokens=10,
+                    task={},
+                    messages=[],
+                    template_consistent=True,
+                    error=None,
+                    created_at="",
+                )
+            )
+    m = eval_metrics(episodes, k=3)
     assert m["tasks"] == 2 and m["success_rate"] == pytest.approx(2 / 6)
     assert m["pass_at_k"] == pytest.approx(0.5)  # task 0 passes at k=3, task 1 never
     assert m["avg_at_k"] == pytest.approx((2 / 3 + 0) / 2)
@@ -50,18 +73,22 @@ def test_eval_metrics_from_episodes():
 
 
 def test_eval_several_checkpoints_in_one_call_and_resume(tmp_path):
-    recipe = write_recipe(tmp_path / "r.yaml", env={"name": "guess_number", "max_turns": 2, "kwargs": {"low": 1, "high": 3}},
-                          rollout={"tasks": 2, "group_size": 2, "max_new_tokens": 6, "batch_size": 4},
-                          grpo={"iterations": 1, "lr": 1e-3}, eval={"tasks": 3, "k": 2})
+    recipe = write_recipe(
+        tmp_path / "r.yaml",
+        env={"name": "guess_number", "max_turns": 2, "kwargs": {"low": 1, "high": 3}},
+        rollout={"tasks": 2, "group_size": 2, "max_new_tokens": 6, "batch_size": 4},
+        grpo={"iterations": 1, "lr": 1e-3},
+        eval={"tasks": 3, "k": 2},
+    )
     ctx = make_ctx(recipe, tmp_path / "runs")
     from rlcli.engine.train import run_grpo
 
     run_grpo(ctx)
     rows = run_eval(ctx, ["base", "latest", "expert"])
-    assert [r["checkpoint"].split(" ")[0] for r in rows] == ["base", "latest", "expert"]
-    assert all(r["tasks"] == 3 and r["k"] == 2 for r in rows)
+    assert [r.checkpoint for r in rows] == ["base", "latest", "expert"]
+    assert all(r.tasks == 3 and r.k == 2 for r in rows)
     expert = rows[-1]
-    assert expert["success_rate"] == 1.0 and expert["pass_at_k"] == 1.0
+    assert expert.success_rate == 1.0 and expert.pass_at_k == 1.0
     # Eval tasks are the held-out split.
     seeds = {r["seed"] for r in ctx.rundb.db.query("select seed from episodes where split = 'eval'")}
     train_seeds = {r["seed"] for r in ctx.rundb.db.query("select seed from episodes where split = 'train'")}
@@ -73,19 +100,22 @@ def test_eval_several_checkpoints_in_one_call_and_resume(tmp_path):
 
 
 def test_eval_with_other_decoding_or_more_tasks_is_measured_not_read_back(tmp_path):
-    recipe = write_recipe(tmp_path / "r.yaml", env={"name": "guess_number", "max_turns": 2, "kwargs": {"low": 1, "high": 3}},
-                          eval={"tasks": 3, "k": 1})
+    recipe = write_recipe(
+        tmp_path / "r.yaml",
+        env={"name": "guess_number", "max_turns": 2, "kwargs": {"low": 1, "high": 3}},
+        eval={"tasks": 3, "k": 1},
+    )
     runs = tmp_path / "runs"
     (greedy,) = run_eval(make_ctx(recipe, runs), ["base"])
     (sampled,) = run_eval(make_ctx(recipe, runs, ["eval.temperature=1.0"]), ["base"])
     (more,) = run_eval(make_ctx(recipe, runs, ["eval.tasks=5"]), ["base"])
-    assert (greedy["stage"], sampled["stage"], more["stage"]) == ("eval/base", "eval/base@t1-k1", "eval/base")
-    assert (greedy["tasks"], sampled["tasks"], more["tasks"]) == (3, 3, 5)
+    assert (greedy.stage, sampled.stage, more.stage) == ("eval/base", "eval/base@t1-k1", "eval/base")
+    assert (greedy.tasks, sampled.tasks, more.tasks) == (3, 3, 5)
     ctx = make_ctx(recipe, runs)
     assert ctx.rundb.db.execute("select count(*) from episodes where stage = 'eval/base'").fetchone()[0] == 5
-    from rlcli.report.core import eval_rows
+    from rlcli.store.evals import eval_results
 
-    assert [r["label"] for r in eval_rows(ctx.rundb, ctx.run)] == ["base @t1-k1", "base"]
+    assert [r.label for r in eval_results(ctx.rundb, ctx.run)] == ["base @t1-k1", "base"]
 
 
 def test_cli_eval_json_and_runs_show_include_evals(tmp_path):

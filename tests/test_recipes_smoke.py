@@ -11,9 +11,17 @@ from rlcli.engine.pipeline import run_all
 
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
 SMALL = [
-    "model.name=tiny-random", "model.max_length=1024", "sft.demos=4", "sft.batch_size=4",
-    "sft.micro_batch_size=4", "grpo.iterations=1", "rollout.tasks=1", "rollout.group_size=2",
-    "rollout.max_new_tokens=8", "eval.tasks=2", "eval.k=1",
+    "model.name=tiny-random",
+    "model.max_length=1024",
+    "sft.demos=4",
+    "sft.batch_size=4",
+    "sft.micro_batch_size=4",
+    "grpo.iterations=1",
+    "rollout.tasks=1",
+    "rollout.group_size=2",
+    "rollout.max_new_tokens=8",
+    "eval.tasks=2",
+    "eval.k=1",
 ]
 
 
@@ -28,7 +36,7 @@ def test_recipe_runs_on_the_tiny_model(recipe: Path, tmp_path):
         pytest.importorskip("reasoning_gym")
     ctx = make_ctx(recipe, tmp_path / "runs", SMALL)
     run_all(ctx)
-    stages = {s["name"]: s["status"] for s in ctx.rundb.stages(ctx.run)}
+    stages = {s.name: s.status for s in ctx.rundb.stages(ctx.run)}
     assert stages and all(status == "done" for status in stages.values()), stages
     evals = ctx.rundb.db["evals"].count
     assert evals == len({c for c in ctx.recipe.eval.checkpoints if c != "sft" or ctx.recipe.sft.source != "none"})

@@ -11,12 +11,16 @@ import pytest
 from rlcli.cli.app import main
 from rlcli.errors import UsageError
 from rlcli.recipe import Recipe
-from rlcli.engine.rollout import pack_floats, pack_ids
+from rlcli.store.blobs import pack_floats, pack_ids
 from rlcli.store.db import DB_NAME, RunDB
 
 STAGES = [  # (name, status, start second, end second, error)
     ("sft", "done", 0, 30, None),
-    *((f"{kind}/{i}", "done", 30 + 10 * i, 35 + 10 * i, None) for i in range(3) for kind in ("rollout", "label", "train")),
+    *(
+        (f"{kind}/{i}", "done", 30 + 10 * i, 35 + 10 * i, None)
+        for i in range(3)
+        for kind in ("rollout", "label", "train")
+    ),
     ("eval/base", "done", 100, 110, None),
     ("eval/ckpt-2", "done", 110, 125, None),
     ("train/3", "failed", 130, 131, "loss is NaN"),
@@ -36,8 +40,16 @@ def make_run(rundb: RunDB, name: str, *, scale: float = 1.0, evals: bool = True)
     rundb.start_run(name, recipe, None)
     db = rundb.db
     for stage, status, start, end, error in STAGES:
-        db["stages"].insert({"run": name, "name": stage, "status": status, "started_at": stamp(start),
-                             "finished_at": stamp(end), "error": error})
+        db["stages"].insert(
+            {
+                "run": name,
+                "name": stage,
+                "status": status,
+                "started_at": stamp(start),
+                "finished_at": stamp(end),
+                "error": error,
+            }
+        )
     for it in range(3):
         for task in range(2):
             for sample in range(2):
@@ -48,43 +60,114 @@ def make_run(rundb: RunDB, name: str, *, scale: float = 1.0, evals: bool = True)
                     {"role": "user", "content": f"[{it}] What is {task} + {sample}?"},
                     {"role": "assistant", "content": str(task + sample)},
                 ]
-                episode = db["episodes"].insert({
-                    "run": name, "stage": f"rollout/{it}", "iteration": it, "split": "train", "task_index": task,
-                    "sample_index": sample, "seed": 7, "policy": "base", "status": "failed" if failed else "ok",
-                    "end_reason": "error" if failed else "terminated", "env_return": total, "success": int(total > 0.3 and not failed),
-                    "num_turns": 1, "num_tokens": 3, "task": json.dumps({"a": task, "b": sample}),
-                    "messages": json.dumps(messages), "template_consistent": 1,
-                    "error": "env crashed: boom" if failed else None, "created_at": stamp(40 + it),
-                }).last_pk
-                db["turns"].insert({
-                    "episode_id": episode, "turn_index": 0, "prompt_ids": pack_ids([1, 2, 3, 40000 + task]),
-                    "completion_ids": pack_ids([5, 6, sample]), "logprobs": pack_floats([-0.1, -2.5, -0.003]),
-                    "text": str(task + sample), "observation": "[]", "reward": total, "terminated": 1,
-                    "truncated": 0, "info": "{}", "gen_time_s": 0.01, "env_time_s": 0.001,
-                })
+                episode = (
+                    db["episodes"]
+                    .insert(
+                        {
+                            "run": name,
+                            "stage": f"rollout/{it}",
+                            "iteration": it,
+                            "split": "train",
+                            "task_index": task,
+                            "sample_index": sample,
+                            "seed": 7,
+                            "policy": "base",
+                            "status": "failed" if failed else "ok",
+                            "end_reason": "error" if failed else "terminated",
+                            "env_return": total,
+                            "success": int(total > 0.3 and not failed),
+                            "num_turns": 1,
+                            "num_tokens": 3,
+                            "task": json.dumps({"a": task, "b": sample}),
+                            "messages": json.dumps(messages),
+                            "template_consistent": 1,
+                            "error": "env crashed: boom" if failed else None,
+                            "created_at": stamp(40 + it),
+                        }
+                    )
+                    .last_pk
+                )
+                db["turns"].insert(
+                    {
+                        "episode_id": episode,
+                        "turn_index": 0,
+                        "prompt_ids": pack_ids([1, 2, 3, 40000 + task]),
+                        "completion_ids": pack_ids([5, 6, sample]),
+                        "logprobs": pack_floats([-0.1, -2.5, -0.003]),
+                        "text": str(task + sample),
+                        "observation": "[]",
+                        "reward": total,
+                        "terminated": 1,
+                        "truncated": 0,
+                        "info": "{}",
+                        "gen_time_s": 0.01,
+                        "env_time_s": 0.001,
+                    }
+                )
                 if not failed:
-                    db["rewards"].insert_all([
-                        {"episode_id": episode, "label_set": "grpo", "component": "correct", "value": total,
-                         "weight": 1.0, "error": None},
-                        {"episode_id": episode, "label_set": "grpo", "component": "total", "value": total,
-                         "weight": None, "error": None},
-                    ])
-        rundb.log_metrics(name, "grpo", it, {
-            "rollout/reward_mean": REWARD[it] * scale, "rollout/reward_std": 0.1, "rollout/success_rate": SUCCESS[it],
-            "train/loss": 0.5 - 0.1 * it, "train/kl": 0.01 * it, "train/entropy": 1.5 - 0.2 * it,
-        })
+                    db["rewards"].insert_all(
+                        [
+                            {
+                                "episode_id": episode,
+                                "label_set": "grpo",
+                                "component": "correct",
+                                "value": total,
+                                "weight": 1.0,
+                                "error": None,
+                            },
+                            {
+                                "episode_id": episode,
+                                "label_set": "grpo",
+                                "component": "total",
+                                "value": total,
+                                "weight": None,
+                                "error": None,
+                            },
+                        ]
+                    )
+        rundb.log_metrics(
+            name,
+            "grpo",
+            it,
+            {
+                "rollout/reward_mean": REWARD[it] * scale,
+                "rollout/reward_std": 0.1,
+                "rollout/success_rate": SUCCESS[it],
+                "train/loss": 0.5 - 0.1 * it,
+                "train/kl": 0.01 * it,
+                "train/entropy": 1.5 - 0.2 * it,
+            },
+        )
     for step in range(5):
         rundb.log_metrics(name, "sft", step, {"sft/loss": 2.0 / (step + 1)})
     rundb.add_checkpoint(name, "sft", 0, f"/tmp/{name}/sft", "lora")
     ckpt = rundb.add_checkpoint(name, "train/2", 2, f"/tmp/{name}/ckpt-2", "lora")
     if evals:
-        for stage, which, ckpt_id, rate in (("eval/base", "base", None, 0.25), ("eval/ckpt-2", "latest", ckpt, 0.6 * scale)):
-            db["evals"].insert({
-                "run": name, "stage": stage, "checkpoint": which, "checkpoint_id": ckpt_id, "split": "eval",
-                "tasks": 20, "k": 1, "success_rate": rate, "ci_low": rate - 0.15, "ci_high": rate + 0.15,
-                "mean_return": rate, "pass_at_k": rate, "avg_at_k": rate, "mean_turns": 1.0, "mean_tokens": 3.0,
-                "details": json.dumps({"failed_episodes": 0}), "created_at": stamp(120),
-            })
+        for stage, which, ckpt_id, rate in (
+            ("eval/base", "base", None, 0.25),
+            ("eval/ckpt-2", "latest", ckpt, 0.6 * scale),
+        ):
+            db["evals"].insert(
+                {
+                    "run": name,
+                    "stage": stage,
+                    "checkpoint": which,
+                    "checkpoint_id": ckpt_id,
+                    "split": "eval",
+                    "tasks": 20,
+                    "k": 1,
+                    "success_rate": rate,
+                    "ci_low": rate - 0.15,
+                    "ci_high": rate + 0.15,
+                    "mean_return": rate,
+                    "pass_at_k": rate,
+                    "avg_at_k": rate,
+                    "mean_turns": 1.0,
+                    "mean_tokens": 3.0,
+                    "details": json.dumps({"failed_episodes": 0}),
+                    "created_at": stamp(120),
+                }
+            )
 
 
 @pytest.fixture(scope="module")
@@ -261,7 +344,9 @@ def test_export_round_trips(capsys, runs_dir, tmp_path, fmt):
     rundb = RunDB.open(runs_dir)
     try:
         episodes = read_table(out_dir / f"episodes.{fmt}")
-        assert [e["id"] for e in episodes] == [r["id"] for r in rundb.db["episodes"].rows_where("run = 'demo'", order_by="id")]
+        assert [e["id"] for e in episodes] == [
+            r["id"] for r in rundb.db["episodes"].rows_where("run = 'demo'", order_by="id")
+        ]
         assert episodes[0]["messages"] == rundb.db["episodes"].get(episodes[0]["id"])["messages"]
         turns = read_table(out_dir / f"turns.{fmt}")
         assert len(turns) == 12
@@ -269,8 +354,12 @@ def test_export_round_trips(capsys, runs_dir, tmp_path, fmt):
         assert first["prompt_ids"] == [1, 2, 3, 40000] and first["completion_ids"] == [5, 6, 1]
         assert first["logprobs"] == pytest.approx([-0.1, -2.5, -0.003], rel=1e-6)
         rewards = read_table(out_dir / f"rewards.{fmt}")
-        stored = {(r["episode_id"], r["component"]): r["value"] for r in rundb.db.query(
-            "select r.* from rewards r join episodes e on e.id = r.episode_id where e.run = 'demo'")}
+        stored = {
+            (r["episode_id"], r["component"]): r["value"]
+            for r in rundb.db.query(
+                "select r.* from rewards r join episodes e on e.id = r.episode_id where e.run = 'demo'"
+            )
+        }
         assert {(r["episode_id"], r["component"]): r["value"] for r in rewards} == stored
         metrics = read_table(out_dir / f"metrics.{fmt}")
         assert len(metrics) == 3 * 6 + 5 and all(m["run"] == "demo" for m in metrics)
@@ -307,7 +396,7 @@ def test_unknown_run_exits_2(capsys, runs_dir, args):
 
 
 def test_without_a_database_exits_2(capsys, tmp_path):
-    code, _, err = cli(capsys, "runs", "episodes", "demo", "--runs-dir", tmp_path / "nowhere")
+    code, _, err = cli(capsys, "--runs-dir", tmp_path / "nowhere", "runs", "episodes", "demo")
     assert code == 2 and "no run database" in err
 
 
@@ -355,5 +444,9 @@ def test_tensorboard_tracker_writes_scalars(tmp_path):
             tracker.log({"rollout/reward_mean": 0.1 * step, "train/kl": None}, step=step)
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
-    assert [(e.step, round(e.value, 3)) for e in events.Scalars("rollout/reward_mean")] == [(0, 0.0), (1, 0.1), (2, 0.2)]
+    assert [(e.step, round(e.value, 3)) for e in events.Scalars("rollout/reward_mean")] == [
+        (0, 0.0),
+        (1, 0.1),
+        (2, 0.2),
+    ]
     assert "train/kl" not in events.Tags()["scalars"]

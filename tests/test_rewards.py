@@ -9,7 +9,9 @@ import pytest
 
 from rlcli.errors import RlcliError, UsageError
 from rlcli.recipe import RewardSpec
-from rlcli.rewards.core import build_reward_fns, label_episodes, parse_answer, parse_score
+from rlcli.rewards.builtins import parse_answer
+from rlcli.rewards.judge import parse_score
+from rlcli.rewards.scoring import build_reward_fns, label_episodes
 
 
 def episode(id: int, completion: str, **fields) -> dict:

@@ -10,9 +10,10 @@ import time
 import pytest
 import torch
 
-from rlcli.envs.base import load_env
-from helpers import RLCLI, cli_env, make_ctx, run_cli, write_env_file, write_recipe
-from rlcli.engine.rollout import derive_seed, load_rollout_policy, run_rollout_stage, unpack_floats, unpack_ids
+from helpers import RLCLI, cli_env, make_ctx, run_cli, sequence_logprobs, write_env_file, write_recipe
+from rlcli.engine.rollout import derive_seed, load_rollout_policy, run_rollout_stage
+from rlcli.envs.loading import load_env
+from rlcli.store.blobs import unpack_floats, unpack_ids
 
 
 def _episodes(ctx, stage="rollout"):
@@ -38,14 +39,16 @@ def test_smollm2_rollout_records_exact_tokens_and_logprobs(tmp_path, env, smollm
 
 
 def check_exact_records(tmp_path, env, model):
-    recipe = write_recipe(tmp_path / "r.yaml", env={"name": env, "max_turns": 3}, model={"name": model},
-                          rollout={"tasks": 2, "group_size": 2, "max_new_tokens": 6, "batch_size": 4})
+    recipe = write_recipe(
+        tmp_path / "r.yaml",
+        env={"name": env, "max_turns": 3},
+        model={"name": model},
+        rollout={"tasks": 2, "group_size": 2, "max_new_tokens": 6, "batch_size": 4},
+    )
     ctx = make_ctx(recipe, tmp_path / "runs")
     summary = run_rollout_stage(ctx, stage="rollout", policy="base", split="train")
-    assert summary["episodes"] == 4
+    assert summary.episodes == 4
     _, model, tokenizer = load_rollout_policy(ctx, "base")
-    from rlcli.engine.sampling import sequence_logprobs
-
     for ep in _episodes(ctx):
         assert ep["status"] == "ok", ep["error"]
         turns = _turns(ctx, ep["id"])
@@ -66,15 +69,19 @@ def check_exact_records(tmp_path, env, model):
         last_prompt = unpack_ids(turns[-1]["prompt_ids"])
         upto = [i for i, m in enumerate(messages) if m["role"] == "assistant"][-1]
         tools = getattr(load_env(env, {})(), "tools", None)
-        rendered = tokenizer.apply_chat_template(messages[:upto], tools=tools, add_generation_prompt=True,
-                                                 tokenize=False)
+        rendered = tokenizer.apply_chat_template(
+            messages[:upto], tools=tools, add_generation_prompt=True, tokenize=False
+        )
         assert tokenizer.decode(last_prompt, skip_special_tokens=False) == rendered
 
 
 def test_rollout_is_deterministic_and_independent_of_batching(tmp_path):
     # Multi-turn, so episodes end at different turns and leave the batch's turn cache.
-    recipe = write_recipe(tmp_path / "r.yaml", env={"name": "guess_number", "max_turns": 3, "kwargs": {"high": 3}},
-                          rollout={"tasks": 3, "group_size": 2, "max_new_tokens": 6, "batch_size": 6})
+    recipe = write_recipe(
+        tmp_path / "r.yaml",
+        env={"name": "guess_number", "max_turns": 3, "kwargs": {"high": 3}},
+        rollout={"tasks": 3, "group_size": 2, "max_new_tokens": 6, "batch_size": 6},
+    )
     a = make_ctx(recipe, tmp_path / "a")
     run_rollout_stage(a, stage="rollout", policy="base", split="train")
     b = make_ctx(recipe, tmp_path / "b", ["rollout.batch_size=2"])
@@ -91,9 +98,9 @@ def test_rollout_is_deterministic_and_independent_of_batching(tmp_path):
 def test_turn_cache_prefills_only_new_tokens_and_matches_a_full_prefill():
     """Turn 2 with the cache of turn 1 (one row dropped, rows of different lengths) samples what a
     fresh prefill of the whole conversation samples, with the same logprobs."""
+    from rlcli.engine.sampling import SamplingConfig, TurnCache, sample_batch
     from rlcli.models.loading import load_policy
     from rlcli.recipe import ModelSection, QuantizationSection
-    from rlcli.engine.sampling import SamplingConfig, TurnCache, sample_batch
 
     model, tokenizer = load_policy(ModelSection(name="tiny-random"), None, QuantizationSection(), trainable=False)
     cfg = SamplingConfig(temperature=1.0, max_new_tokens=5)
@@ -119,17 +126,20 @@ def test_turn_cache_prefills_only_new_tokens_and_matches_a_full_prefill():
 
 
 def test_expert_policy_solves_and_stores_text_only(tmp_path):
-    recipe = write_recipe(tmp_path / "r.yaml", env={"name": "guess_number", "max_turns": 8},
-                          rollout={"tasks": 4, "group_size": 1})
+    recipe = write_recipe(
+        tmp_path / "r.yaml", env={"name": "guess_number", "max_turns": 8}, rollout={"tasks": 4, "group_size": 1}
+    )
     ctx = make_ctx(recipe, tmp_path / "runs")
     summary = run_rollout_stage(ctx, stage="demos", policy="expert", split="train")
-    assert summary["success_rate"] == 1.0
+    assert summary.success_rate == 1.0
     ep = _episodes(ctx, "demos")[0]
     assert ep["policy"] == "expert" and ep["num_tokens"] == 0
 
 
 def test_raising_env_is_a_failed_episode_and_the_rest_go_on(tmp_path):
-    env_file = write_env_file(tmp_path / "flaky.py", """
+    env_file = write_env_file(
+        tmp_path / "flaky.py",
+        """
         class Flaky:
             def reset(self, seed):
                 self.seed = seed
@@ -140,13 +150,14 @@ def test_raising_env_is_a_failed_episode_and_the_rest_go_on(tmp_path):
                 return "ok", 1.0, True, False, {}
         def make_env():
             return Flaky()
-    """)
+    """,
+    )
     recipe = write_recipe(tmp_path / "r.yaml", env={"name": str(env_file)}, rollout={"tasks": 4, "group_size": 1})
     ctx = make_ctx(recipe, tmp_path / "runs")
     summary = run_rollout_stage(ctx, stage="rollout", policy="base", split="train")
     eps = _episodes(ctx)
     failed = [e for e in eps if e["status"] == "failed"]
-    assert summary["episodes"] == 4 and 0 < len(failed) < 4
+    assert summary.episodes == 4 and 0 < len(failed) < 4
     assert all("boom on odd seeds" in e["error"] for e in failed)
     assert all(e["env_return"] == 1.0 for e in eps if e["status"] == "ok")
 
@@ -161,10 +172,18 @@ def test_context_budget_overflow_fails_the_episode(tmp_path):
 
 def test_kill_during_rollout_resumes_without_duplicates(tmp_path):
     runs = tmp_path / "runs"
-    recipe = write_recipe(tmp_path / "r.yaml", env={"name": "guess_number", "max_turns": 2},
-                          rollout={"tasks": 12, "group_size": 2, "max_new_tokens": 12, "batch_size": 4})
-    proc = subprocess.Popen(RLCLI + ["rollout", "-r", str(recipe), "--policy", "base"], env=cli_env(runs),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    recipe = write_recipe(
+        tmp_path / "r.yaml",
+        env={"name": "guess_number", "max_turns": 2},
+        # batch_size 1: 24 chunks, each its own commit, so the kill lands mid-rollout even on a fast machine.
+        rollout={"tasks": 12, "group_size": 2, "max_new_tokens": 12, "batch_size": 1},
+    )
+    proc = subprocess.Popen(
+        RLCLI + ["rollout", "-r", str(recipe), "--policy", "base"],
+        env=cli_env(runs),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     import sqlite3
 
     deadline = time.time() + 120
@@ -187,7 +206,8 @@ def test_kill_during_rollout_resumes_without_duplicates(tmp_path):
         keys = conn.execute("select task_index, sample_index from episodes where stage = 'rollout'").fetchall()
         resumed = conn.execute(
             "select e.task_index, e.sample_index, t.turn_index, t.completion_ids from episodes e "
-            "join turns t on t.episode_id = e.id order by 1, 2, 3").fetchall()
+            "join turns t on t.episode_id = e.id order by 1, 2, 3"
+        ).fetchall()
     assert len(keys) == len(set(keys)) == 24
     # The resumed run equals an uninterrupted one.
     clean = tmp_path / "clean"
@@ -195,7 +215,8 @@ def test_kill_during_rollout_resumes_without_duplicates(tmp_path):
     with sqlite3.connect(clean / "rlcli.db") as conn:
         reference = conn.execute(
             "select e.task_index, e.sample_index, t.turn_index, t.completion_ids from episodes e "
-            "join turns t on t.episode_id = e.id order by 1, 2, 3").fetchall()
+            "join turns t on t.episode_id = e.id order by 1, 2, 3"
+        ).fetchall()
     assert resumed == reference
 
 
@@ -212,16 +233,27 @@ def test_relabelling_adds_a_label_set_without_touching_episodes(tmp_path):
     from rlcli.recipe import load_recipe
 
     # What `rlcli label --label-set v2 --force` does with a recipe whose rewards changed.
-    ctx.recipe = load_recipe(write_recipe(tmp_path / "r2.yaml", rewards=[
-        {"fn": "env_return", "weight": 0.5}, {"fn": f"{fn_file}:brevity", "name": "brevity"}]))
+    ctx.recipe = load_recipe(
+        write_recipe(
+            tmp_path / "r2.yaml",
+            rewards=[{"fn": "env_return", "weight": 0.5}, {"fn": f"{fn_file}:brevity", "name": "brevity"}],
+        )
+    )
     run_label_stage(ctx, label_set="v2")
     assert [dict(e) for e in _episodes(ctx)] == before
     rows = list(ctx.rundb.db.query("select label_set, component, count(*) n from rewards group by 1, 2 order by 1, 2"))
     assert [(r["label_set"], r["component"], r["n"]) for r in rows] == [
-        ("v1", "env_return", 4), ("v1", "total", 4),
-        ("v2", "brevity", 4), ("v2", "env_return", 4), ("v2", "total", 4),
+        ("v1", "env_return", 4),
+        ("v1", "total", 4),
+        ("v2", "brevity", 4),
+        ("v2", "env_return", 4),
+        ("v2", "total", 4),
     ]
     for ep in before:
-        vals = {r["component"]: r["value"] for r in ctx.rundb.db.query(
-            "select component, value from rewards where episode_id = ? and label_set = 'v2'", [ep["id"]])}
+        vals = {
+            r["component"]: r["value"]
+            for r in ctx.rundb.db.query(
+                "select component, value from rewards where episode_id = ? and label_set = 'v2'", [ep["id"]]
+            )
+        }
         assert vals["total"] == pytest.approx(0.5 * vals["env_return"] + vals["brevity"])

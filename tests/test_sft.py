@@ -14,11 +14,17 @@ import pytest
 import torch
 
 from helpers import REPO, cli_env, make_ctx, write_recipe
-from rlcli.errors import UsageError
 from rlcli.engine.sft import (
-    Conversation, build_trainer, conversation_from_row, encode_conversations, episode_conversations, load_conversations,
-    read_conversations, run_sft, split_examples, tokenize_conversation,
+    build_trainer,
+    encode_conversations,
+    episode_conversations,
+    load_conversations,
+    run_sft,
+    split_examples,
+    tokenize_conversation,
 )
+from rlcli.engine.sft_data import Conversation, conversation_from_row, read_conversations
+from rlcli.errors import UsageError
 
 RLCLI_BIN = Path(sys.executable).parent / "rlcli"
 CHAT = [
@@ -34,9 +40,9 @@ CHAT = [
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """The tiny-random policy and tokenizer, built once for the module's tokenisation tests."""
+    from rlcli.engine.sampling import _eos_ids
     from rlcli.models.loading import load_policy
     from rlcli.recipe import ModelSection, QuantizationSection
-    from rlcli.engine.sampling import _eos_ids
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("RLCLI_HOME", str(tmp_path_factory.mktemp("home")))
@@ -77,7 +83,9 @@ def test_trl_turns_the_mask_into_labels(tmp_path, tiny):
     rows, _ = encode_conversations(tokenizer, [Conversation(CHAT, "chat")] * 2, 512, end_ids)
     trainer = build_trainer(ctx, model, tokenizer, rows, [], callbacks=[])
     [labels] = trainer.train_dataset[:1]["labels"]
-    assert [t for t in labels if t != -100] == [t for t, m in zip(rows[0]["input_ids"], rows[0]["assistant_masks"]) if m]
+    assert [t for t in labels if t != -100] == [
+        t for t, m in zip(rows[0]["input_ids"], rows[0]["assistant_masks"]) if m
+    ]
 
 
 def test_truncation_at_max_length(tiny):
@@ -158,20 +166,39 @@ def test_reads_prompt_completion_pairs(tmp_path, fmt):
         ('{"messages": []}\n', 1, "expected `messages` to be a non-empty list of messages; got an empty list"),
         ('{"text": "hi"}\n', 1, "expected `messages`, or `prompt` and `completion`; found text"),
         ('\n{"messages": [{"role": "user", "content": "hi"}]}\n', 2, "expected an assistant message in the messages"),
-        ('{"messages": [{"role": "human", "content": "hi"}]}\n', 1,
-         "messages message 1: expected role system, user, assistant or tool; got 'human'"),
+        (
+            '{"messages": [{"role": "human", "content": "hi"}]}\n',
+            1,
+            "messages message 1: expected role system, user, assistant or tool; got 'human'",
+        ),
         ('{"messages": [{"role": "user", "content": 3}]}\n', 1, "expected `content` to be a string; got a number"),
-        ('{"prompt": "hi", "completion": [{"role": "assistant", "content": "yo"}]}\n', 1,
-         "expected `prompt` and `completion` to be both strings or both lists of messages; got a string and a list"),
+        (
+            '{"prompt": "hi", "completion": [{"role": "assistant", "content": "yo"}]}\n',
+            1,
+            "expected `prompt` and `completion` to be both strings or both lists of messages; got a string and a list",
+        ),
         ('{"messages": [{"role": "assistant", "content": "hi"}]}\n', 1, "open with a system or user message"),
-        ('{"prompt": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], '
-         '"completion": [{"role": "user", "content": "c"}]}\n', 1, "expected an assistant message in the completion"),
-        ('{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}\n[1, 2]\n', 2,
-         "expected an object with `messages`, or `prompt` and `completion`; got a list"),
-        ('{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}\n{"messages": \n',
-         2, "expected one JSON object per line"),
-        ('{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], "tools": "{x"}\n',
-         1, "`tools` is a string but not JSON"),
+        (
+            '{"prompt": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], '
+            '"completion": [{"role": "user", "content": "c"}]}\n',
+            1,
+            "expected an assistant message in the completion",
+        ),
+        (
+            '{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}\n[1, 2]\n',
+            2,
+            "expected an object with `messages`, or `prompt` and `completion`; got a list",
+        ),
+        (
+            '{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}\n{"messages": \n',
+            2,
+            "expected one JSON object per line",
+        ),
+        (
+            '{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], "tools": "{x"}\n',
+            1,
+            "`tools` is a string but not JSON",
+        ),
     ],
 )
 def test_malformed_rows_name_the_file_and_row(tmp_path, content, row, expected):
@@ -209,8 +236,12 @@ def test_recipe_mistakes_are_refused_before_any_work(tmp_path):
     ctx = make_ctx(write_recipe(tmp_path / "r.yaml"), tmp_path / "runs")
     with pytest.raises(UsageError, match="sft.source is none"):
         run_sft(ctx)
-    ctx = make_ctx(write_recipe(tmp_path / "r2.yaml", run={"name": "u"},
-                                sft={"source": "expert", "batch_size": 6, "micro_batch_size": 4}), tmp_path / "runs")
+    ctx = make_ctx(
+        write_recipe(
+            tmp_path / "r2.yaml", run={"name": "u"}, sft={"source": "expert", "batch_size": 6, "micro_batch_size": 4}
+        ),
+        tmp_path / "runs",
+    )
     with pytest.raises(UsageError, match=r"sft.batch_size \(6\) must be a multiple of sft.micro_batch_size \(4\)"):
         run_sft(ctx)
 
@@ -219,8 +250,16 @@ def test_recipe_mistakes_are_refused_before_any_work(tmp_path):
 
 
 def _episode(ctx, index, messages, env_return=0.0, split="train", status="ok", run=None):
-    row = {"run": run or ctx.run, "stage": "rollout", "task_index": index, "sample_index": 0, "split": split,
-           "status": status, "env_return": env_return, "messages": json.dumps(messages)}
+    row = {
+        "run": run or ctx.run,
+        "stage": "rollout",
+        "task_index": index,
+        "sample_index": 0,
+        "split": split,
+        "status": status,
+        "env_return": env_return,
+        "messages": json.dumps(messages),
+    }
     with ctx.rundb.transaction() as db:
         return db["episodes"].insert(row).last_pk
 
@@ -246,13 +285,18 @@ def test_episodes_source_keeps_good_unique_training_episodes(tmp_path):
     _label(ctx, relabelled, "b", 0.0)  # the newest label set decides, not the env return
     _episode(ctx, 5, _chat("5 "), env_return=1.0, status="failed")
     _episode(ctx, 6, _chat("5  "), env_return=1.0, split="eval")  # held-out tasks never become data
-    assert [c.origin for c in episode_conversations(ctx)] == [f"episode {good} of run t", f"episode {by_return} of run t"]
+    assert [c.origin for c in episode_conversations(ctx)] == [
+        f"episode {good} of run t",
+        f"episode {by_return} of run t",
+    ]
 
 
 def test_episodes_source_reads_another_run(tmp_path):
     other = make_ctx(write_recipe(tmp_path / "o.yaml", run={"name": "donor"}), tmp_path / "runs")
     donated = _episode(other, 0, _chat("5"), env_return=1.0)
-    ctx = make_ctx(write_recipe(tmp_path / "r.yaml", sft={"source": "episodes", "from_run": "donor"}), tmp_path / "runs")
+    ctx = make_ctx(
+        write_recipe(tmp_path / "r.yaml", sft={"source": "episodes", "from_run": "donor"}), tmp_path / "runs"
+    )
     assert [c.messages for c in episode_conversations(ctx)] == [_chat("5")]
     assert episode_conversations(ctx)[0].origin == f"episode {donated} of run donor"
     ctx.recipe.sft.min_reward = 2.0
@@ -279,28 +323,38 @@ def _mean_assistant_nll(model, rows) -> float:
 
 
 def test_sft_on_expert_demos_raises_their_likelihood(tmp_path):
-    from rlcli.models.loading import load_policy
     from rlcli.engine.sampling import _eos_ids
+    from rlcli.models.loading import load_policy
 
-    recipe = write_recipe(tmp_path / "r.yaml", env={"name": "guess_number"}, sft={
-        "source": "expert", "demos": 16, "lr": 1e-2, "epochs": 4, "batch_size": 4, "micro_batch_size": 4,
-        "save_steps": 100, "eval_fraction": 0.25,
-    })
+    recipe = write_recipe(
+        tmp_path / "r.yaml",
+        env={"name": "guess_number"},
+        sft={
+            "source": "expert",
+            "demos": 16,
+            "lr": 1e-2,
+            "epochs": 4,
+            "batch_size": 4,
+            "micro_batch_size": 4,
+            "save_steps": 100,
+            "eval_fraction": 0.25,
+        },
+    )
     ctx = make_ctx(recipe, tmp_path / "runs")
     summary = run_sft(ctx)
-    assert summary["examples"] == 16 and summary["eval_examples"] == 4 and summary["steps"] == 12
+    assert summary.examples == 16 and summary.eval_examples == 4 and summary.steps == 12
 
     r = ctx.recipe
     base, tokenizer = load_policy(r.model, r.lora, r.quantization, trainable=False)
     rows, _ = encode_conversations(tokenizer, load_conversations(ctx), r.model.max_length, _eos_ids(base, tokenizer))
     [row] = ctx.rundb.checkpoints(ctx.run)
-    assert (row["stage"], row["kind"], row["path"], row["id"]) == ("sft", "lora", summary["path"], summary["checkpoint_id"])
-    assert ctx.rundb.resolve_checkpoint(ctx.run, "sft")["id"] == row["id"]
-    tuned, _ = load_policy(r.model, r.lora, r.quantization, adapter=row["path"], trainable=False)
+    assert (row.stage, row.kind, row.path, row.id) == ("sft", "lora", summary.path, summary.checkpoint_id)
+    assert ctx.rundb.resolve_checkpoint(ctx.run, "sft").id == row.id
+    tuned, _ = load_policy(r.model, r.lora, r.quantization, adapter=row.path, trainable=False)
     before, after = _mean_assistant_nll(base, rows), _mean_assistant_nll(tuned, rows)
     assert after < before - 0.5, (before, after)
 
-    logged = {m["key"] for m in ctx.rundb.metrics(ctx.run)}
+    logged = {m.key for m in ctx.rundb.metrics(ctx.run)}
     assert {"sft/loss", "sft/eval_loss", "sft/lr", "sft/grad_norm"} <= logged
     # Done is done: a second call returns the recorded summary and adds nothing.
     assert run_sft(ctx) == summary
@@ -313,22 +367,37 @@ def test_full_fine_tuning_and_4bit_lora_train_and_save(tmp_path, sections, kind)
     from rlcli.models.loading import load_policy
 
     data = _write(tmp_path / "data", "jsonl", [{"messages": CHAT}] * 4)
-    ctx = make_ctx(write_recipe(tmp_path / "r.yaml", sft={"source": str(data), "batch_size": 2, "micro_batch_size": 1,
-                                                           "eval_fraction": 0}, **sections), tmp_path / "runs")
+    ctx = make_ctx(
+        write_recipe(
+            tmp_path / "r.yaml",
+            sft={"source": str(data), "batch_size": 2, "micro_batch_size": 1, "eval_fraction": 0},
+            **sections,
+        ),
+        tmp_path / "runs",
+    )
     summary = run_sft(ctx)
-    assert summary["steps"] == 2 and summary["eval_loss"] is None
-    assert ctx.rundb.checkpoints(ctx.run)[0]["kind"] == kind
-    assert all(m["value"] > 0 for m in ctx.rundb.metrics(ctx.run, "sft/grad_norm"))
+    assert summary.steps == 2 and summary.eval_loss is None
+    assert ctx.rundb.checkpoints(ctx.run)[0].kind == kind
+    assert all(m.value > 0 for m in ctx.rundb.metrics(ctx.run, "sft/grad_norm"))
     r = ctx.recipe
-    load_policy(r.model, r.lora, r.quantization, adapter=summary["path"], trainable=False)
+    load_policy(r.model, r.lora, r.quantization, adapter=summary.path, trainable=False)
 
 
 def test_kill_during_sft_resumes_from_its_checkpoint(tmp_path):
     demos = 24
-    recipe = write_recipe(tmp_path / "r.yaml", env={"name": "arithmetic"}, sft={
-        "source": "expert", "demos": demos, "epochs": 6, "batch_size": 2, "micro_batch_size": 2, "save_steps": 3,
-        "eval_fraction": 0.25,
-    })
+    recipe = write_recipe(
+        tmp_path / "r.yaml",
+        env={"name": "arithmetic"},
+        sft={
+            "source": "expert",
+            "demos": demos,
+            "epochs": 6,
+            "batch_size": 2,
+            "micro_batch_size": 2,
+            "save_steps": 3,
+            "eval_fraction": 0.25,
+        },
+    )
     runs = tmp_path / "runs"
     command = [str(RLCLI_BIN), "sft", "-r", str(recipe)]
     checkpoints = runs / "t" / "sft"
@@ -336,7 +405,9 @@ def test_kill_during_sft_resumes_from_its_checkpoint(tmp_path):
     proc = subprocess.Popen(command, env=cli_env(runs), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
     # Wait for a complete checkpoint (its trainer_state.json is written last), then kill at once.
-    while time.time() < deadline and proc.poll() is None and not list(checkpoints.glob("checkpoint-*/trainer_state.json")):
+    while (
+        time.time() < deadline and proc.poll() is None and not list(checkpoints.glob("checkpoint-*/trainer_state.json"))
+    ):
         time.sleep(0.05)
     assert proc.poll() is None, "sft ended before a checkpoint appeared; give it more steps"
     proc.send_signal(signal.SIGKILL)
@@ -368,8 +439,9 @@ def test_smollm2_held_out_success_rises_after_sft_on_expert_demos(tmp_path, smol
     from rlcli.engine.evaluate import run_eval
 
     recipe = REPO / "recipes" / "quickstart.yaml"
-    ctx = make_ctx(recipe, tmp_path / "runs", ["sft.demos=48", "grpo.iterations=0", "eval.tasks=16",
-                                               "eval.temperature=0"])
+    ctx = make_ctx(
+        recipe, tmp_path / "runs", ["sft.demos=48", "grpo.iterations=0", "eval.tasks=16", "eval.temperature=0"]
+    )
     run_sft(ctx)
     base, sft = run_eval(ctx, ["base", "sft"])
-    assert sft["success_rate"] >= base["success_rate"] + 0.25, (base["success_rate"], sft["success_rate"])
+    assert sft.success_rate >= base.success_rate + 0.25, (base.success_rate, sft.success_rate)

@@ -17,7 +17,7 @@ DIGITS = "def digits(completions, **kwargs):\n    return [sum(ch.isdigit() for c
 
 
 def _metric(ctx, key):
-    return [r["value"] for r in ctx.rundb.metrics(ctx.run, key)]
+    return [r.value for r in ctx.rundb.metrics(ctx.run, key)]
 
 
 def _learnable_recipe(tmp_path, **extra):
@@ -42,40 +42,69 @@ def test_reward_rises_over_iterations(tmp_path):
     assert len(rewards) == 12
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
     assert last > first + 0.1, rewards
-    for key in ("train/loss", "train/grad_norm", "train/entropy", "train/clip_frac_low", "train/clip_frac_high",
-                "train/kl", "train/zero_var_groups", "perf/tokens_per_s", "perf/time_rollout_s",
-                "perf/time_label_s", "perf/time_train_s", "rollout/reward_std", "rollout/success_rate"):
+    for key in (
+        "train/loss",
+        "train/grad_norm",
+        "train/entropy",
+        "train/clip_frac_low",
+        "train/clip_frac_high",
+        "train/kl",
+        "train/zero_var_groups",
+        "perf/tokens_per_s",
+        "perf/time_rollout_s",
+        "perf/time_label_s",
+        "perf/time_train_s",
+        "rollout/reward_std",
+        "rollout/success_rate",
+    ):
         assert _metric(ctx, key), key
-    stages = {s["name"]: s["status"] for s in ctx.rundb.stages(ctx.run)}
+    stages = {s.name: s.status for s in ctx.rundb.stages(ctx.run)}
     assert all(stages[f"{kind}/{i}"] == "done" for kind in ("rollout", "label", "train") for i in range(12))
     assert len(ctx.rundb.checkpoints(ctx.run)) == 12
 
 
-@pytest.mark.parametrize("options", [
-    {"advantage": "dr_grpo", "aggregation": "seq_mean_token_sum_norm"},
-    {"advantage": "rloo", "importance": "sequence", "clip_low": 3e-4, "clip_high": 4e-4},
-    {"advantage": "batch", "aggregation": "seq_mean", "tis_cap": 2.0, "entropy_top_frac": 0.2},
-    {"epochs": 2, "minibatch_size": 4, "micro_batch_size": 2, "beta": 0.1, "warmup_steps": 1,
-     "schedule": "cosine", "drop_zero_var_groups": False},
-    {"gamma": 0.9, "gradient_checkpointing": True},
-])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"advantage": "dr_grpo", "aggregation": "seq_mean_token_sum_norm"},
+        {"advantage": "rloo", "importance": "sequence", "clip_low": 3e-4, "clip_high": 4e-4},
+        {"advantage": "batch", "aggregation": "seq_mean", "tis_cap": 2.0, "entropy_top_frac": 0.2},
+        {
+            "epochs": 2,
+            "minibatch_size": 4,
+            "micro_batch_size": 2,
+            "beta": 0.1,
+            "warmup_steps": 1,
+            "schedule": "cosine",
+            "drop_zero_var_groups": False,
+        },
+        {"gamma": 0.9, "gradient_checkpointing": True},
+    ],
+)
 def test_objective_variants_run_and_change_the_adapter(tmp_path, options):
-    recipe = _learnable_recipe(tmp_path, lora={"r": 4, "alpha": 8}, grpo={"iterations": 1, **options},
-                               env={"name": "guess_number", "max_turns": 2})
+    recipe = _learnable_recipe(
+        tmp_path,
+        lora={"r": 4, "alpha": 8},
+        grpo={"iterations": 1, **options},
+        env={"name": "guess_number", "max_turns": 2},
+    )
     ctx = make_ctx(recipe, tmp_path / "runs")
     run_grpo(ctx)
     from safetensors.torch import load_file
 
     ckpt = ctx.rundb.checkpoints(ctx.run)[-1]
-    weights = load_file(f"{ckpt['path']}/adapter_model.safetensors")
+    weights = load_file(f"{ckpt.path}/adapter_model.safetensors")
     lora_b = [v for k, v in weights.items() if "lora_B" in k]
     assert lora_b and any(v.abs().sum() > 0 for v in lora_b), "LoRA B starts at zero and must have moved"
     assert _metric(ctx, "train/loss")
 
 
 def test_mask_truncated_leaves_out_episodes_cut_by_the_token_cap(tmp_path):
-    recipe = _learnable_recipe(tmp_path, rollout={"max_new_tokens": 4},
-                               grpo={"iterations": 1, "mask_truncated": True, "drop_zero_var_groups": False})
+    recipe = _learnable_recipe(
+        tmp_path,
+        rollout={"max_new_tokens": 4},
+        grpo={"iterations": 1, "mask_truncated": True, "drop_zero_var_groups": False},
+    )
     ctx = make_ctx(recipe, tmp_path / "runs")
     run_grpo(ctx)
     # A random model never ends an answer within 4 tokens: every episode is truncated.
@@ -106,14 +135,20 @@ def test_kill_and_resume_ends_identical_to_an_uninterrupted_run(tmp_path):
     clean, killed = tmp_path / "clean", tmp_path / "killed"
     assert run_cli(["train", "grpo", "-r", str(recipe)], clean).returncode == 0
 
-    proc = subprocess.Popen(RLCLI + ["train", "grpo", "-r", str(recipe)], env=cli_env(killed),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        RLCLI + ["train", "grpo", "-r", str(recipe)],
+        env=cli_env(killed),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:
         time.sleep(0.2)
         try:
             with sqlite3.connect(killed / "rlcli.db") as conn:
-                done = conn.execute("select count(*) from stages where name like 'train/%' and status = 'done'").fetchone()[0]
+                done = conn.execute(
+                    "select count(*) from stages where name like 'train/%' and status = 'done'"
+                ).fetchone()[0]
         except sqlite3.Error:
             continue
         if done >= 2:
@@ -136,14 +171,14 @@ def test_kill_and_resume_ends_identical_to_an_uninterrupted_run(tmp_path):
 def test_shared_prefix_forward_gives_the_same_loss_and_gradients(monkeypatch):
     """The update forwards a micro-batch's common prefix once; loss and LoRA gradients equal those
     of forwarding every full sequence (rows of different lengths, left padding included)."""
-    from rlcli.engine import grpo as G
-    from rlcli.engine import train
+    from rlcli.engine import grpo, train
     from rlcli.models.loading import load_policy
     from rlcli.recipe import LoraSection, ModelSection, QuantizationSection
 
     torch.manual_seed(0)
-    model, _ = load_policy(ModelSection(name="tiny-random"), LoraSection(r=4, alpha=8, dropout=0.0),
-                           QuantizationSection(), trainable=True)
+    model, _ = load_policy(
+        ModelSection(name="tiny-random"), LoraSection(r=4, alpha=8, dropout=0.0), QuantizationSection(), trainable=True
+    )
     model.train()
     prompt = list(range(3, 23))  # 20 shared tokens
     tails = [[30, 31, 32, 33, 34], [40, 41, 42], [50, 51, 52, 53, 54, 55, 56]]
@@ -151,16 +186,20 @@ def test_shared_prefix_forward_gives_the_same_loss_and_gradients(monkeypatch):
     for i, tail in enumerate(tails):
         ids = prompt + tail
         mask = [0.0] * (len(prompt) + 1) + [1.0] * (len(tail) - 1)
-        seqs.append(train.TrainSequence(i, 0, ids, mask, [0.0] * len(ids), [0] * len(ids),
-                                        advantage=[float(i) - 1.0] * len(ids)))
+        seqs.append(
+            train.TrainSequence(
+                i, 0, ids, mask, [0.0] * len(ids), [0] * len(ids), advantage=[float(i) - 1.0] * len(ids)
+            )
+        )
     assert train._shared_prefix(seqs) == 20
 
     def loss_and_grads():
         model.zero_grad(set_to_none=True)
         batch = train._collate(seqs, model)
-        logprobs = G.selective_log_softmax(train._forward(model, batch), batch["targets"])
-        loss, _ = G.policy_loss(logprobs, logprobs.detach() - 0.1, batch["advantages"], batch["mask"],
-                                clip_low=0.2, clip_high=0.2)
+        logprobs = grpo.selective_log_softmax(train._forward(model, batch), batch["targets"])
+        loss, _ = grpo.policy_loss(
+            logprobs, logprobs.detach() - 0.1, batch["advantages"], batch["mask"], clip_low=0.2, clip_high=0.2
+        )
         loss.backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
         return batch, loss.detach(), grads

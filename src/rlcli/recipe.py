@@ -1,4 +1,5 @@
-"""Recipe schema: one pydantic model per concern, YAML loading, dotted overrides.
+"""Recipe schema: one pydantic model per concern, YAML loading, dotted overrides, and the schema
+described for readers (`rlcli recipes explain`, docs/recipe.md).
 
 Importing this module must stay cheap (no torch): `rlcli recipes validate` and
 `rlcli --help` depend on it.
@@ -9,11 +10,14 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import types
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic.fields import FieldInfo
 
 from rlcli.errors import UsageError
 
@@ -153,7 +157,10 @@ class GrpoSection(Section):
     )
     drop_zero_var_groups: bool = Field(True, description="Drop groups whose rewards are all equal (DAPO).")
     gamma: float | None = Field(
-        None, ge=0, le=1, description="Discount for per-turn returns from per-step env rewards; null uses the episode reward."
+        None,
+        ge=0,
+        le=1,
+        description="Discount for per-turn returns from per-step env rewards; null uses the episode reward.",
     )
     clip_low: float = Field(0.2, ge=0, description="Lower clip range of the ratio (1 - clip_low).")
     clip_high: float = Field(0.28, ge=0, description="Upper clip range of the ratio (1 + clip_high).")
@@ -177,7 +184,9 @@ class EvalSection(Section):
     tasks: int = Field(32, ge=0, description="Held-out tasks to evaluate.", json_schema_extra=RESUME_SAFE)
     k: int = Field(1, gt=0, description="Samples per task (pass@k, avg@k).", json_schema_extra=RESUME_SAFE)
     temperature: float | None = Field(
-        None, ge=0, description="Sampling temperature; default greedy when k is 1, else the rollout temperature.",
+        None,
+        ge=0,
+        description="Sampling temperature; default greedy when k is 1, else the rollout temperature.",
         json_schema_extra=RESUME_SAFE,
     )
     checkpoints: list[str] = Field(
@@ -190,12 +199,18 @@ class EvalSection(Section):
 class Recipe(Section):
     run: RunSection = Field(default_factory=RunSection, description="Run identity and seed.")
     model: ModelSection = Field(default_factory=ModelSection, description="Policy model.")
-    lora: LoraSection | None = Field(default_factory=LoraSection, description="LoRA adapter; null for full fine-tuning.")
-    quantization: QuantizationSection = Field(default_factory=QuantizationSection, description="Base-weight quantisation.")
+    lora: LoraSection | None = Field(
+        default_factory=LoraSection, description="LoRA adapter; null for full fine-tuning."
+    )
+    quantization: QuantizationSection = Field(
+        default_factory=QuantizationSection,
+        description="Base-weight quantisation; `quantization: 4bit` is short for `quantization: {mode: 4bit}`.",
+    )
     env: EnvSection = Field(default_factory=EnvSection, description="Environment and task splits.")
     rollout: RolloutSection = Field(default_factory=RolloutSection, description="Episode collection.")
     rewards: list[RewardSpec] = Field(
-        default_factory=lambda: [RewardSpec(fn="env_return")], description="Reward components and weights."
+        default_factory=lambda: [RewardSpec(fn="env_return")],
+        description="Reward components; the total reward is their weighted sum (default: env_return alone).",
     )
     sft: SftSection = Field(default_factory=SftSection, description="SFT warm-start.")
     grpo: GrpoSection = Field(default_factory=GrpoSection, description="Online GRPO.")
@@ -213,7 +228,9 @@ class Recipe(Section):
     @model_validator(mode="after")
     def _combinations(self) -> Recipe:
         if self.quantization.mode != "none" and self.lora is None:
-            raise ValueError("quantized weights cannot be fully fine-tuned; add a lora: section or set quantization: none")
+            raise ValueError(
+                "quantized weights cannot be fully fine-tuned; add a lora: section or set quantization: none"
+            )
         return self
 
     def to_dict(self) -> dict[str, Any]:
@@ -384,3 +401,95 @@ def _resume_safe(dotted: str) -> bool:
     info = model.model_fields.get(field.split(".")[0])
     extra = info.json_schema_extra if info else None
     return isinstance(extra, dict) and bool(extra.get("resume_safe"))
+
+
+# --- describing the schema (`rlcli recipes explain`, docs/recipe.md) --------
+
+
+@dataclass(frozen=True)
+class FieldDoc:
+    path: str  # dotted: grpo.lr
+    type: str  # what YAML accepts: "float > 0", "token | sequence", "str or null", "float >= 0, <= 1, or null"
+    required: bool
+    default: Any  # JSON-ready; None when required
+    description: str
+    resume_safe: bool
+
+
+@dataclass(frozen=True)
+class SectionDoc:
+    name: str
+    type: str  # "section", "section or null" (lora), "list of sections" (rewards)
+    description: str
+    fields: list[FieldDoc]
+
+
+BOUND_SYMBOLS = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}
+
+
+def schema_docs(name: str | None = None) -> list[SectionDoc]:
+    """Every recipe section with its fields, in schema order; or the one section (`grpo`), or the one
+    field (`grpo.lr`) inside its section, that `name` asks for. A wrong name gets a "did you mean"."""
+    sections = [_section_doc(section, info) for section, info in Recipe.model_fields.items()]
+    if name is None:
+        return sections
+    section_name, _, field_name = name.partition(".")
+    section = next((s for s in sections if s.name == section_name), None)
+    if section is None:
+        raise UsageError(f"A recipe has no section {section_name!r}{_did_you_mean([section_name])}.")
+    if not field_name:
+        return [section]
+    fields = [f for f in section.fields if f.path == name]
+    if not fields:
+        raise UsageError(
+            f"Section {section_name} has no field {field_name!r}{_did_you_mean([section_name, field_name])}."
+        )
+    return [replace(section, fields=fields)]
+
+
+def _section_doc(name: str, info: FieldInfo) -> SectionDoc:
+    model = _section_type(info.annotation)
+    fields = [_field_doc(f"{name}.{field}", field_info) for field, field_info in model.model_fields.items()]
+    return SectionDoc(name, _type_text(info), info.description or "", fields)
+
+
+def _field_doc(path: str, info: FieldInfo) -> FieldDoc:
+    required = info.is_required()
+    return FieldDoc(
+        path=path,
+        type=_type_text(info),
+        required=required,
+        default=None if required else info.get_default(call_default_factory=True),
+        description=info.description or "",
+        resume_safe=_resume_safe(path),
+    )
+
+
+def _type_text(info: FieldInfo) -> str:
+    annotation = info.annotation
+    members = get_args(annotation) if get_origin(annotation) in (Union, types.UnionType) else (annotation,)
+    text = " or ".join(_annotation_text(member) for member in members if member is not type(None))
+    bounds = [
+        f"{symbol} {getattr(rule, name)}"
+        for rule in info.metadata
+        for name, symbol in BOUND_SYMBOLS.items()
+        if hasattr(rule, name)
+    ]
+    if bounds:
+        text += " " + ", ".join(bounds)
+    if type(None) in members:
+        text += ", or null" if bounds else " or null"  # the bounds belong to the number, not to null
+    return text
+
+
+def _annotation_text(annotation: Any) -> str:
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin is Literal:
+        return " | ".join(str(arg) for arg in args)
+    if origin is list:
+        return "list of " + ("sections" if _section_type(args[0]) else _annotation_text(args[0]))
+    if origin is dict:
+        return "mapping"
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return "section"
+    return annotation.__name__

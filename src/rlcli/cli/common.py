@@ -4,38 +4,60 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
 
 from rlcli.errors import UsageError
 
+if TYPE_CHECKING:  # the run machinery is imported when a command opens a run, not when the CLI starts
+    from rlcli.engine.context import RunContext
+    from rlcli.store.db import RunDB
+
 console = Console()
 err_console = Console(stderr=True, soft_wrap=True)
 
 # --- shared options ----------------------------------------------------------
 
-RecipeOpt = Annotated[
-    Optional[Path], typer.Option("--recipe", "-r", help="Recipe YAML file.", show_default=False)
-]
+RecipeOpt = Annotated[Path | None, typer.Option("--recipe", "-r", help="Recipe YAML file.", show_default=False)]
 RunOpt = Annotated[
-    Optional[str], typer.Option("--run", help="Run name (default: the recipe's run.name).", show_default=False)
+    str | None, typer.Option("--run", help="Run name (default: the recipe's run.name).", show_default=False)
 ]
-RunsDirOpt = Annotated[
-    Optional[Path],
-    typer.Option("--runs-dir", envvar="RLCLI_HOME", help="Folder of the run database and run outputs (default: ./runs)."),
-]
-DebugOpt = Annotated[bool, typer.Option("--debug", help="Show full tracebacks on errors.")]
 ForceOpt = Annotated[
     bool, typer.Option("--force", help="Continue an existing run even though its recipe changed in fields that matter.")
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of tables.")]
 Overrides = Annotated[
-    Optional[list[str]],
-    typer.Argument(help="Recipe overrides as dotted key=value, e.g. grpo.lr=1e-5 rollout.group_size=8.", show_default=False),
+    list[str] | None,
+    typer.Argument(
+        help="Recipe overrides as dotted key=value, e.g. grpo.lr=1e-5 rollout.group_size=8.", show_default=False
+    ),
 ]
+
+
+@dataclass
+class SharedOptions:
+    """The options given before the command (`rlcli --debug --runs-dir DIR run ...`), set by the app callback."""
+
+    runs_dir: Path | None = None
+    debug: bool = False
+
+
+def shared(cli_ctx: typer.Context) -> SharedOptions:
+    # A command group invoked on its own (as tests do with CliRunner) has no app callback: the defaults apply.
+    return cli_ctx.ensure_object(SharedOptions)
+
+
+@contextlib.contextmanager
+def stage_run(
+    cli_ctx: typer.Context, recipe_path: Path | None, run: str | None, overrides: list[str] | None, force: bool
+) -> Iterator[RunContext]:
+    """What a stage command runs in: its run opened under the lock, and a status that follows the command."""
+    with open_run(recipe_path, run, shared(cli_ctx).runs_dir, overrides, force) as ctx, tracked(ctx):
+        yield ctx
 
 
 @contextlib.contextmanager
@@ -45,11 +67,12 @@ def open_run(
     runs_dir: Path | None,
     overrides: list[str] | None,
     force: bool = False,
-) -> Iterator[Any]:
+) -> Iterator[RunContext]:
     """Validate the recipe, open the database, lock the run, record it; yield a RunContext."""
+    from rlcli.engine.context import RunContext
     from rlcli.recipe import load_recipe
     from rlcli.store.db import RunDB, check_run_name, default_runs_dir
-    from rlcli.store.stages import RunContext, RunLock
+    from rlcli.store.stages import RunLock
 
     if recipe_path is None and run is None:
         raise UsageError("Give a recipe with --recipe/-r FILE (or --run NAME to continue a recorded run).")
@@ -76,7 +99,7 @@ def open_run(
 
 
 @contextlib.contextmanager
-def tracked(ctx: Any) -> Iterator[None]:
+def tracked(ctx: RunContext) -> Iterator[None]:
     """The run's status follows the command: running, then done or failed."""
     ctx.rundb.set_run_status(ctx.run, "running")
     try:
@@ -92,12 +115,14 @@ def tracked(ctx: Any) -> Iterator[None]:
     ctx.rundb.set_run_status(ctx.run, "done")
 
 
-def open_existing(runs_dir: Path | None, missing: str) -> Any:
+def open_existing(cli_ctx: typer.Context, missing: str) -> RunDB:
+    """The run database of --runs-dir; a command that reads runs must not create an empty one."""
     from rlcli.store.db import DB_NAME, RunDB, default_runs_dir
 
-    path = (Path(runs_dir) if runs_dir else default_runs_dir()) / DB_NAME
+    runs_dir = shared(cli_ctx).runs_dir
+    path = (runs_dir or default_runs_dir()) / DB_NAME
     if not path.exists():
-        raise UsageError(f"{missing}: there is no run database at {path} (pass --runs-dir, or set RLCLI_HOME).")
+        raise UsageError(
+            f"{missing}: there is no run database at {path} (use rlcli --runs-dir DIR ..., or set RLCLI_HOME)."
+        )
     return RunDB.open(runs_dir)
-
-

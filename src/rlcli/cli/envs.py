@@ -5,28 +5,30 @@ from __future__ import annotations
 import json
 import random
 import sys
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.panel import Panel
 from rich.text import Text
 
-from rlcli.cli.common import DebugOpt, JsonOpt, console
+from rlcli.cli.common import JsonOpt, console
 from rlcli.errors import UsageError
 
 app = typer.Typer(help="Environments: list them, try one in the terminal.", no_args_is_help=True)
 
-ADAPTER_NOTE = ("Adapters (pip install 'rlcli[envs]'): textarena:<GameId> (single-player TextArena games, e.g. "
-                "textarena:GuessTheNumber-v0), reasoning_gym:<dataset> (e.g. reasoning_gym:chain_sum), "
-                "gymnasium:<EnvId> (text observations, Discrete or Text actions, e.g. gymnasium:FrozenLake-v1). "
-                "See docs/environments.md.")
+ADAPTER_NOTE = (
+    "Adapters (pip install 'rlcli[envs]'): textarena:<GameId> (single-player TextArena games, e.g. "
+    "textarena:GuessTheNumber-v0), reasoning_gym:<dataset> (e.g. reasoning_gym:chain_sum), "
+    "gymnasium:<EnvId> (text observations, Discrete or Text actions, e.g. gymnasium:FrozenLake-v1). "
+    "See docs/environments.md."
+)
 RANDOM_ACTIONS = ["My guess: 7", "42", "up", "left", "hello", "<answer>3</answer>", "I don't know", "right", "down"]
 
 
 @app.command("list")
-def list_envs(as_json: JsonOpt = False, debug: DebugOpt = False) -> None:
+def list_envs(as_json: JsonOpt = False) -> None:
     """List the built-in environments (and the adapter URIs)."""
-    from rlcli.envs.base import list_builtin_envs
+    from rlcli.envs.loading import list_builtin_envs
 
     envs = list_builtin_envs()
     if as_json:
@@ -46,18 +48,20 @@ def list_envs(as_json: JsonOpt = False, debug: DebugOpt = False) -> None:
 @app.command("try")
 def try_env(
     name: Annotated[str, typer.Argument(help="Built-in name, envs/x.py, module:factory, or adapter URI.")],
-    policy: Annotated[str, typer.Option(help="expert (the env's scripted solver), random, or human (stdin).")] = "expert",
+    policy: Annotated[
+        str, typer.Option(help="expert (the env's scripted solver), random, or human (stdin).")
+    ] = "expert",
     seed: Annotated[int, typer.Option(help="Task seed.")] = 0,
     kwargs: Annotated[
-        Optional[list[str]], typer.Option("--kwargs", "-k", help="Env keyword argument key=value; repeatable.")
+        list[str] | None, typer.Option("--kwargs", "-k", help="Env keyword argument key=value; repeatable.")
     ] = None,
     max_turns: Annotated[int, typer.Option(help="Stop after this many turns.")] = 20,
-    debug: DebugOpt = False,
 ) -> None:
     """Play or watch one episode, rendered turn by turn."""
     import yaml
 
-    from rlcli.envs.base import as_messages, load_env
+    from rlcli.envs.loading import load_env
+    from rlcli.envs.protocol import as_messages
 
     if policy not in ("expert", "random", "human"):
         raise UsageError(f"--policy must be expert, random or human, got {policy!r}.")

@@ -1,6 +1,6 @@
 """`rlcli models`: the registered short names and the local model cache.
 
-Cheap to import: rlcli.models.loading imports torch and transformers only inside its functions.
+Cheap to import: rlcli.models.cache imports torch and transformers only inside its functions.
 """
 
 from __future__ import annotations
@@ -9,17 +9,15 @@ import json
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
-from rlcli.models import loading as models
+from rlcli.cli.common import JsonOpt, console
+from rlcli.models import cache as models
 
 app = typer.Typer(
     help="Registered models and the local model cache ($RLCLI_MODELS, else $RLCLI_HOME/models, else ~/.cache/rlcli/models).",
     no_args_is_help=True,
 )
-
-DebugOpt = Annotated[bool, typer.Option("--debug", help="Show full tracebacks on errors.")]
 
 
 @app.command("pull")
@@ -31,17 +29,13 @@ def pull(
             show_default=False,
         ),
     ],
-    debug: DebugOpt = False,
 ) -> None:
     """Build a registered model into the cache (once) and print its folder."""
     print(models.pull_model(name))
 
 
 @app.command("list")
-def list_cmd(
-    as_json: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of a table.")] = False,
-    debug: DebugOpt = False,
-) -> None:
+def list_cmd(as_json: JsonOpt = False) -> None:
     """List the registered models (pulled or not) and other model folders in the cache."""
     rows = models.list_models()
     if as_json:
@@ -52,4 +46,4 @@ def list_cmd(
     for row in rows:
         size = f"{row['size_bytes'] / 1e6:.1f} MB" if row["size_bytes"] is not None else "not pulled"
         table.add_row(row["name"], row["kind"], size, row["path"])
-    Console().print(table)
+    console.print(table)

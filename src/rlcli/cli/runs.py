@@ -5,13 +5,11 @@ from __future__ import annotations
 import json
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
-from rlcli.cli.common import (
-    DebugOpt, JsonOpt, RunsDirOpt, console, err_console, open_existing, open_run, tracked,
-)
+from rlcli.cli.common import JsonOpt, console, err_console, open_existing, shared, stage_run
 from rlcli.errors import UsageError
 
 app = typer.Typer(help="Inspect runs recorded in the run database.", no_args_is_help=True)
@@ -25,82 +23,85 @@ class ExportFormat(str, Enum):
 
 
 @app.command("list")
-def runs_list(runs_dir: RunsDirOpt = None, as_json: JsonOpt = False, debug: DebugOpt = False) -> None:
+def runs_list(cli_ctx: typer.Context, as_json: JsonOpt = False) -> None:
     """List runs with status, creation time and latest key metrics."""
-    from rlcli.report import core as report
+    from rlcli.report import tables, views
     from rlcli.store.db import RunDB
 
-    rundb = RunDB.open(runs_dir)
+    rundb = RunDB.open(shared(cli_ctx).runs_dir)
     try:
-        rows = report.runs_summary(rundb)
+        rows = views.runs_summary(rundb)
     finally:
         rundb.close()
     if as_json:
         print(json.dumps(rows, indent=2))
     else:
-        console.print(report.runs_table(rows))
+        console.print(tables.runs_table(rows))
 
 
 @app.command("show")
-def runs_show(run: RunArg, runs_dir: RunsDirOpt = None, as_json: JsonOpt = False, debug: DebugOpt = False) -> None:
+def runs_show(cli_ctx: typer.Context, run: RunArg, as_json: JsonOpt = False) -> None:
     """Show a run: stages with durations, reward and success curves, latest metrics, checkpoints, evals."""
-    from rlcli.report import core as report
+    from rlcli.report import tables, views
 
-    rundb = open_existing(runs_dir, f"No run named {run!r}")
+    rundb = open_existing(cli_ctx, f"No run named {run!r}")
     try:
-        data = report.run_details(rundb, run)
-        series = report.metric_series(rundb, run)
+        data = views.run_details(rundb, run)
+        series = views.metric_series(rundb, run)
     finally:
         rundb.close()
     if as_json:
         print(json.dumps(data, indent=2))
     else:
-        report.print_run(console, data, series)
+        tables.print_run(console, data, series)
 
 
 @app.command("compare")
 def runs_compare(
+    cli_ctx: typer.Context,
     runs: Annotated[list[str], typer.Argument(help="Run names to put side by side.", show_default=False)],
-    runs_dir: RunsDirOpt = None,
     as_json: JsonOpt = False,
-    debug: DebugOpt = False,
 ) -> None:
     """Runs side by side: status, latest key metrics, best eval success per checkpoint, reward curve."""
-    from rlcli.report import core as report
+    from rlcli.report import tables, views
 
-    rundb = open_existing(runs_dir, "Nothing to compare")
+    rundb = open_existing(cli_ctx, "Nothing to compare")
     try:
-        rows = report.compare_runs(rundb, list(dict.fromkeys(runs)))
+        rows = views.compare_runs(rundb, list(dict.fromkeys(runs)))
     finally:
         rundb.close()
     if as_json:
         print(json.dumps(rows, indent=2))
     else:
-        console.print(report.compare_table(rows))
+        console.print(tables.compare_table(rows))
 
 
 @app.command("plot")
 def runs_plot(
+    cli_ctx: typer.Context,
     run: RunArg,
     metric: Annotated[
-        Optional[list[str]],
-        typer.Option("--metric", "-m", help="Plot this metric key instead of the default panels; repeatable.",
-                     show_default=False),
+        list[str] | None,
+        typer.Option(
+            "--metric", "-m", help="Plot this metric key instead of the default panels; repeatable.", show_default=False
+        ),
     ] = None,
     out: Annotated[
-        Optional[Path],
-        typer.Option("--out", "-o", help="Image file to write: .png, .pdf or .svg (default: <runs-dir>/<run>/metrics.png).",
-                     show_default=False),
+        Path | None,
+        typer.Option(
+            "--out",
+            "-o",
+            help="Image file to write: .png, .pdf or .svg (default: <runs-dir>/<run>/metrics.png).",
+            show_default=False,
+        ),
     ] = None,
-    runs_dir: RunsDirOpt = None,
-    debug: DebugOpt = False,
 ) -> None:
     """Plot reward, success, loss, KL and entropy curves and eval success (95% CI) to an image."""
-    from rlcli.report import core as report
+    from rlcli.report import plot
 
-    rundb = open_existing(runs_dir, f"No run named {run!r}")
+    rundb = open_existing(cli_ctx, f"No run named {run!r}")
     try:
-        path = report.plot_run(rundb, run, out or rundb.path.parent / run / "metrics.png", metric)
+        path = plot.plot_run(rundb, run, out or rundb.path.parent / run / "metrics.png", metric)
     finally:
         rundb.close()
     print(path)
@@ -108,65 +109,75 @@ def runs_plot(
 
 @app.command("episodes")
 def runs_episodes(
+    cli_ctx: typer.Context,
     run: RunArg,
     best: Annotated[bool, typer.Option("--best", help="Highest total reward first.")] = False,
     worst: Annotated[bool, typer.Option("--worst", help="Lowest total reward first.")] = False,
     iteration: Annotated[
-        Optional[int], typer.Option("--iteration", help="Only episodes of this training iteration.", show_default=False)
+        int | None, typer.Option("--iteration", help="Only episodes of this training iteration.", show_default=False)
     ] = None,
     stage: Annotated[
-        Optional[str],
+        str | None,
         typer.Option("--stage", help="Only episodes of this stage (rollout/3, eval/base, ...).", show_default=False),
     ] = None,
     limit: Annotated[int, typer.Option("--limit", "-n", min=1, help="How many episodes to show.")] = 5,
     label_set: Annotated[
-        Optional[str],
-        typer.Option("--label-set", help="Reward label set to show and sort by (default: the one covering most episodes).",
-                     show_default=False),
+        str | None,
+        typer.Option(
+            "--label-set",
+            help="Reward label set to show and sort by (default: the one covering most episodes).",
+            show_default=False,
+        ),
     ] = None,
-    runs_dir: RunsDirOpt = None,
     as_json: JsonOpt = False,
-    debug: DebugOpt = False,
 ) -> None:
     """Read episodes: messages by role, reward components, end reason, and the error of failed ones."""
-    from rlcli.report import core as report
+    from rlcli.report import tables, views
 
     if best and worst:
         raise UsageError("--best and --worst exclude each other; give one of them.")
-    rundb = open_existing(runs_dir, f"No run named {run!r}")
+    rundb = open_existing(cli_ctx, f"No run named {run!r}")
     try:
-        episodes = report.select_episodes(
-            rundb, run, order="best" if best else "worst" if worst else "id",
-            iteration=iteration, stage=stage, limit=limit, label_set=label_set,
+        episodes = views.select_episodes(
+            rundb,
+            run,
+            order="best" if best else "worst" if worst else "id",
+            iteration=iteration,
+            stage=stage,
+            limit=limit,
+            label_set=label_set,
         )
     finally:
         rundb.close()
     if as_json:
         print(json.dumps(episodes, indent=2))
     else:
-        report.print_episodes(console, episodes)
+        tables.print_episodes(console, episodes)
 
 
 @app.command("export")
 def runs_export(
+    cli_ctx: typer.Context,
     run: RunArg,
-    fmt: Annotated[ExportFormat, typer.Option("--format", "-f", help="File format of the tables.")] = ExportFormat.jsonl,
+    fmt: Annotated[
+        ExportFormat, typer.Option("--format", "-f", help="File format of the tables.")
+    ] = ExportFormat.jsonl,
     out: Annotated[
-        Optional[Path],
-        typer.Option("--out", "-o", help="Folder to write into (default: <runs-dir>/<run>/export).", show_default=False),
+        Path | None,
+        typer.Option(
+            "--out", "-o", help="Folder to write into (default: <runs-dir>/<run>/export).", show_default=False
+        ),
     ] = None,
-    runs_dir: RunsDirOpt = None,
-    debug: DebugOpt = False,
 ) -> None:
     """Export episodes, turns (token ids as lists), rewards, metrics and evals, plus run.json."""
     from rich.table import Table
 
-    from rlcli.report import core as report
+    from rlcli.report import export
 
-    rundb = open_existing(runs_dir, f"No run named {run!r}")
+    rundb = open_existing(cli_ctx, f"No run named {run!r}")
     try:
         folder = out or rundb.path.parent / run / "export"
-        counts = report.export_run(rundb, run, fmt.value, folder)
+        counts = export.export_run(rundb, run, fmt.value, folder)
     finally:
         rundb.close()
     table = Table(title=f"Exported {run}")
@@ -180,9 +191,10 @@ def runs_export(
 
 
 @app.command("resume")
-def runs_resume(run: RunArg, runs_dir: RunsDirOpt = None, debug: DebugOpt = False) -> None:
+def runs_resume(cli_ctx: typer.Context, run: RunArg) -> None:
     """Continue a recorded run with its stored recipe (every stage of it)."""
-    with open_run(None, run, runs_dir, []) as ctx, tracked(ctx):
+    with stage_run(cli_ctx, None, run, [], force=False) as ctx:
         from rlcli.engine.pipeline import run_all
+        from rlcli.report.tables import stage_summary_table
 
-        run_all(ctx)
+        run_all(ctx, on_summary=lambda summary: ctx.console.print(stage_summary_table(summary)))

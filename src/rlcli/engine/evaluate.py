@@ -7,13 +7,16 @@ evaluation resumes and a finished one is never repeated.
 
 from __future__ import annotations
 
-import json
 import math
 from collections import defaultdict
 from typing import Any
 
+from rlcli.engine.context import RunContext
 from rlcli.engine.rollout import collect, sampling_config
 from rlcli.store.db import now
+from rlcli.store.episodes import stage_episodes
+from rlcli.store.evals import eval_result, replace_eval
+from rlcli.store.records import Checkpoint, Episode, EvalResult
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -46,40 +49,43 @@ def mean_interval(values: list[float], z: float = 1.96) -> tuple[float, float]:
     return max(0.0, mean - z * sd / math.sqrt(n)), min(1.0, mean + z * sd / math.sqrt(n))
 
 
-def eval_metrics(episodes: list[dict[str, Any]], k: int) -> dict[str, Any]:
-    """Success rate with a 95% CI, pass@k / avg@k and means, from (task_index, success, ...) rows."""
-    per_task: dict[int, list[dict]] = defaultdict(list)
+def eval_metrics(episodes: list[Episode], k: int) -> dict[str, Any]:
+    """Success rate with a 95% CI, pass@k / avg@k and means, from a stage's episodes."""
+    per_task: dict[int, list[Episode]] = defaultdict(list)
     for ep in episodes:
-        per_task[ep["task_index"]].append(ep)
-    task_rates = [sum(e["success"] for e in eps) / len(eps) for eps in per_task.values()]
-    successes = sum(e["success"] for e in episodes)
+        per_task[ep.task_index].append(ep)
+    task_rates = [sum(e.success for e in eps) / len(eps) for eps in per_task.values()]
+    successes = sum(e.success for e in episodes)
     n = len(episodes)
     rate = successes / n if n else 0.0
     ci = wilson_interval(successes, n) if k == 1 else mean_interval(task_rates)
-    passes = {
-        f"pass@{j}": sum(pass_at_k(len(eps), sum(e["success"] for e in eps), j) for eps in per_task.values())
-        / len(per_task)
-        for j in sorted({1, k})
-        if all(len(eps) >= j for eps in per_task.values())
-    } if per_task else {}
+    passes = (
+        {
+            f"pass@{j}": sum(pass_at_k(len(eps), sum(e.success for e in eps), j) for eps in per_task.values())
+            / len(per_task)
+            for j in sorted({1, k})
+            if all(len(eps) >= j for eps in per_task.values())
+        }
+        if per_task
+        else {}
+    )
     return {
         "tasks": len(per_task),
         "k": k,
         "success_rate": rate,
         "ci_low": ci[0],
         "ci_high": ci[1],
-        "mean_return": sum(e["env_return"] for e in episodes) / n if n else 0.0,
+        "mean_return": sum(e.env_return for e in episodes) / n if n else 0.0,
         "pass_at_k": passes.get(f"pass@{k}", 0.0),
         "avg_at_k": sum(task_rates) / len(task_rates) if task_rates else 0.0,
-        "mean_turns": sum(e["num_turns"] for e in episodes) / n if n else 0.0,
-        "mean_tokens": sum(e["num_tokens"] for e in episodes) / n if n else 0.0,
-        "details": {"failed_episodes": sum(1 for e in episodes if e["status"] == "failed"), **passes},
+        "mean_turns": sum(e.num_turns for e in episodes) / n if n else 0.0,
+        "mean_tokens": sum(e.num_tokens for e in episodes) / n if n else 0.0,
+        "details": {"failed_episodes": sum(1 for e in episodes if e.status == "failed"), **passes},
     }
 
 
-def run_eval(ctx, checkpoints: list[str]) -> list[dict[str, Any]]:
-    from rlcli.report.core import evals_table
-
+def run_eval(ctx: RunContext, checkpoints: list[str]) -> list[EvalResult]:
+    """Evaluate each checkpoint (base, sft, latest, expert or an id) once; return their results."""
     recipe = ctx.recipe
     sampling = sampling_config(recipe.rollout)
     temperature = recipe.eval.temperature
@@ -87,30 +93,34 @@ def run_eval(ctx, checkpoints: list[str]) -> list[dict[str, Any]]:
         temperature = 0.0 if recipe.eval.k == 1 else recipe.rollout.temperature
     sampling.temperature = temperature
 
-    rows, seen = [], set()
+    results, seen = [], set()
     for which in checkpoints:
         ckpt = ctx.rundb.resolve_checkpoint(ctx.run, which) if which != "expert" else None
         if which == "latest" and ckpt is None:
             ctx.console.print("eval: the run has no checkpoint yet; 'latest' is the base model.")
-        key = "expert" if which == "expert" else ("base" if ckpt is None else f"ckpt-{ckpt['id']}")
+        key = "expert" if which == "expert" else ("base" if ckpt is None else f"ckpt-{ckpt.id}")
         if key in seen:
             continue
         seen.add(key)
         # Another decoding (temperature, k) is another measurement, stored beside the first.
-        stage = f"eval/{key}" if (temperature, recipe.eval.k) == (0.0, 1) else f"eval/{key}@t{temperature:g}-k{recipe.eval.k}"
+        stage = (
+            f"eval/{key}"
+            if (temperature, recipe.eval.k) == (0.0, 1)
+            else f"eval/{key}@t{temperature:g}-k{recipe.eval.k}"
+        )
         done = ctx.rundb.stage(ctx.run, stage)
-        if done and done["status"] == "done" and json.loads(done["params"] or "{}").get("tasks", 0) < recipe.eval.tasks:
+        if done and done.done and done.params.get("tasks", 0) < recipe.eval.tasks:
             ctx.rundb.mark_stage(ctx.run, stage, "pending")  # more tasks asked for: add the missing ones
-        ctx.stage(stage, lambda: _evaluate(ctx, stage, which, ckpt, sampling),
-                  {"checkpoint": which, "tasks": recipe.eval.tasks, "k": recipe.eval.k, "temperature": temperature})
-        row = next(ctx.rundb.db["evals"].rows_where("run = ? and stage = ?", [ctx.run, stage]))
-        row["checkpoint"] = which if which in ("base", "expert") or key == "base" else f"{which} ({key})"
-        rows.append(row)
-    ctx.console.print(evals_table(rows))
-    return rows
+        ctx.stage(
+            stage,
+            lambda: _evaluate(ctx, stage, which, ckpt, sampling),
+            {"checkpoint": which, "tasks": recipe.eval.tasks, "k": recipe.eval.k, "temperature": temperature},
+        )
+        results.append(eval_result(ctx.rundb, ctx.run, stage))
+    return results
 
 
-def _evaluate(ctx, stage: str, which: str, ckpt: dict | None, sampling) -> dict[str, Any]:
+def _evaluate(ctx: RunContext, stage: str, which: str, ckpt: Checkpoint | None, sampling) -> dict[str, Any]:
     recipe = ctx.recipe
     if which == "expert":
         label, model, tokenizer = "expert", None, None
@@ -118,22 +128,33 @@ def _evaluate(ctx, stage: str, which: str, ckpt: dict | None, sampling) -> dict[
         from rlcli.models.loading import load_policy
 
         model, tokenizer = load_policy(
-            recipe.model, recipe.lora, recipe.quantization, adapter=ckpt["path"] if ckpt else None, trainable=False
+            recipe.model, recipe.lora, recipe.quantization, adapter=ckpt.path if ckpt else None, trainable=False
         )
-        label = "base" if ckpt is None else str(ckpt["id"])
+        label = "base" if ckpt is None else str(ckpt.id)
     collect(
-        ctx, stage=stage, policy_label=label, model=model, tokenizer=tokenizer, sampling=sampling,
-        task_indices=list(range(recipe.eval.tasks)), group_size=recipe.eval.k, split="eval",
+        ctx,
+        stage=stage,
+        policy_label=label,
+        model=model,
+        tokenizer=tokenizer,
+        sampling=sampling,
+        task_indices=list(range(recipe.eval.tasks)),
+        group_size=recipe.eval.k,
+        split="eval",
         progress_label=f"eval {which}",
     )
-    episodes = list(ctx.rundb.db.query(
-        "select task_index, success, env_return, num_turns, num_tokens, status from episodes "
-        "where run = ? and stage = ?", [ctx.run, stage]))
-    metrics = eval_metrics(episodes, recipe.eval.k)
-    with ctx.rundb.transaction() as db:
-        db.execute("delete from evals where run = ? and stage = ?", [ctx.run, stage])
-        db["evals"].insert({
-            "run": ctx.run, "stage": stage, "checkpoint": which, "checkpoint_id": ckpt["id"] if ckpt else None,
-            "split": "eval", "created_at": now(), **metrics, "details": json.dumps(metrics["details"]),
-        })
+    metrics = eval_metrics(stage_episodes(ctx.rundb, ctx.run, stage), recipe.eval.k)
+    replace_eval(
+        ctx.rundb,
+        EvalResult(
+            id=None,
+            run=ctx.run,
+            stage=stage,
+            checkpoint=which,
+            checkpoint_id=ckpt.id if ckpt else None,
+            split="eval",
+            created_at=now(),
+            **metrics,
+        ),
+    )
     return {k: v for k, v in metrics.items() if k != "details"}

@@ -19,13 +19,14 @@ import hashlib
 import json
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import numpy as np
-
+from rlcli.engine.context import RunContext
 from rlcli.errors import UsageError
-from rlcli.store.db import RunDB, now
+from rlcli.store.db import now
+from rlcli.store.episodes import episode_summary, store_episodes, stored_episode_keys
+from rlcli.store.records import EndReason, Episode, EpisodeSummary, Turn
 
 EXPERT = "expert"
 
@@ -34,22 +35,6 @@ def derive_seed(*parts: Any) -> int:
     """A stable 63-bit seed from any parts (run seed, stage, indices): same parts, same seed."""
     digest = hashlib.sha256(json.dumps(parts, default=str).encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1
-
-
-def pack_ids(ids: list[int]) -> bytes:
-    return np.asarray(ids, dtype="<i4").tobytes()
-
-
-def unpack_ids(blob: bytes | None) -> list[int]:
-    return np.frombuffer(blob, dtype="<i4").tolist() if blob else []
-
-
-def pack_floats(values: list[float]) -> bytes:
-    return np.asarray(values, dtype="<f4").tobytes()
-
-
-def unpack_floats(blob: bytes | None) -> list[float]:
-    return np.frombuffer(blob, dtype="<f4").tolist() if blob else []
 
 
 @dataclass
@@ -61,17 +46,19 @@ class EpisodeSpec:
 
 
 @dataclass
-class Episode:
+class LiveEpisode:
+    """An episode being played: the env, the transcript so far, and the tokens the model has seen."""
+
     spec: EpisodeSpec
     env: Any = None
     messages: list[dict] = field(default_factory=list)
     tools: list[dict] | None = None
     task: dict = field(default_factory=dict)
-    turns: list[dict] = field(default_factory=list)
+    turns: list[Turn] = field(default_factory=list)
     ids: list[int] = field(default_factory=list)  # every token the model has seen so far
     text: str = ""  # the text those tokens decode to, for extending the prompt by a suffix
     status: str = "ok"
-    end_reason: str | None = None
+    end_reason: EndReason | None = None
     error: str | None = None
     env_return: float = 0.0
     success: bool | None = None
@@ -82,29 +69,48 @@ class Episode:
     def done(self) -> bool:
         return self.end_reason is not None
 
-    def finish(self, reason: str, error: str | None = None) -> None:
+    def finish(self, reason: EndReason, error: str | None = None) -> None:
         self.end_reason = reason
         if error is not None:
             self.status, self.error = "failed", error
 
-    def record(self) -> dict[str, Any]:
+    def to_record(self, run: str, stage: str, iteration: int | None, split: str, policy: str) -> Episode:
         success = self.success if self.success is not None else self.env_return > 0
-        return {
-            "task_index": self.spec.task_index,
-            "sample_index": self.spec.sample_index,
-            "seed": self.spec.env_seed,
-            "status": self.status,
-            "end_reason": self.end_reason,
-            "env_return": self.env_return,
-            "success": int(bool(success)) if self.status == "ok" else 0,
-            "num_turns": len(self.turns),
-            "num_tokens": sum(len(t["completion_ids"]) for t in self.turns),
-            "task": json.dumps(self.task, default=str),
-            "messages": json.dumps(_jsonable_messages(self.messages), default=str),
-            "error": self.error,
-            "template_consistent": int(self.template_consistent),
-            "turns": self.turns,
-        }
+        return Episode(
+            id=None,
+            run=run,
+            stage=stage,
+            iteration=iteration,
+            split=split,
+            task_index=self.spec.task_index,
+            sample_index=self.spec.sample_index,
+            seed=self.spec.env_seed,
+            policy=policy,
+            status=self.status,
+            end_reason=self.end_reason,
+            env_return=self.env_return,
+            success=bool(success) and self.status == "ok",
+            num_turns=len(self.turns),
+            num_tokens=sum(len(t.completion_ids) for t in self.turns),
+            task=self.task,
+            messages=_jsonable_messages(self.messages),
+            template_consistent=self.template_consistent,
+            error=self.error,
+            created_at=now(),
+            turns=self.turns,
+        )
+
+
+@dataclass
+class Action:
+    """What the policy did on one turn of one episode."""
+
+    text: str
+    ids: list[int] = field(default_factory=list)  # sampled token ids (none for the expert)
+    logprobs: list[float] = field(default_factory=list)
+    prompt_ids: list[int] = field(default_factory=list)
+    gen_time_s: float = 0.0
+    finished: bool = True  # False when the reply was cut by the token cap
 
 
 def _jsonable_messages(messages: list[dict]) -> list[dict]:
@@ -128,17 +134,19 @@ class RolloutLimits:
 class EpisodeRunner:
     """Plays a chunk of episodes to the end with one policy (a model, or the env's expert)."""
 
-    def __init__(self, env_factory: Callable[[], Any], limits: RolloutLimits, model=None, tokenizer=None, sampling=None):
+    def __init__(
+        self, env_factory: Callable[[], Any], limits: RolloutLimits, model=None, tokenizer=None, sampling=None
+    ):
         self.env_factory = env_factory
         self.limits = limits
         self.model = model
         self.tokenizer = tokenizer
         self.sampling = sampling
 
-    def run(self, specs: list[EpisodeSpec], on_turns: Callable[[int], None] | None = None) -> list[Episode]:
-        from rlcli.envs.base import EnvFailure, as_messages, call_with_timeout
+    def run(self, specs: list[EpisodeSpec], on_turns: Callable[[int], None] | None = None) -> list[LiveEpisode]:
+        from rlcli.envs.protocol import EnvFailure, as_messages, call_with_timeout
 
-        episodes = [Episode(spec) for spec in specs]
+        episodes = [LiveEpisode(spec) for spec in specs]
         for ep in episodes:
             try:
                 ep.env = self.env_factory()
@@ -147,11 +155,11 @@ class EpisodeRunner:
                 ep.task = dict((info or {}).get("task", {}))
                 ep.tools = getattr(ep.env, "tools", None) or None
             except EnvFailure as exc:
-                ep.finish("error", f"env reset failed: {exc}")
+                ep.finish(EndReason.ERROR, f"env reset failed: {exc}")
             except UsageError:  # a recipe mistake (a game id, a kwarg): stop the stage with one sentence
                 raise
             except Exception as exc:  # the env factory itself
-                ep.finish("error", f"env could not be created: {type(exc).__name__}: {exc}")
+                ep.finish(EndReason.ERROR, f"env could not be created: {type(exc).__name__}: {exc}")
             if self.model is not None:
                 import torch
 
@@ -166,17 +174,17 @@ class EpisodeRunner:
             if not live:
                 break
             actions = self._act(live, turn_cache)
-            for ep, (action_text, ids, logps, prompt_ids, gen_time) in zip(live, actions):
+            for ep, action in zip(live, actions):
                 if ep.done:  # ended while building its prompt (context budget)
                     continue
-                self._step(ep, action_text, ids, logps, prompt_ids, gen_time, EnvFailure, call_with_timeout, as_messages)
+                self._step(ep, action, EnvFailure, call_with_timeout, as_messages)
             if on_turns:
-                on_turns(sum(len(a[1]) for a in actions))
+                on_turns(sum(len(a.ids) for a in actions))
         return episodes
 
     # --- acting ---------------------------------------------------------------
 
-    def _act(self, live: list[Episode], turn_cache) -> list[tuple[str, list[int], list[float], list[int], float]]:
+    def _act(self, live: list[LiveEpisode], turn_cache) -> list[Action]:
         if self.model is None:
             out = []
             for ep in live:
@@ -184,9 +192,9 @@ class EpisodeRunner:
                 try:
                     text = ep.env.expert_action()
                 except Exception as exc:
-                    ep.finish("error", f"expert_action failed: {type(exc).__name__}: {exc}")
+                    ep.finish(EndReason.ERROR, f"expert_action failed: {type(exc).__name__}: {exc}")
                     text = ""
-                out.append((text, [], [], [], time.perf_counter() - start))
+                out.append(Action(text, gen_time_s=time.perf_counter() - start))
             return out
 
         from rlcli.engine.sampling import sample_batch
@@ -197,15 +205,18 @@ class EpisodeRunner:
             budget = min(self.sampling.max_new_tokens, self.limits.max_length - len(prompt))
             if budget <= 0:
                 if ep.turns:
-                    ep.finish("context")
+                    ep.finish(EndReason.CONTEXT)
                 else:
-                    ep.finish("error", f"the first observation needs {len(prompt)} tokens, over the context "
-                              f"budget model.max_length={self.limits.max_length}")
+                    ep.finish(
+                        EndReason.ERROR,
+                        f"the first observation needs {len(prompt)} tokens, over the context "
+                        f"budget model.max_length={self.limits.max_length}",
+                    )
                 continue
             prompts.append(prompt)
             budgets.append(budget)
             rows.append(ep)
-        results: dict[int, tuple] = {}
+        results: dict[int, Action] = {}
         if rows:
             start = time.perf_counter()
             turn_cache.align([id(ep) for ep in rows])
@@ -215,18 +226,18 @@ class EpisodeRunner:
             elapsed = (time.perf_counter() - start) / len(rows)
             for ep, prompt, sample in zip(rows, prompts, samples):
                 text = self.tokenizer.decode(sample.ids, skip_special_tokens=True)
-                results[id(ep)] = (text, sample.ids, sample.logprobs, prompt, elapsed)
-        return [results.get(id(ep), ("", [], [], [], 0.0)) for ep in live]
+                results[id(ep)] = Action(text, sample.ids, sample.logprobs, prompt, elapsed, sample.finished)
+        return [results.get(id(ep), Action("")) for ep in live]
 
-    def _render(self, ep: Episode) -> str:
+    def _render(self, ep: LiveEpisode) -> str:
         return self.tokenizer.apply_chat_template(
             ep.messages, tools=ep.tools, add_generation_prompt=True, tokenize=False
         )
 
-    def _prompt_ids(self, ep: Episode) -> list[int]:
+    def _prompt_ids(self, ep: LiveEpisode) -> list[int]:
         rendered = self._render(ep)
         if ep.ids and rendered.startswith(ep.text):
-            suffix = rendered[len(ep.text):]
+            suffix = rendered[len(ep.text) :]
             ids = ep.ids + self.tokenizer(suffix, add_special_tokens=False)["input_ids"]
         else:
             if ep.ids:
@@ -237,42 +248,47 @@ class EpisodeRunner:
 
     # --- stepping the env -------------------------------------------------------
 
-    def _step(self, ep, action_text, ids, logps, prompt_ids, gen_time, EnvFailure, call_with_timeout, as_messages):
-        ep.messages.append({"role": "assistant", "content": action_text})
+    def _step(self, ep: LiveEpisode, action: Action, EnvFailure, call_with_timeout, as_messages) -> None:
+        ep.messages.append({"role": "assistant", "content": action.text})
         if self.model is not None:
-            ep.ids = ep.ids + ids
-            ep.text = ep.text + self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            ep.ids = ep.ids + action.ids
+            ep.text = ep.text + self.tokenizer.decode(
+                action.ids, skip_special_tokens=False, clean_up_tokenization_spaces=False
+            )
         start = time.perf_counter()
         try:
             obs, reward, terminated, truncated, info = call_with_timeout(
-                ep.env.step, self.limits.step_timeout_s, action_text
+                ep.env.step, self.limits.step_timeout_s, action.text
             )
             feedback = as_messages(obs) if obs else []
             reward = float(reward)
         except EnvFailure as exc:
-            ep.finish("error", f"env step failed: {exc}")
+            ep.finish(EndReason.ERROR, f"env step failed: {exc}")
             feedback, reward, terminated, truncated, info = [], 0.0, False, False, {}
         except (TypeError, ValueError) as exc:
-            ep.finish("error", f"env step returned {type(exc).__name__}: {exc}; expected "
-                      "(observation, reward, terminated, truncated, info)")
+            ep.finish(
+                EndReason.ERROR,
+                f"env step returned {type(exc).__name__}: {exc}; expected "
+                "(observation, reward, terminated, truncated, info)",
+            )
             feedback, reward, terminated, truncated, info = [], 0.0, False, False, {}
         env_time = time.perf_counter() - start
         info = info or {}
         ep.turns.append(
-            {
-                "turn_index": len(ep.turns),
-                "prompt_ids": prompt_ids,
-                "completion_ids": ids,
-                "logprobs": logps,
-                "text": action_text,
-                "observation": json.dumps(_jsonable_messages(feedback), default=str),
-                "reward": reward,
-                "terminated": int(bool(terminated)),
-                "truncated": int(bool(truncated)),
-                "info": json.dumps(info, default=str),
-                "gen_time_s": gen_time,
-                "env_time_s": env_time,
-            }
+            Turn(
+                turn_index=len(ep.turns),
+                prompt_ids=action.prompt_ids,
+                completion_ids=action.ids,
+                logprobs=action.logprobs,
+                text=action.text,
+                observation=json.dumps(_jsonable_messages(feedback), default=str),
+                reward=reward,
+                terminated=bool(terminated),
+                truncated=bool(truncated),
+                info=json.dumps(info, default=str),
+                gen_time_s=action.gen_time_s,
+                env_time_s=env_time,
+            )
         )
         ep.env_return += reward
         if "success" in info:
@@ -280,20 +296,25 @@ class EpisodeRunner:
         ep.messages.extend(feedback)
         if ep.done:
             return
-        if terminated:
-            ep.finish("terminated")
-        elif truncated:
-            ep.finish("truncated")
-        elif len(ep.turns) >= self.limits.max_turns:
-            ep.finish("max_turns")
+        if terminated or truncated or len(ep.turns) >= self.limits.max_turns:
+            # A last reply cut by the token cap tells more about the episode than how the env took it.
+            if not action.finished:
+                ep.finish(EndReason.LENGTH)
+            elif terminated:
+                ep.finish(EndReason.TERMINATED)
+            elif truncated:
+                ep.finish(EndReason.TRUNCATED)
+            else:
+                ep.finish(EndReason.MAX_TURNS)
 
 
 # --- the stage: which episodes, in which chunks, stored how ------------------------
 
 
-def episode_specs(run_seed: int, stage: str, task_indices: list[int], group_size: int, split: str,
-                  eval_seed_start: int) -> list[EpisodeSpec]:
-    from rlcli.envs.base import task_seed
+def episode_specs(
+    run_seed: int, stage: str, task_indices: list[int], group_size: int, split: str, eval_seed_start: int
+) -> list[EpisodeSpec]:
+    from rlcli.envs.protocol import task_seed
 
     return [
         EpisodeSpec(t, g, task_seed(split, t, eval_seed_start), derive_seed(run_seed, stage, t, g))
@@ -307,35 +328,8 @@ def chunks(specs: list[EpisodeSpec], size: int) -> Iterator[list[EpisodeSpec]]:
         yield specs[start : start + size]
 
 
-def store_episodes(rundb: RunDB, run: str, stage: str, iteration: int | None, split: str, policy: str,
-                   episodes: list[Episode]) -> None:
-    """All episodes of a chunk, with their turns, in one transaction."""
-    with rundb.transaction() as db:
-        for ep in episodes:
-            record = ep.record()
-            turns = record.pop("turns")
-            row = {"run": run, "stage": stage, "iteration": iteration, "split": split, "policy": policy,
-                   "created_at": now(), **record}
-            episode_id = db["episodes"].insert(row).last_pk
-            db["turns"].insert_all(
-                {
-                    **t,
-                    "episode_id": episode_id,
-                    "prompt_ids": pack_ids(t["prompt_ids"]),
-                    "completion_ids": pack_ids(t["completion_ids"]),
-                    "logprobs": pack_floats(t["logprobs"]),
-                }
-                for t in turns
-            )
-
-
-def stored_keys(rundb: RunDB, run: str, stage: str) -> set[tuple[int, int]]:
-    rows = rundb.db.execute("select task_index, sample_index from episodes where run = ? and stage = ?", [run, stage])
-    return {(t, s) for t, s in rows.fetchall()}
-
-
 def collect(
-    ctx,
+    ctx: RunContext,
     *,
     stage: str,
     policy_label: str,
@@ -348,17 +342,20 @@ def collect(
     iteration: int | None = None,
     progress_label: str | None = None,
 ) -> dict[str, Any]:
-    """Roll out every missing episode of a stage and store it; return a summary of the stage."""
-    from rlcli.envs.base import load_env
+    """Roll out every missing episode of a stage and store it; return the stage's result."""
+    from rlcli.envs.loading import load_env
 
     recipe = ctx.recipe
     env_factory = load_env(recipe.env.name, recipe.env.kwargs)
     specs = episode_specs(recipe.run.seed, stage, task_indices, group_size, split, recipe.env.eval_seed_start)
-    have = stored_keys(ctx.rundb, ctx.run, stage)
+    have = stored_episode_keys(ctx.rundb, ctx.run, stage)
     # A killed stage never leaves a chunk half stored (one transaction per chunk); a chunk is only
     # partly stored when the stage was asked for more tasks (eval.tasks raised): play the missing ones.
-    todo = [missing for c in chunks(specs, recipe.rollout.batch_size)
-            if (missing := [s for s in c if (s.task_index, s.sample_index) not in have])]
+    todo = [
+        missing
+        for c in chunks(specs, recipe.rollout.batch_size)
+        if (missing := [s for s in c if (s.task_index, s.sample_index) not in have])
+    ]
     limits = RolloutLimits(recipe.env.max_turns, recipe.model.max_length, recipe.env.step_timeout_s)
     runner = EpisodeRunner(env_factory, limits, model, tokenizer, sampling)
     if model is not None:
@@ -366,36 +363,26 @@ def collect(
     with _progress(ctx, progress_label or stage, len(specs), len(specs) - sum(len(c) for c in todo)) as advance:
         for chunk in todo:
             episodes = runner.run(chunk, on_turns=lambda n: advance(0, n))
-            store_episodes(ctx.rundb, ctx.run, stage, iteration, split, policy_label, episodes)
+            store_episodes(ctx.rundb, [ep.to_record(ctx.run, stage, iteration, split, policy_label) for ep in episodes])
             advance(len(chunk), 0)
-    return summarize(ctx.rundb, ctx.run, stage)
-
-
-def summarize(rundb: RunDB, run: str, stage: str) -> dict[str, Any]:
-    row = rundb.db.execute(
-        """select count(*), sum(status = 'failed'), avg(env_return), avg(success), avg(num_turns), sum(num_tokens)
-           from episodes where run = ? and stage = ?""",
-        [run, stage],
-    ).fetchone()
-    return {
-        "episodes": row[0] or 0,
-        "failed": row[1] or 0,
-        "return_mean": row[2],
-        "success_rate": row[3],
-        "turns_mean": row[4],
-        "tokens": row[5] or 0,
-    }
+    return asdict(episode_summary(ctx.rundb, ctx.run, stage))
 
 
 class _progress:
     """A rich progress bar over episodes that also shows generated tokens per second."""
 
-    def __init__(self, ctx, label: str, total: int, completed: int):
+    def __init__(self, ctx: RunContext, label: str, total: int, completed: int):
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         self.progress = Progress(
-            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("episodes"),
-            TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), console=ctx.console, transient=False,
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("episodes"),
+            TextColumn("{task.fields[rate]}"),
+            TimeElapsedColumn(),
+            console=ctx.console,
+            transient=False,
         )
         self.task = self.progress.add_task(label, total=total, completed=completed, rate="")
         self.tokens = 0
@@ -418,17 +405,17 @@ class _progress:
 # --- policies -------------------------------------------------------------------
 
 
-def load_rollout_policy(ctx, policy: str):
+def load_rollout_policy(ctx: RunContext, policy: str):
     """Resolve base / latest / expert / a checkpoint id into (label, model, tokenizer)."""
     if policy == EXPERT:
         return EXPERT, None, None
     from rlcli.models.loading import load_policy
 
     row = ctx.rundb.resolve_checkpoint(ctx.run, policy) if policy != "base" else None
-    label = "base" if row is None else str(row["id"])
+    label = "base" if row is None else str(row.id)
     recipe = ctx.recipe
     model, tokenizer = load_policy(
-        recipe.model, recipe.lora, recipe.quantization, adapter=row["path"] if row else None, trainable=False
+        recipe.model, recipe.lora, recipe.quantization, adapter=row.path if row else None, trainable=False
     )
     return label, model, tokenizer
 
@@ -445,7 +432,7 @@ def sampling_config(rollout_cfg) -> Any:
     )
 
 
-def run_rollout_stage(ctx, *, stage: str, policy: str, split: str) -> dict[str, Any]:
+def run_rollout_stage(ctx: RunContext, *, stage: str, policy: str, split: str) -> EpisodeSummary:
     """`rlcli rollout`: tasks x group size episodes with one policy, stored token by token."""
     if split not in ("train", "eval"):
         raise UsageError(f"--split must be train or eval, got {split!r}.")
@@ -454,29 +441,17 @@ def run_rollout_stage(ctx, *, stage: str, policy: str, split: str) -> dict[str, 
     def work() -> dict[str, Any]:
         label, model, tokenizer = load_rollout_policy(ctx, policy)
         summary = collect(
-            ctx, stage=stage, policy_label=label, model=model, tokenizer=tokenizer,
-            sampling=sampling_config(recipe.rollout), task_indices=list(range(recipe.rollout.tasks)),
-            group_size=recipe.rollout.group_size, split=split,
+            ctx,
+            stage=stage,
+            policy_label=label,
+            model=model,
+            tokenizer=tokenizer,
+            sampling=sampling_config(recipe.rollout),
+            task_indices=list(range(recipe.rollout.tasks)),
+            group_size=recipe.rollout.group_size,
+            split=split,
         )
         return {"policy": label, **summary}
 
-    summary = ctx.stage(stage, work, {"policy": policy, "split": split})
-    print_summary(ctx, stage, summary)
-    return summary
-
-
-def print_summary(ctx, title: str, summary: dict[str, Any]) -> None:
-    from rich.table import Table
-
-    table = Table(title=f"{title}: episodes")
-    for key in ("episodes", "failed", "return_mean", "success_rate", "turns_mean", "tokens"):
-        table.add_column(key, justify="right")
-    table.add_row(*(_fmt(summary.get(k)) for k in ("episodes", "failed", "return_mean", "success_rate",
-                                                     "turns_mean", "tokens")))
-    ctx.console.print(table)
-
-
-def _fmt(value: Any) -> str:
-    if value is None:
-        return "–"
-    return f"{value:.3g}" if isinstance(value, float) else str(value)
+    ctx.stage(stage, work, {"policy": policy, "split": split})
+    return episode_summary(ctx.rundb, ctx.run, stage)

@@ -85,7 +85,7 @@ class TurnCache:
             return None
         if any(len(p) <= len(c) or p[: len(c)] != c for p, c in zip(prompts, self.ids)):
             return None
-        return [p[len(c):] for p, c in zip(prompts, self.ids)]
+        return [p[len(c) :] for p, c in zip(prompts, self.ids)]
 
 
 @torch.no_grad()
@@ -110,23 +110,38 @@ def sample_batch(
     eos_ids = _eos_ids(model, tokenizer)
     fresh = turn_cache.new_tokens(prompts) if turn_cache is not None else None
     if fresh is None:
-        fresh, cache, cached_attention, cached_len = prompts, None, torch.zeros((batch, 0), dtype=torch.long), [0] * batch
+        fresh, cache, cached_attention, cached_len = (
+            prompts,
+            None,
+            torch.zeros((batch, 0), dtype=torch.long),
+            [0] * batch,
+        )
     else:
-        cache, cached_attention, cached_len = turn_cache.kv, turn_cache.attention.cpu(), [len(c) for c in turn_cache.ids]
+        cache, cached_attention, cached_len = (
+            turn_cache.kv,
+            turn_cache.attention.cpu(),
+            [len(c) for c in turn_cache.ids],
+        )
     width = max(len(p) for p in fresh)
     input_ids = torch.full((batch, width), pad_id, dtype=torch.long)
     new_attention = torch.zeros((batch, width), dtype=torch.long)
     for i, p in enumerate(fresh):  # left padding keeps every row's next token in the last column
-        input_ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
-        new_attention[i, width - len(p):] = 1
+        input_ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+        new_attention[i, width - len(p) :] = 1
     positions = torch.tensor(cached_len)[:, None] + (new_attention.cumsum(-1) - 1).clamp(min=0)
     attention = torch.cat([cached_attention, new_attention], dim=-1)
     input_ids, attention, positions = input_ids.to(device), attention.to(device), positions.to(device)
 
     # Only the last position's logits are needed; all of them would be a [batch, width, vocab] tensor
     # (hundreds of MB with a 49k-token vocabulary) and a fifth of the prefill's compute.
-    out = model(input_ids=input_ids, attention_mask=attention, position_ids=positions, past_key_values=cache,
-                use_cache=True, logits_to_keep=1)
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention,
+        position_ids=positions,
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
     cache, logits = out.past_key_values, out.logits[:, -1, :]
     next_pos = positions[:, -1:] + 1
 
@@ -134,7 +149,7 @@ def sample_batch(
     logps: list[list[float]] = [[] for _ in range(batch)]
     done = [False] * batch
     finished = [False] * batch
-    for step in range(max(budgets)):
+    for _ in range(max(budgets)):
         scores = logits.float() / cfg.logprob_temperature
         logprobs = torch.log_softmax(scores, dim=-1)
         if cfg.temperature > 0:
@@ -188,13 +203,3 @@ def _hits_stop(tokenizer, ids: list[int], stops: list[str]) -> bool:
         return False
     tail = tokenizer.decode(ids[-16:], skip_special_tokens=False)
     return any(s in tail for s in stops)
-
-
-@torch.no_grad()
-def sequence_logprobs(model, ids: list[int], start: int, temperature: float = 1.0) -> torch.Tensor:
-    """Logprobs of ids[start:] given what precedes them, for checking recorded logprobs."""
-    device = next(model.parameters()).device
-    inp = torch.tensor([ids], device=device)
-    logits = model(input_ids=inp).logits[0, start - 1 : len(ids) - 1].float() / temperature
-    target = inp[0, start:]
-    return torch.log_softmax(logits, -1).gather(-1, target[:, None])[:, 0]

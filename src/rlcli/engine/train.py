@@ -21,8 +21,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+# Heavy (torch), but this module is only imported by the commands that train.
+from rlcli.engine import grpo
+from rlcli.engine.context import RunContext
+from rlcli.engine.rollout import collect, derive_seed, sampling_config
 from rlcli.errors import RlcliError
-from rlcli.engine.rollout import collect, derive_seed, sampling_config, unpack_floats, unpack_ids
+from rlcli.store.episodes import episodes_for_training
+from rlcli.store.records import Checkpoint, LabelledEpisode, Turn
 from rlcli.store.stages import stage_done
 
 LABEL_SET = "grpo"
@@ -46,88 +51,54 @@ class TrainSequence:
 # --- building sequences from stored episodes ----------------------------------------------
 
 
-def episode_sequences(episode_id: int, group: int, turns: list[dict]) -> list[TrainSequence]:
+def episode_sequences(episode_id: int, group: int, turns: list[Turn]) -> list[TrainSequence]:
     """One sequence per episode when every turn's prompt extends the previous turn's tokens,
     else one per turn; either way exactly the tokens that were seen and sampled."""
     last = turns[-1]
-    full = last["prompt_ids"] + last["completion_ids"]
+    full = last.prompt_ids + last.completion_ids
     consistent = all(
-        full[: len(t["prompt_ids"])] == t["prompt_ids"]
-        and full[len(t["prompt_ids"]) : len(t["prompt_ids"]) + len(t["completion_ids"])] == t["completion_ids"]
+        full[: len(t.prompt_ids)] == t.prompt_ids
+        and full[len(t.prompt_ids) : len(t.prompt_ids) + len(t.completion_ids)] == t.completion_ids
         for t in turns
     )
     groups = [turns] if consistent else [[t] for t in turns]
     out = []
     for part in groups:
-        ids = part[-1]["prompt_ids"] + part[-1]["completion_ids"]
+        ids = part[-1].prompt_ids + part[-1].completion_ids
         mask, logps, turn_of = [0.0] * len(ids), [0.0] * len(ids), [0] * len(ids)
         for t in part:
-            start = len(t["prompt_ids"])
-            for j, lp in enumerate(t["logprobs"]):
-                mask[start + j], logps[start + j], turn_of[start + j] = 1.0, lp, t["turn_index"]
+            start = len(t.prompt_ids)
+            for j, lp in enumerate(t.logprobs):
+                mask[start + j], logps[start + j], turn_of[start + j] = 1.0, lp, t.turn_index
         out.append(TrainSequence(episode_id, group, ids, mask, logps, turn_of))
     return out
-
-
-def load_iteration_batch(ctx, stage: str, eos_ids: set[int]) -> tuple[list[dict], dict[int, list[dict]]]:
-    """Episodes of a rollout stage with their total reward, and their turns with decoded blobs."""
-    episodes = list(
-        ctx.rundb.db.query(
-            """select e.id, e.task_index, e.end_reason, r.value as reward from episodes e
-               join rewards r on r.episode_id = e.id and r.label_set = ? and r.component = 'total'
-               where e.run = ? and e.stage = ? and e.status = 'ok' order by e.task_index, e.sample_index""",
-            [LABEL_SET, ctx.run, stage],
-        )
-    )
-    turns: dict[int, list[dict]] = {}
-    for ep in episodes:
-        rows = ctx.rundb.db.query(
-            "select turn_index, prompt_ids, completion_ids, logprobs, reward from turns "
-            "where episode_id = ? order by turn_index",
-            [ep["id"]],
-        )
-        turns[ep["id"]] = [
-            {
-                "turn_index": r["turn_index"],
-                "prompt_ids": unpack_ids(r["prompt_ids"]),
-                "completion_ids": unpack_ids(r["completion_ids"]),
-                "logprobs": unpack_floats(r["logprobs"]),
-                "reward": r["reward"],
-            }
-            for r in rows
-        ]
-        last = turns[ep["id"]][-1]["completion_ids"] if turns[ep["id"]] else []
-        # Cut off by the token cap or the context budget rather than ended by the model.
-        ep["truncated"] = ep["end_reason"] == "context" or not (last and last[-1] in eos_ids)
-    return episodes, turns
 
 
 # --- the loop ---------------------------------------------------------------------------------
 
 
-def run_grpo(ctx) -> None:
+def run_grpo(ctx: RunContext) -> None:
     import torch
 
-    from rlcli.engine import grpo as G
     from rlcli.engine.labelling import label_stage_episodes
-    from rlcli.models.loading import check_reference_possible, load_policy
-    from rlcli.rewards.core import build_reward_fns
     from rlcli.engine.trackers import open_trackers
+    from rlcli.models.loading import check_reference_possible, load_policy
+    from rlcli.rewards.scoring import build_reward_fns
 
     recipe, cfg = ctx.recipe, ctx.recipe.grpo
     check_reference_possible(recipe.lora, cfg.beta)
     reward_fns = build_reward_fns(recipe.rewards)
 
     resume = latest_train_checkpoint(ctx)
-    start_iter = resume["iteration"] + 1 if resume else 0
+    start_iter = resume.iteration + 1 if resume else 0
     if start_iter >= cfg.iterations:
         ctx.console.print(f"train grpo: all {cfg.iterations} iterations are done.")
         return
     if resume:
-        adapter = resume["path"]
+        adapter = resume.path
     else:
-        sft = [c for c in ctx.rundb.checkpoints(ctx.run) if c["stage"] == "sft"]
-        adapter = sft[-1]["path"] if sft else None
+        sft = [c for c in ctx.rundb.checkpoints(ctx.run) if c.stage == "sft"]
+        adapter = sft[-1].path if sft else None
     torch.manual_seed(derive_seed(recipe.run.seed, "init"))  # a fresh LoRA adapter's random init
     model, tokenizer = load_policy(recipe.model, recipe.lora, recipe.quantization, adapter=adapter, trainable=True)
     if cfg.gradient_checkpointing:
@@ -139,18 +110,16 @@ def run_grpo(ctx) -> None:
     steps_per_iter = cfg.epochs * _minibatches_per_epoch(recipe)
     scheduler = _scheduler(optimizer, cfg, steps_per_iter * cfg.iterations)
     if resume:
-        state = torch.load(Path(resume["path"]) / "trainer_state.pt", weights_only=False)
+        state = torch.load(Path(resume.path) / "trainer_state.pt", weights_only=False)
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         # Stages after the checkpoint were done with weights that were not saved: redo them.
         for it in range(start_iter, cfg.iterations):
-            row = ctx.rundb.stage(ctx.run, f"train/{it}")
-            if row and row["status"] == "done":
+            if stage_done(ctx.rundb, ctx.run, f"train/{it}"):
                 ctx.rundb.mark_stage(ctx.run, f"train/{it}", "pending")
     sampling = sampling_config(recipe.rollout)
-    eos_ids = _eos_ids(model, tokenizer)
     view = MetricsView(ctx.console)
-    start_label = f"checkpoint {resume['id']}" if resume else ("sft" if adapter else "base")
+    start_label = f"checkpoint {resume.id}" if resume else ("sft" if adapter else "base")
     ctx.console.print(f"train grpo: iterations {start_iter}..{cfg.iterations - 1}, starting from {start_label}")
     with open_trackers(recipe.run.trackers, ctx.run, recipe.to_dict(), log_dir=ctx.run_dir) as tracker:
         for it in range(start_iter, cfg.iterations):
@@ -162,9 +131,17 @@ def run_grpo(ctx) -> None:
             rollout_summary = ctx.stage(
                 f"rollout/{it}",
                 lambda: collect(
-                    ctx, stage=f"rollout/{it}", policy_label=f"train/{it - 1}" if it > start_iter else start_label,
-                    model=model, tokenizer=tokenizer, sampling=sampling, task_indices=tasks,
-                    group_size=recipe.rollout.group_size, split="train", iteration=it, progress_label=f"rollout {it}",
+                    ctx,
+                    stage=f"rollout/{it}",
+                    policy_label=f"train/{it - 1}" if it > start_iter else start_label,
+                    model=model,
+                    tokenizer=tokenizer,
+                    sampling=sampling,
+                    task_indices=tasks,
+                    group_size=recipe.rollout.group_size,
+                    split="train",
+                    iteration=it,
+                    progress_label=f"rollout {it}",
                 ),
                 {"iteration": it, "tasks": [tasks[0], tasks[-1]]},
             )
@@ -177,7 +154,7 @@ def run_grpo(ctx) -> None:
             t0 = time.perf_counter()
             result = ctx.stage(
                 f"train/{it}",
-                lambda: train_iteration(ctx, model, tokenizer, optimizer, scheduler, it, eos_ids, G),
+                lambda: train_iteration(ctx, model, tokenizer, optimizer, scheduler, it),
                 {"iteration": it},
             )
             timings["perf/time_train_s"] = time.perf_counter() - t0
@@ -200,19 +177,21 @@ def run_grpo(ctx) -> None:
             view.show(it, {**metrics, **timings})
 
 
-def train_iteration(ctx, model, tokenizer, optimizer, scheduler, it: int, eos_ids: set[int], G) -> dict[str, Any]:
+def train_iteration(ctx: RunContext, model, tokenizer, optimizer, scheduler, it: int) -> dict[str, Any]:
     """Advantages and K epochs of updates on iteration `it`'s stored rollouts; save a checkpoint."""
     import torch
 
     recipe, cfg = ctx.recipe, ctx.recipe.grpo
-    episodes, turns = load_iteration_batch(ctx, f"rollout/{it}", eos_ids)
+    episodes = episodes_for_training(ctx.rundb, ctx.run, f"rollout/{it}", LABEL_SET)
     if not episodes:
-        raise RlcliError(f"Iteration {it} has no successfully finished, labelled episodes to train on "
-                         f"(see `rlcli runs show {ctx.run}` for failed episodes).")
-    rewards = torch.tensor([e["reward"] for e in episodes], dtype=torch.float64)
-    groups = torch.tensor([e["task_index"] for e in episodes])
-    G.check_finite("the rewards", rewards)
-    zero_var = G.zero_variance_groups(rewards, groups)
+        raise RlcliError(
+            f"Iteration {it} has no successfully finished, labelled episodes to train on "
+            f"(see `rlcli runs show {ctx.run}` for failed episodes)."
+        )
+    rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float64)
+    groups = torch.tensor([e.episode.task_index for e in episodes])
+    grpo.check_finite("the rewards", rewards)
+    zero_var = grpo.zero_variance_groups(rewards, groups)
     stats: dict[str, Any] = {
         "reward_mean": float(rewards.mean()),
         "reward_std": float(rewards.std(unbiased=False)),
@@ -221,29 +200,29 @@ def train_iteration(ctx, model, tokenizer, optimizer, scheduler, it: int, eos_id
     }
 
     if cfg.gamma is not None:
-        turn_returns = [G.discounted_turn_returns(_turn_rewards(turns[e["id"]], e["reward"]), cfg.gamma)
-                        for e in episodes]
-        turn_adv = G.turn_advantages(turn_returns, groups, cfg.advantage)
+        turn_returns = [grpo.discounted_turn_returns(_turn_rewards(e), cfg.gamma) for e in episodes]
+        turn_adv = grpo.turn_advantages(turn_returns, groups, cfg.advantage)
     else:
-        adv = G.compute_advantages(rewards, groups, cfg.advantage)
-        turn_adv = [[float(adv[i])] * len(turns[e["id"]]) for i, e in enumerate(episodes)]
+        adv = grpo.compute_advantages(rewards, groups, cfg.advantage)
+        turn_adv = [[float(adv[i])] * len(e.episode.turns) for i, e in enumerate(episodes)]
 
     sequences: list[TrainSequence] = []
-    for i, ep in enumerate(episodes):
+    for i, labelled in enumerate(episodes):
+        ep = labelled.episode
         if cfg.drop_zero_var_groups and bool(zero_var[i]):
             continue
-        if cfg.mask_truncated and ep["truncated"]:
+        if cfg.mask_truncated and ep.hit_a_cap:
             continue
-        for seq in episode_sequences(ep["id"], ep["task_index"], turns[ep["id"]]):
+        for seq in episode_sequences(ep.id, ep.task_index, ep.turns):
             seq.advantage = [turn_adv[i][t] for t in seq.turn_of_token]
-            seq.truncated = ep["truncated"]
+            seq.truncated = ep.hit_a_cap
             sequences.append(seq)
     stats["train/sequences"] = len(sequences)
 
     if sequences:
         torch.manual_seed(derive_seed(recipe.run.seed, "dropout", it))  # dropout, if any, replays exactly
         model.train()
-        update_stats = _update(ctx, model, optimizer, scheduler, sequences, it, G)
+        update_stats = _update(ctx, model, optimizer, scheduler, sequences, it)
         stats.update(update_stats)
     else:  # every group had equal rewards, or every episode was masked: nothing to learn from
         stats["train/skipped"] = 1.0
@@ -254,23 +233,26 @@ def train_iteration(ctx, model, tokenizer, optimizer, scheduler, it: int, eos_id
     return stats
 
 
-def _turn_rewards(turns: list[dict], total: float) -> list[float]:
+def _turn_rewards(labelled: LabelledEpisode) -> list[float]:
     """The env's per-step rewards, with whatever the labelled total adds beyond them (judges,
     penalties, weights) credited to the last turn, so the turn rewards sum to the total."""
-    rewards = [t["reward"] or 0.0 for t in turns]
-    rewards[-1] += total - sum(rewards)
+    rewards = [t.reward or 0.0 for t in labelled.episode.turns]
+    rewards[-1] += labelled.reward - sum(rewards)
     return rewards
 
 
-def _update(ctx, model, optimizer, scheduler, sequences: list[TrainSequence], it: int, G) -> dict[str, float]:
+def _update(ctx: RunContext, model, optimizer, scheduler, sequences: list[TrainSequence], it: int) -> dict[str, float]:
     import torch
 
     recipe, cfg = ctx.recipe, ctx.recipe.grpo
     temperature = sampling_config(recipe.rollout).logprob_temperature
     n_mb = _minibatches_per_epoch(recipe)
     needs_old = cfg.epochs > 1 or n_mb > 1
-    old_logprobs = (_old_logprobs(model, sequences, cfg.micro_batch_size, temperature, not cfg.gradient_checkpointing)
-                    if needs_old else None)
+    old_logprobs = (
+        _old_logprobs(model, sequences, cfg.micro_batch_size, temperature, not cfg.gradient_checkpointing)
+        if needs_old
+        else None
+    )
     max_len_norm = recipe.rollout.max_new_tokens * recipe.env.max_turns
     totals: dict[str, float] = {}
     weight_sum = 0.0
@@ -289,9 +271,9 @@ def _update(ctx, model, optimizer, scheduler, sequences: list[TrainSequence], it
                 micro = [sequences[i] for i in micro_idx]
                 batch = _collate(micro, model, share_prefix=not cfg.gradient_checkpointing)
                 logits = _forward(model, batch)
-                logprobs = G.selective_log_softmax(logits / temperature, batch["targets"])
+                logprobs = grpo.selective_log_softmax(logits / temperature, batch["targets"])
                 with torch.no_grad():
-                    entropy = G.entropy_from_logits(logits.detach() / temperature)
+                    entropy = grpo.entropy_from_logits(logits.detach() / temperature)
                 old = (
                     _collate_values([old_logprobs[i] for i in micro_idx], batch)
                     if old_logprobs is not None
@@ -302,15 +284,25 @@ def _update(ctx, model, optimizer, scheduler, sequences: list[TrainSequence], it
                     from rlcli.models.loading import reference_context
 
                     with torch.no_grad(), reference_context(model):
-                        ref = G.selective_log_softmax(_forward(model, batch) / temperature, batch["targets"])
-                loss, st = G.policy_loss(
-                    logprobs, old, batch["advantages"], batch["mask"],
-                    clip_low=cfg.clip_low, clip_high=cfg.clip_high, importance=cfg.importance,
-                    aggregation=cfg.aggregation, ref_logprobs=ref, beta=cfg.beta,
-                    rollout_logprobs=batch["rollout_logprobs"], tis_cap=cfg.tis_cap,
-                    entropy=entropy, entropy_top_frac=cfg.entropy_top_frac, max_len_norm=max_len_norm,
+                        ref = grpo.selective_log_softmax(_forward(model, batch) / temperature, batch["targets"])
+                loss, st = grpo.policy_loss(
+                    logprobs,
+                    old,
+                    batch["advantages"],
+                    batch["mask"],
+                    clip_low=cfg.clip_low,
+                    clip_high=cfg.clip_high,
+                    importance=cfg.importance,
+                    aggregation=cfg.aggregation,
+                    ref_logprobs=ref,
+                    beta=cfg.beta,
+                    rollout_logprobs=batch["rollout_logprobs"],
+                    tis_cap=cfg.tis_cap,
+                    entropy=entropy,
+                    entropy_top_frac=cfg.entropy_top_frac,
+                    max_len_norm=max_len_norm,
                 )
-                G.check_finite("the loss", loss)
+                grpo.check_finite("the loss", loss)
                 # Scale so that accumulated micro-batch gradients equal the minibatch's gradient.
                 if cfg.aggregation == "token_mean":
                     share = float(batch["mask"].sum()) / max(mb_tokens, 1.0)
@@ -350,8 +342,11 @@ def _collate(micro: list[TrainSequence], model, share_prefix: bool = True) -> di
     prefix = _shared_prefix(micro) if share_prefix else 0
     width = max(len(s.ids) for s in micro) - prefix
     # The first trainable token over the batch, measured from the right: logits before it are not needed.
-    keep = max(len(s.ids) - next(i for i, m in enumerate(s.mask) if m) for s in micro if any(s.mask)) \
-        if any(any(s.mask) for s in micro) else 1
+    keep = (
+        max(len(s.ids) - next(i for i, m in enumerate(s.mask) if m) for s in micro if any(s.mask))
+        if any(any(s.mask) for s in micro)
+        else 1
+    )
     B = len(micro)
     ids = torch.zeros((B, width), dtype=torch.long)
     attn = torch.zeros((B, width), dtype=torch.long)
@@ -426,19 +421,18 @@ def _forward(model, batch: dict[str, Any]):
     return out.logits[:, :-1, :].float()
 
 
-def _old_logprobs(model, sequences: list[TrainSequence], micro_batch_size: int, temperature: float,
-                  share_prefix: bool) -> list:
+def _old_logprobs(
+    model, sequences: list[TrainSequence], micro_batch_size: int, temperature: float, share_prefix: bool
+) -> list:
     """Logprobs of every sequence under the weights at the start of the iteration (PPO's pi_old)."""
     import torch
-
-    from rlcli.engine.grpo import selective_log_softmax
 
     out = []
     with torch.no_grad():
         for start in range(0, len(sequences), micro_batch_size):
             micro = sequences[start : start + micro_batch_size]
             batch = _collate(micro, model, share_prefix)
-            lp = selective_log_softmax(_forward(model, batch) / temperature, batch["targets"])
+            lp = grpo.selective_log_softmax(_forward(model, batch) / temperature, batch["targets"])
             for b, s in enumerate(micro):
                 n = min(len(s.ids), batch["keep"])
                 out.append(lp[b, batch["keep"] - n :].cpu())
@@ -457,16 +451,18 @@ def _minibatches_per_epoch(recipe) -> int:
 def _scheduler(optimizer, cfg, total_steps: int):
     from transformers import get_scheduler
 
-    return get_scheduler(cfg.schedule, optimizer, num_warmup_steps=cfg.warmup_steps, num_training_steps=max(total_steps, 1))
+    return get_scheduler(
+        cfg.schedule, optimizer, num_warmup_steps=cfg.warmup_steps, num_training_steps=max(total_steps, 1)
+    )
 
 
-def latest_train_checkpoint(ctx) -> dict[str, Any] | None:
-    rows = [c for c in ctx.rundb.checkpoints(ctx.run) if c["stage"].startswith("train/")]
-    rows = [c for c in rows if (Path(c["path"]) / "trainer_state.pt").exists()]
+def latest_train_checkpoint(ctx: RunContext) -> Checkpoint | None:
+    rows = [c for c in ctx.rundb.checkpoints(ctx.run) if c.stage.startswith("train/")]
+    rows = [c for c in rows if (Path(c.path) / "trainer_state.pt").exists()]
     return rows[-1] if rows else None
 
 
-def save_train_checkpoint(ctx, model, tokenizer, optimizer, scheduler, it: int) -> None:
+def save_train_checkpoint(ctx: RunContext, model, tokenizer, optimizer, scheduler, it: int) -> None:
     """Write to a temporary folder, rename into place, then record the row: a kill leaves either
     no row (the iteration is redone) or a complete checkpoint."""
     import torch
@@ -477,18 +473,14 @@ def save_train_checkpoint(ctx, model, tokenizer, optimizer, scheduler, it: int) 
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     save_checkpoint(model, tokenizer, tmp)
-    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "iteration": it},
-               tmp / "trainer_state.pt")
+    torch.save(
+        {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "iteration": it},
+        tmp / "trainer_state.pt",
+    )
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
     kind = "lora" if ctx.recipe.lora is not None else "full"
     ctx.rundb.add_checkpoint(ctx.run, f"train/{it}", it, final, kind)
-
-
-def _eos_ids(model, tokenizer) -> set[int]:
-    from rlcli.engine.sampling import _eos_ids as eos
-
-    return eos(model, tokenizer)
 
 
 # --- live view -----------------------------------------------------------------------
@@ -498,10 +490,18 @@ class MetricsView:
     """One line per iteration with the numbers a researcher watches."""
 
     COLUMNS = (
-        ("iter", None), ("reward", "rollout/reward_mean"), ("success", "rollout/success_rate"),
-        ("loss", "train/loss"), ("kl", "train/kl"), ("entropy", "train/entropy"),
-        ("clip", "train/clip_frac_high"), ("|g|", "train/grad_norm"), ("0-var", "train/zero_var_groups"),
-        ("tok/s", "perf/tokens_per_s"), ("t_roll", "perf/time_rollout_s"), ("t_train", "perf/time_train_s"),
+        ("iter", None),
+        ("reward", "rollout/reward_mean"),
+        ("success", "rollout/success_rate"),
+        ("loss", "train/loss"),
+        ("kl", "train/kl"),
+        ("entropy", "train/entropy"),
+        ("clip", "train/clip_frac_high"),
+        ("|g|", "train/grad_norm"),
+        ("0-var", "train/zero_var_groups"),
+        ("tok/s", "perf/tokens_per_s"),
+        ("t_roll", "perf/time_rollout_s"),
+        ("t_train", "perf/time_train_s"),
     )
 
     def __init__(self, console):

@@ -1,1 +1,2 @@
-"""Environments: the protocol, loading, and adapters to other libraries' envs."""
+"""Environments: the protocol (protocol.py), helpers that read actions from replies (parsing.py),
+loading an env named by a recipe (loading.py), and adapters to other libraries' envs (adapters/)."""

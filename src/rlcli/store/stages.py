@@ -8,7 +8,6 @@ after a crash continues instead of repeating.
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -65,42 +64,20 @@ def run_stage(
 ) -> dict[str, Any]:
     """Run `work` as stage `name` of `run` unless it is already done; return its result summary."""
     row = rundb.stage(run, name)
-    if row is not None and row["status"] == "done":
-        return json.loads(row["result"] or "{}")
-    started = row["started_at"] if row and row["started_at"] else now()
-    rundb.mark_stage(
-        run, name, "running", started_at=started, params=json.dumps(params or {}), error=None, pid=os.getpid()
-    )
+    if row is not None and row.done:
+        return row.result or {}
+    started = row.started_at if row and row.started_at else now()
+    rundb.mark_stage(run, name, "running", started_at=started, params=params or {}, error=None, pid=os.getpid())
     try:
         result = work() or {}
     except BaseException as exc:
         reason = "interrupted" if isinstance(exc, KeyboardInterrupt) else (str(exc) or type(exc).__name__)
         rundb.mark_stage(run, name, "failed", error=reason, finished_at=now())
         raise
-    rundb.mark_stage(run, name, "done", result=json.dumps(result), finished_at=now())
+    rundb.mark_stage(run, name, "done", result=result, finished_at=now())
     return result
 
 
 def stage_done(rundb: RunDB, run: str, name: str) -> bool:
     row = rundb.stage(run, name)
-    return row is not None and row["status"] == "done"
-
-
-class RunContext:
-    """What every stage needs: the validated recipe, the database, the run's name and folder."""
-
-    def __init__(self, recipe: Any, rundb: RunDB, run: str, runs_dir: Path, console: Any = None):
-        from rich.console import Console
-
-        self.recipe = recipe
-        self.rundb = rundb
-        self.run = run
-        self.runs_dir = Path(runs_dir)
-        self.console = console or Console(stderr=True)
-
-    @property
-    def run_dir(self) -> Path:
-        return self.runs_dir / self.run
-
-    def stage(self, name: str, work: Callable[[], dict[str, Any] | None], params: dict[str, Any] | None = None):
-        return run_stage(self.rundb, self.run, name, work, params)
+    return row is not None and row.done

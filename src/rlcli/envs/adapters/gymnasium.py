@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 import gymnasium
 from gymnasium import spaces
 
-from rlcli.envs.base import parse_last_number
+from rlcli.envs.parsing import parse_last_number
 from rlcli.errors import UsageError
 
 MAX_VECTOR = 64  # more numbers than this per observation is not something to read as text
@@ -39,29 +39,47 @@ class Known(NamedTuple):
 
 
 KNOWN = {
-    "FrozenLake": Known(["left", "down", "right", "up"], "win",
-                        "Walk on the frozen lake from S to the goal G without falling into a hole H (F is safe "
-                        "ice). You are the <red>marked</red> cell. The ice can be slippery: a move may go sideways."),
-    "Taxi": Known(["south", "north", "east", "west", "pickup", "dropoff"], "goal",
-                  "Drive the taxi to the passenger, pick them up, and drop them off at their destination. On the map "
-                  "<yellow> is the empty taxi, <green> the taxi with the passenger, <blue> the passenger's stop and "
-                  "<magenta> the destination; '|' is a wall. Reward -1 per step, +20 for the right drop-off, -10 for "
-                  "an illegal pickup or drop-off."),
-    "CliffWalking": Known(["up", "right", "down", "left"], "goal",
-                          "Walk from the start to T along the grid. x is you, C is the cliff: stepping on it costs "
-                          "-100 and sends you back to the start. Reward -1 per step."),
-    "Blackjack": Known(["stick", "hit"], "win",
-                       "Play a hand of blackjack against the dealer. The observation is (your current sum, the "
-                       "dealer's showing card with 1 = ace, whether you hold a usable ace). Hit takes a card, stick "
-                       "stops. Reward +1 for a win, 0 for a draw, -1 for a loss."),
-    "CartPole": Known(["left", "right"], "survive",
-                      "Keep the pole on the cart upright by pushing the cart left or right. The observation is "
-                      "[cart position, cart velocity, pole angle in radians, pole angular velocity]. "
-                      "Reward +1 per step the pole stays up."),
-    "MountainCar": Known(["left", "none", "right"], "goal",
-                         "Drive the car up the right hill to the flag at position 0.5; its engine is too weak to go "
-                         "straight up, so build momentum. The observation is [position, velocity]; actions push left, "
-                         "not at all, or right. Reward -1 per step."),
+    "FrozenLake": Known(
+        ["left", "down", "right", "up"],
+        "win",
+        "Walk on the frozen lake from S to the goal G without falling into a hole H (F is safe "
+        "ice). You are the <red>marked</red> cell. The ice can be slippery: a move may go sideways.",
+    ),
+    "Taxi": Known(
+        ["south", "north", "east", "west", "pickup", "dropoff"],
+        "goal",
+        "Drive the taxi to the passenger, pick them up, and drop them off at their destination. On the map "
+        "<yellow> is the empty taxi, <green> the taxi with the passenger, <blue> the passenger's stop and "
+        "<magenta> the destination; '|' is a wall. Reward -1 per step, +20 for the right drop-off, -10 for "
+        "an illegal pickup or drop-off.",
+    ),
+    "CliffWalking": Known(
+        ["up", "right", "down", "left"],
+        "goal",
+        "Walk from the start to T along the grid. x is you, C is the cliff: stepping on it costs "
+        "-100 and sends you back to the start. Reward -1 per step.",
+    ),
+    "Blackjack": Known(
+        ["stick", "hit"],
+        "win",
+        "Play a hand of blackjack against the dealer. The observation is (your current sum, the "
+        "dealer's showing card with 1 = ace, whether you hold a usable ace). Hit takes a card, stick "
+        "stops. Reward +1 for a win, 0 for a draw, -1 for a loss.",
+    ),
+    "CartPole": Known(
+        ["left", "right"],
+        "survive",
+        "Keep the pole on the cart upright by pushing the cart left or right. The observation is "
+        "[cart position, cart velocity, pole angle in radians, pole angular velocity]. "
+        "Reward +1 per step the pole stays up.",
+    ),
+    "MountainCar": Known(
+        ["left", "none", "right"],
+        "goal",
+        "Drive the car up the right hill to the flag at position 0.5; its engine is too weak to go "
+        "straight up, so build momentum. The observation is [position, velocity]; actions push left, "
+        "not at all, or right. Reward -1 per step.",
+    ),
 }
 KNOWN["FrozenLake8x8"] = KNOWN["FrozenLake"]
 KNOWN["CliffWalkingSlippery"] = KNOWN["CliffWalking"]
@@ -129,8 +147,10 @@ class GymnasiumEnv:
     def reset(self, seed: int):
         obs, _ = self.env.reset(seed=seed)
         about = self.known.about if self.known else f"You are acting in the Gymnasium environment {self.env_id}."
-        messages = [{"role": "system", "content": f"{about} {self.how_to_act}"},
-                    {"role": "user", "content": self._show(obs)}]
+        messages = [
+            {"role": "system", "content": f"{about} {self.how_to_act}"},
+            {"role": "user", "content": self._show(obs)},
+        ]
         return messages, {"task": {"env_id": self.env_id, "seed": seed}}
 
     def step(self, action: str):
@@ -193,8 +213,10 @@ def make_env(name: str, **kwargs: Any) -> GymnasiumEnv:
         )
     if not isinstance(env.action_space, (spaces.Discrete, spaces.Text)):
         env.close()
-        raise UsageError(f"gymnasium:{name} actions are {env.action_space}; only Discrete (an index or a name) "
-                         "and Text actions can be chosen by a text reply.")
+        raise UsageError(
+            f"gymnasium:{name} actions are {env.action_space}; only Discrete (an index or a name) "
+            "and Text actions can be chosen by a text reply."
+        )
     return GymnasiumEnv(name, env)
 
 

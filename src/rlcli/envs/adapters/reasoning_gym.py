@@ -23,7 +23,7 @@ import reasoning_gym
 from reasoning_gym.factory import DATASETS
 from reasoning_gym.utils import SYSTEM_PROMPTS
 
-from rlcli.envs.base import parse_answer_tag
+from rlcli.envs.parsing import parse_answer_tag
 from rlcli.errors import UsageError
 
 FULL_SCORE = 1.0 - 1e-6  # verifiers return floats; a rounding hair below 1.0 is still a full score
@@ -37,10 +37,16 @@ class ReasoningGymEnv:
     def reset(self, seed: int):
         self.data = reasoning_gym.create_dataset(self.dataset, seed=seed, size=1, **self.config)
         self.entry = self.data[0]
-        messages = [{"role": "system", "content": self.system_prompt},
-                    {"role": "user", "content": self.entry["question"]}]
-        task = {"dataset": self.dataset, "question": self.entry["question"], "answer": self.entry["answer"],
-                "metadata": self.entry.get("metadata", {})}
+        messages = [
+            {"role": "system", "content": self.system_prompt},
+            {"role": "user", "content": self.entry["question"]},
+        ]
+        task = {
+            "dataset": self.dataset,
+            "question": self.entry["question"],
+            "answer": self.entry["answer"],
+            "metadata": self.entry.get("metadata", {}),
+        }
         return messages, {"task": task}
 
     def step(self, action: str):
@@ -73,8 +79,9 @@ def make_env(name: str, system_prompt: str = "default", **config: Any) -> Reason
         raise UsageError(f"reasoning_gym has no dataset {name!r}.{hint}")
     for reserved in ("seed", "size"):
         if reserved in config:
-            raise UsageError(f"env.kwargs.{reserved} is set by the reasoning_gym adapter (one task per seed); "
-                             "remove it.")
+            raise UsageError(
+                f"env.kwargs.{reserved} is set by the reasoning_gym adapter (one task per seed); remove it."
+            )
     _, config_cls = DATASETS[name]
     try:
         config_obj = config_cls(seed=0, size=1, **config)

@@ -79,8 +79,9 @@ class TextArenaEnv:
         with _no_downloads(), self._own_random(seed):
             self.game.reset(num_players=1, seed=seed)
         if not isinstance(self.inner.state, ta.SinglePlayerState):
-            raise UsageError(f"textarena:{self.game_id} is a multi-player game; only single-player games "
-                             "are supported.")
+            raise UsageError(
+                f"textarena:{self.game_id} is a multi-player game; only single-player games are supported."
+            )
         return self._new_messages(), {"task": {"game": self.game_id, "seed": seed}}
 
     def step(self, action: str):
@@ -98,8 +99,11 @@ class TextArenaEnv:
     def _new_messages(self) -> str:
         _, messages = self.inner.get_observation()
         # A few games file messages with swapped arguments (an int as the text): those are not text.
-        return "\n".join(text.strip() for _, text, kind in messages
-                         if isinstance(text, str) and kind != ta.ObservationType.PLAYER_ACTION)
+        return "\n".join(
+            text.strip()
+            for _, text, kind in messages
+            if isinstance(text, str) and kind != ta.ObservationType.PLAYER_ACTION
+        )
 
 
 def _build(game_id: str, game_kwargs: dict[str, Any]) -> Any:
@@ -123,8 +127,9 @@ def _cannot_play(game_id: str, exc: Exception) -> UsageError:
             "or pick a game that needs no data, e.g. GuessTheNumber-v0."
         )
     if isinstance(exc, (AssertionError, ValueError)) and "player" in str(exc).lower():
-        return UsageError(f"textarena:{game_id} is a multi-player game ({exc}); only single-player games "
-                          "are supported.")
+        return UsageError(
+            f"textarena:{game_id} is a multi-player game ({exc}); only single-player games are supported."
+        )
     # Broken or online-only games (some need an OpenRouter key): say which and why.
     return UsageError(f"textarena:{game_id} cannot be played here: {type(exc).__name__}: {exc}")
 

@@ -1,0 +1,35 @@
+"""`rlcli export`: a run's checkpoint merged into its base model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from rlcli.cli.common import err_console, open_existing
+from rlcli.errors import UsageError
+
+app = typer.Typer()
+
+
+@app.command("export")
+def export_cmd(
+    cli_ctx: typer.Context,
+    run: Annotated[str, typer.Argument(help="Run name.")],
+    merge: Annotated[Path, typer.Option("--merge", help="Folder to write the merged full model to.")],
+    checkpoint: Annotated[str, typer.Option(help="latest, sft or a checkpoint id.")] = "latest",
+) -> None:
+    """Write a run's checkpoint merged into its base model, loadable with from_pretrained."""
+    from rlcli.models.loading import export_merged
+
+    rundb = open_existing(cli_ctx, f"No run named {run!r}")
+    try:
+        recipe = rundb.run_recipe(run)
+        found = rundb.resolve_checkpoint(run, checkpoint)
+        if found is None:
+            raise UsageError(f"Run {run!r} has no checkpoint to export yet.")
+        export_merged(recipe.model, recipe.lora, recipe.quantization, found.path, merge)
+    finally:
+        rundb.close()
+    err_console.print(f"Merged model written to [bold]{merge}[/bold]")

@@ -1,0 +1,112 @@
+"""`rlcli recipes ...`: check recipe files, and show the recipe schema (also rendered to docs/recipe.md)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from rlcli.cli.common import JsonOpt, console, err_console
+from rlcli.errors import UsageError
+
+if TYPE_CHECKING:  # rlcli.recipe imports pydantic: only the commands that need it load it
+    from rlcli.recipe import FieldDoc, SectionDoc
+
+app = typer.Typer(help="Check recipe files and show the recipe schema.", no_args_is_help=True)
+
+REGENERATE_DOCS = "rlcli recipes explain --markdown > docs/recipe.md"
+RESUME_SAFE_NOTE = "Can change on resume without --force."
+
+
+@app.command("validate")
+def recipes_validate(files: Annotated[list[Path], typer.Argument(help="Recipe YAML files.")]) -> None:
+    """Check recipe files against the schema (fast: loads no model)."""
+    from rlcli.recipe import load_recipe
+
+    failed = 0
+    for path in files:
+        try:
+            load_recipe(path)
+        except UsageError as exc:
+            failed += 1
+            err_console.print(f"[red]✗[/red] {exc}", highlight=False)
+        else:
+            console.print(f"[green]✓[/green] {path}", highlight=False)
+    if failed:
+        raise typer.Exit(2)
+
+
+@app.command("explain")
+def recipes_explain(
+    name: Annotated[
+        str | None,
+        typer.Argument(help="A section (grpo) or a field (grpo.lr); default: every section.", show_default=False),
+    ] = None,
+    as_json: JsonOpt = False,
+    markdown: Annotated[
+        bool, typer.Option("--markdown", help=f"Print the whole schema as Markdown: {REGENERATE_DOCS}")
+    ] = False,
+) -> None:
+    """Show recipe sections and fields: type, default and what each one does."""
+    from rlcli.recipe import schema_docs
+
+    if markdown and (as_json or name):
+        raise UsageError("--markdown prints the whole schema on its own; leave out NAME and --json.")
+    sections = schema_docs(name)
+    if markdown:
+        print(schema_markdown(), end="")
+    elif as_json:
+        print(json.dumps([dataclasses.asdict(section) for section in sections], indent=2))
+    else:
+        _print_sections(sections)
+
+
+def _print_sections(sections: list[SectionDoc]) -> None:
+    from rich.markup import escape
+    from rich.table import Table
+
+    for section in sections:
+        title = escape(f"{section.name} ({section.type}): {section.description}")
+        table = Table(title=title, title_justify="left")
+        for column in ("field", "type", "default", "description"):
+            table.add_column(column, overflow="fold")
+        for field in section.fields:
+            table.add_row(field.path, field.type, _default_text(field), _description(field))
+        console.print(table, markup=False, highlight=False)
+
+
+def schema_markdown() -> str:
+    """docs/recipe.md: every section and field of the recipe schema."""
+    from rlcli.recipe import schema_docs
+
+    lines = [
+        "# Recipe reference",
+        "",
+        f"Generated from `src/rlcli/recipe.py` by `{REGENERATE_DOCS}`; a test fails when the two differ.",
+        "In a terminal, `rlcli recipes explain [SECTION[.FIELD]]` shows the same (`--json` for tools).",
+        "",
+        "A field left out of a recipe takes its default. Any field can be overridden on the command line by its",
+        "dotted path: `rlcli train grpo -r r.yaml grpo.lr=1e-5 lora=null`.",
+        "",
+    ]
+    for section in schema_docs():
+        lines += [f"## `{section.name}` ({section.type})", "", section.description, ""]
+        lines += ["| field | type | default | description |", "| --- | --- | --- | --- |"]
+        for field in section.fields:
+            default = _default_text(field) if field.required else f"`{_default_text(field)}`"
+            cells = [f"`{field.path}`", field.type, default, _description(field)]
+            lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _default_text(field: FieldDoc) -> str:
+    # JSON is also YAML, and it keeps "007" (text) apart from 7 (a number).
+    return "required" if field.required else json.dumps(field.default)
+
+
+def _description(field: FieldDoc) -> str:
+    return f"{field.description} {RESUME_SAFE_NOTE}" if field.resume_safe else field.description

@@ -1,0 +1,131 @@
+"""The stage commands: run, sft, rollout, label, train grpo, eval.
+
+Each one opens its run and calls one engine stage; the engine module is imported inside the
+command, so that `rlcli --help` never imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+
+from rlcli.cli.common import ForceOpt, JsonOpt, Overrides, RecipeOpt, RunOpt, stage_run
+
+app = typer.Typer()
+train_app = typer.Typer(help="Online training algorithms.", no_args_is_help=True)
+app.add_typer(train_app, name="train")
+
+
+@app.command("run")
+def run_cmd(
+    cli_ctx: typer.Context,
+    overrides: Overrides = None,
+    recipe: RecipeOpt = None,
+    run: RunOpt = None,
+    force: ForceOpt = False,
+) -> None:
+    """Run every stage of a recipe (SFT, GRPO, eval), skipping what is already done."""
+    with stage_run(cli_ctx, recipe, run, overrides, force) as ctx:
+        from rlcli.engine.pipeline import run_all
+        from rlcli.report.tables import stage_summary_table
+
+        run_all(ctx, on_summary=lambda summary: ctx.console.print(stage_summary_table(summary)))
+
+
+@app.command("sft")
+def sft_cmd(
+    cli_ctx: typer.Context,
+    overrides: Overrides = None,
+    recipe: RecipeOpt = None,
+    run: RunOpt = None,
+    force: ForceOpt = False,
+) -> None:
+    """SFT warm-start from a dataset, expert demonstrations, or the run's best episodes."""
+    with stage_run(cli_ctx, recipe, run, overrides, force) as ctx:
+        from rlcli.engine.sft import run_sft
+        from rlcli.report.tables import sft_table
+
+        ctx.console.print(sft_table(run_sft(ctx)))
+
+
+@app.command("rollout")
+def rollout_cmd(
+    cli_ctx: typer.Context,
+    overrides: Overrides = None,
+    recipe: RecipeOpt = None,
+    run: RunOpt = None,
+    policy: Annotated[
+        str | None, typer.Option(help="base, latest, expert or a checkpoint id (default: rollout.policy).")
+    ] = None,
+    stage: Annotated[str, typer.Option(help="Stage name the episodes are recorded under.")] = "rollout",
+    split: Annotated[str, typer.Option(help="Task split: train or eval.")] = "train",
+    force: ForceOpt = False,
+) -> None:
+    """Collect episodes (tasks x group size) with a policy and record them token by token."""
+    with stage_run(cli_ctx, recipe, run, overrides, force) as ctx:
+        from rlcli.engine.rollout import run_rollout_stage
+        from rlcli.report.tables import episodes_table
+
+        summary = run_rollout_stage(ctx, stage=stage, policy=policy or ctx.recipe.rollout.policy, split=split)
+        ctx.console.print(episodes_table(stage, summary))
+
+
+@app.command("label")
+def label_cmd(
+    cli_ctx: typer.Context,
+    overrides: Overrides = None,
+    recipe: RecipeOpt = None,
+    run: RunOpt = None,
+    label_set: Annotated[str, typer.Option(help="Name under which these reward components are stored.")] = "default",
+    force: ForceOpt = False,
+) -> None:
+    """(Re)label the run's episodes with the recipe's reward functions, without new rollouts."""
+    with stage_run(cli_ctx, recipe, run, overrides, force) as ctx:
+        from rlcli.engine.labelling import run_label_stage
+        from rlcli.report.tables import labels_table
+
+        ctx.console.print(labels_table(run_label_stage(ctx, label_set=label_set)))
+
+
+@train_app.command("grpo")
+def train_grpo_cmd(
+    cli_ctx: typer.Context,
+    overrides: Overrides = None,
+    recipe: RecipeOpt = None,
+    run: RunOpt = None,
+    force: ForceOpt = False,
+) -> None:
+    """Online GRPO: per iteration rollout -> label -> advantages -> update -> checkpoint."""
+    with stage_run(cli_ctx, recipe, run, overrides, force) as ctx:
+        from rlcli.engine.train import run_grpo
+
+        run_grpo(ctx)
+
+
+@app.command("eval")
+def eval_cmd(
+    cli_ctx: typer.Context,
+    overrides: Overrides = None,
+    recipe: RecipeOpt = None,
+    run: RunOpt = None,
+    checkpoint: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--checkpoint", "-c", help="base, sft, latest or a checkpoint id; repeatable (default: eval.checkpoints)."
+        ),
+    ] = None,
+    as_json: JsonOpt = False,
+    force: ForceOpt = False,
+) -> None:
+    """Evaluate checkpoints on held-out tasks: success rate (95% CI), mean return, pass@k."""
+    with stage_run(cli_ctx, recipe, run, overrides, force) as ctx:
+        from rlcli.engine.evaluate import run_eval
+        from rlcli.report.tables import evals_table
+        from rlcli.report.views import eval_view
+
+        rows = [eval_view(r) for r in run_eval(ctx, checkpoint or ctx.recipe.eval.checkpoints)]
+        ctx.console.print(evals_table(rows))
+    if as_json:
+        print(json.dumps(rows, indent=2))

@@ -1,0 +1,176 @@
+"""SFT data files: rows of JSONL, JSON, parquet or a `datasets` folder, checked and made conversations.
+
+Every malformed row ends with one sentence naming the file, the row and what was expected, before
+any model loads.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rlcli.errors import UsageError
+
+ROLES = ("system", "user", "assistant", "tool")
+FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+@dataclass
+class Conversation:
+    """One SFT example: a chat transcript and which of its assistant replies are trained on."""
+
+    messages: list[dict[str, Any]]
+    origin: str  # where it came from, for error messages: "data.jsonl row 3", "episode 17"
+    tools: list[dict[str, Any]] | None = None
+    first_trained: int = 0  # assistant replies before this message index are context (a prompt's few-shot turns)
+
+
+def read_conversations(path: Path) -> list[Conversation]:
+    """Rows of a JSONL / JSON / parquet file or a `datasets` folder, checked and made conversations.
+
+    A row holds `messages` (a chat), or `prompt` and `completion` (two strings, or two lists of
+    messages), and optionally `tools`. Row numbers in errors are line numbers for JSONL and
+    1-based positions otherwise.
+    """
+    return [conversation_from_row(row, f"{path}: row {number}") for number, row in read_rows(path)]
+
+
+def read_rows(path: Path) -> list[tuple[int, Any]]:
+    if path.is_dir():
+        return list(enumerate(_dataset_rows(path), 1))
+    if not path.is_file():
+        raise UsageError(f"sft.source: {path} is not none, expert, episodes, or an existing data file or folder.")
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
+        return _jsonl_rows(path, path.read_text())
+    if suffix == ".json":
+        text = path.read_text()
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError:
+            # datasets' to_json writes one object per line, even into a .json file.
+            return _jsonl_rows(path, text)
+        return list(enumerate(data if isinstance(data, list) else [data], 1))
+    if suffix == ".parquet":
+        import pyarrow
+        import pyarrow.parquet
+
+        try:
+            return list(enumerate(pyarrow.parquet.read_table(path).to_pylist(), 1))
+        except pyarrow.ArrowException as exc:
+            raise UsageError(f"{path}: not a readable parquet file ({exc}).") from None
+    raise UsageError(
+        f"sft.source: {path} has an unknown suffix; expected {', '.join(FILE_SUFFIXES)}, "
+        "or a folder written by datasets' save_to_disk."
+    )
+
+
+def _jsonl_rows(path: Path, text: str) -> list[tuple[int, Any]]:
+    rows = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append((number, json.loads(line)))
+        except json.JSONDecodeError as exc:
+            raise UsageError(f"{path}: row {number}: expected one JSON object per line ({exc.msg}).") from None
+    return rows
+
+
+def _dataset_rows(path: Path) -> list[dict]:
+    from datasets import DatasetDict, load_from_disk
+
+    try:
+        data = load_from_disk(str(path))
+    except FileNotFoundError:
+        raise UsageError(f"sft.source: {path} is not a folder written by datasets' save_to_disk.") from None
+    if isinstance(data, DatasetDict):
+        if "train" not in data:
+            raise UsageError(f"sft.source: {path} is a DatasetDict without a train split (it has {', '.join(data)}).")
+        data = data["train"]
+    return list(data)
+
+
+def conversation_from_row(row: Any, where: str) -> Conversation:
+    if not isinstance(row, dict):
+        raise UsageError(
+            f"{where}: expected an object with `messages`, or `prompt` and `completion`; got {_kind(row)}."
+        )
+    if row.get("messages") is not None:
+        messages, first_trained = _check_messages(row["messages"], where, "messages"), 0
+    elif row.get("prompt") is not None and row.get("completion") is not None:
+        prompt, completion = row["prompt"], row["completion"]
+        if isinstance(prompt, str) and isinstance(completion, str):
+            # rlcli trains chat policies: a plain pair is one user turn and the reply to it.
+            messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
+            first_trained = 1
+        elif isinstance(prompt, list) and isinstance(completion, list):
+            prompt_messages = _check_messages(prompt, where, "prompt")
+            messages = prompt_messages + _check_messages(completion, where, "completion")
+            first_trained = len(prompt_messages)
+        else:
+            raise UsageError(
+                f"{where}: expected `prompt` and `completion` to be both strings or both lists of messages; "
+                f"got {_kind(prompt)} and {_kind(completion)}."
+            )
+    else:
+        raise UsageError(
+            f"{where}: expected `messages`, or `prompt` and `completion`; found {', '.join(sorted(row)) or 'no keys'}."
+        )
+    if messages[0]["role"] == "assistant":
+        raise UsageError(
+            f"{where}: expected the conversation to open with a system or user message, not an assistant reply."
+        )
+    if not any(m["role"] == "assistant" for m in messages[first_trained:]):
+        part = "the completion" if first_trained else "the messages"
+        raise UsageError(f"{where}: expected an assistant message in {part} to train on.")
+    return Conversation(messages, where, _check_tools(row.get("tools"), where), first_trained)
+
+
+def _check_messages(messages: Any, where: str, field: str) -> list[dict[str, Any]]:
+    if not isinstance(messages, list) or not messages:
+        raise UsageError(f"{where}: expected `{field}` to be a non-empty list of messages; got {_kind(messages)}.")
+    checked = []
+    for number, message in enumerate(messages, 1):
+        at = f"{where}: {field} message {number}"
+        if not isinstance(message, dict):
+            raise UsageError(f"{at}: expected an object with role and content; got {_kind(message)}.")
+        # parquet and datasets fill keys that other rows have with None: they mean absent.
+        message = {k: v for k, v in message.items() if v is not None}
+        if message.get("role") not in ROLES:
+            raise UsageError(
+                f"{at}: expected role {', '.join(ROLES[:-1])} or {ROLES[-1]}; got {message.get('role')!r}."
+            )
+        content = message.get("content")
+        if not isinstance(content, str) and not (content is None and message.get("tool_calls")):
+            raise UsageError(f"{at}: expected `content` to be a string; got {_kind(content)}.")
+        checked.append(message)
+    return checked
+
+
+def _check_tools(tools: Any, where: str) -> list[dict] | None:
+    if isinstance(tools, str):  # TRL's convention: tools as a JSON string, which parquet stores easily
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as exc:
+            raise UsageError(f"{where}: `tools` is a string but not JSON ({exc.msg}).") from None
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise UsageError(f"{where}: expected `tools` to be a list of tool schemas; got {_kind(tools)}.")
+    return tools or None
+
+
+def _kind(value: Any) -> str:
+    names = {
+        dict: "an object",
+        list: "a list",
+        str: "a string",
+        type(None): "null",
+        bool: "a boolean",
+        int: "a number",
+        float: "a number",
+    }
+    if isinstance(value, list) and not value:
+        return "an empty list"
+    return names.get(type(value), f"a {type(value).__name__}")

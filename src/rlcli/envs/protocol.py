@@ -1,0 +1,78 @@
+"""The environment contract, and how the rollout engine holds an env to it.
+
+An environment is any object with
+    reset(seed) -> (observation, info)
+    step(action_text) -> (observation, reward, terminated, truncated, info)
+in the spirit of gymnasium. An observation is chat content: a string (one user message) or a
+list of message dicts ({"role": "system" | "user" | "tool", "content": ...}). `info["task"]`
+from reset carries the task fields that reward functions read; `info["success"]` from step is
+the episode's verdict. Optional: `tools` (function specs for the chat template),
+`expert_action()` (a scripted action that solves the task, for demonstrations).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from rlcli.errors import UsageError
+
+
+class Env(Protocol):
+    """What every environment provides; the optional `tools` and `expert_action()` are looked up with getattr."""
+
+    def reset(self, seed: int) -> tuple[Any, dict]: ...
+
+    def step(self, action: str) -> tuple[Any, float, bool, bool, dict]: ...
+
+
+EnvFactory = Callable[[], Env]  # makes a fresh env for each episode
+
+
+class EnvFailure(Exception):
+    """An environment raised, returned garbage, or took too long; the episode fails, the stage goes on."""
+
+
+def as_messages(observation: Any) -> list[dict]:
+    if observation is None:
+        return []
+    if isinstance(observation, str):
+        return [{"role": "user", "content": observation}]
+    if isinstance(observation, dict):
+        observation = [observation]
+    if isinstance(observation, list) and all(isinstance(m, dict) and "role" in m for m in observation):
+        return [dict(m) for m in observation]
+    raise EnvFailure(f"observation must be a string or a list of chat messages, got {type(observation).__name__}")
+
+
+def call_with_timeout(fn: Callable, timeout_s: float, *args: Any) -> Any:
+    """Run an env call in a worker thread; a raise or a time-out becomes EnvFailure."""
+    result: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            result["value"] = fn(*args)
+        except BaseException as exc:  # the env's own failure, reported as the episode's error
+            result["error"] = exc
+
+    worker = threading.Thread(target=target, daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        raise EnvFailure(f"{getattr(fn, '__name__', 'env call')} exceeded the {timeout_s:g}s step time limit")
+    if "error" in result:
+        exc = result["error"]
+        raise EnvFailure(f"{type(exc).__name__}: {exc}")
+    return result["value"]
+
+
+def task_seed(split: str, index: int, eval_seed_start: int = 1_000_000) -> int:
+    """Train tasks use seeds [0, eval_seed_start), eval tasks [eval_seed_start, ...): disjoint by construction."""
+    if split == "train":
+        if index >= eval_seed_start:
+            raise UsageError(f"Train task {index} would reach the eval seeds (env.eval_seed_start={eval_seed_start}).")
+        return index
+    if split == "eval":
+        return eval_seed_start + index
+    raise UsageError(f"Unknown task split {split!r}: expected train or eval.")

@@ -1,0 +1,71 @@
+"""`rlcli runs export`: a run's tables as JSONL or parquet files, plus run.json."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from rlcli.errors import UsageError
+from rlcli.report.views import run_details
+from rlcli.store.db import RunDB
+from rlcli.store.dump import TableDump, run_tables
+
+CHUNK_ROWS = 1000
+
+
+def export_run(rundb: RunDB, name: str, fmt: str, out: Path) -> dict[str, int]:
+    """Write a run's tables to `out` as <table>.jsonl or <table>.parquet, plus run.json; return row counts.
+
+    One file per table, as in the database (turns join episodes on episode_id): token ids and
+    logprobs become lists, and columns holding JSON text (messages, task, info, details) stay text.
+    """
+    run = rundb.require_run(name)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"Cannot export into {out}: it is a file; give --out a folder.")
+    out.mkdir(parents=True, exist_ok=True)
+    counts = {}
+    for table in run_tables(rundb, name):
+        path = out / f"{table.name}.{fmt}"
+        counts[table.name] = _write_jsonl(path, table.rows) if fmt == "jsonl" else _write_parquet(path, table)
+    details = run_details(rundb, name)
+    details["recipe"] = run.recipe
+    (out / "run.json").write_text(json.dumps(details, indent=2))
+    return counts
+
+
+def _write_jsonl(path: Path, rows: Iterable[dict[str, Any]]) -> int:
+    count = 0
+    with path.open("w") as fh:
+        for row in rows:
+            fh.write(json.dumps(row) + "\n")
+            count += 1
+    return count
+
+
+def _write_parquet(path: Path, table: TableDump) -> int:
+    import datasets
+
+    datasets.disable_progress_bars()  # else to_parquet draws a bar on stderr for every table
+    # Explicit features from the SQLite schema: a chunk whose column is all NULL must not turn
+    # that column's type into null, and an empty table still gets its columns.
+    features = datasets.Features(
+        {
+            name: datasets.Sequence(datasets.Value(dtype)) if name in table.list_columns else datasets.Value(dtype)
+            for name, dtype in table.dtypes.items()
+        }
+    )
+    # Chunks bound the Python objects alive at once; Arrow holds the rows compactly.
+    parts = []
+    iterator = iter(table.rows)
+    while chunk := list(itertools.islice(iterator, CHUNK_ROWS)):
+        parts.append(datasets.Dataset.from_dict({k: [r[k] for r in chunk] for k in features}, features=features))
+    dataset = (
+        datasets.concatenate_datasets(parts)
+        if parts
+        else datasets.Dataset.from_dict({k: [] for k in features}, features=features)
+    )
+    dataset.to_parquet(str(path))
+    return len(dataset)

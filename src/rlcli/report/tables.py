@@ -1,0 +1,334 @@
+"""Rich tables, panels and sparklines of runs, stages, episodes and stage summaries.
+
+Every function here renders data it is given (records, or the dicts of report/views.py); none
+reads the database.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections import Counter
+from dataclasses import asdict
+from typing import Any
+
+from rich.console import Console, Group
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from rlcli.report.views import COMPARE_METRICS, KEY_METRICS, eval_view
+from rlcli.rewards.episodes import message_text
+from rlcli.store.records import EpisodeSummary
+
+
+def fmt(value: Any, digits: int = 4) -> str:
+    """A table cell: floats to `digits` significant digits, None as a dash."""
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        return f"{value:.{digits}g}"
+    return str(value)
+
+
+# --- runs list, show, compare ------------------------------------------------------------
+
+
+def runs_table(rows: list[dict[str, Any]]) -> Table:
+    table = Table(title="Runs")
+    for col in ("run", "status", "created", *KEY_METRICS):
+        table.add_column(col)
+    for row in rows:
+        metrics = row["metrics"]
+        table.add_row(
+            row["name"],
+            row["status"],
+            row["created_at"][:19].replace("T", " "),
+            *(fmt(metrics.get(k)) for k in KEY_METRICS),
+        )
+    return table
+
+
+def print_run(console: Console, data: dict[str, Any], series: dict[str, dict[str, Any]] | None = None) -> None:
+    """The `runs show` view; `series` (from metric_series) adds a trend column to the metrics."""
+    header = Text.assemble((data["name"], "bold"), f"  status: {data['status']}  created: {data['created_at'][:19]}")
+    if data.get("description"):
+        header.append(f"\n{data['description']}", style="italic")
+    header.append(
+        f"\nrecipe sha256: {data['recipe_sha256'][:12]}  seed: {data['seed']}  host: {data['hostname']}  "
+        f"git: {(data['git_sha'] or '–')[:10]}  "
+        f"episodes: {data['episodes']['total']} ({data['episodes']['failed']} failed)"
+    )
+    parts: list[Any] = [header]
+    if data["stages"]:
+        parts.append(stages_table(data["stages"]))
+    for title, curve in (("reward", data["reward_curve"]), ("success", data["success_curve"])):
+        if curve:
+            parts.append(
+                Text(
+                    f"{title:<8} per iteration  {sparkline(curve, 60)}  "
+                    f"{fmt(curve[0])} → {fmt(curve[-1])}  (min {fmt(min(curve))}, max {fmt(max(curve))})"
+                )
+            )
+    if data["latest_metrics"]:
+        parts.append(metrics_table(data["latest_metrics"], series or {}))
+    if data["checkpoints"]:
+        parts.append(checkpoints_table(data["checkpoints"]))
+    if data["evals"]:
+        parts.append(evals_table(data["evals"]))
+    console.print(Group(*parts))
+
+
+def stages_table(stages: list[dict[str, Any]]) -> Table:
+    """Stages with durations; numbered stages (rollout/0, rollout/1, ...) fold into one row each."""
+    table = Table(title="Stages", expand=False)
+    for col in ("stage", "status", "started", "finished", "duration", "error"):
+        table.add_column(col, justify="right" if col == "duration" else "left")
+    for name, members in _stage_groups(stages):
+        counts = Counter(s["status"] for s in members)
+        status = ", ".join(f"{n} {st}" if len(members) > 1 else st for st, n in counts.items())
+        style = (
+            "red" if "failed" in counts else "yellow" if "running" in counts else "green" if "done" in counts else ""
+        )
+        durations = [s["duration_s"] for s in members if s["duration_s"] is not None]
+        failed = next((s for s in members if s["error"]), None)
+        error = (
+            "" if failed is None else (failed["error"] if len(members) == 1 else f"{failed['name']}: {failed['error']}")
+        )
+        table.add_row(
+            name,
+            Text(status, style=style),
+            (members[0]["started_at"] or "")[11:19],
+            (members[-1]["finished_at"] or "")[11:19],
+            _fmt_duration(sum(durations)) if durations else "–",
+            Text(error[:80], style="red"),
+        )
+    return table
+
+
+def _stage_groups(stages: list[dict[str, Any]]) -> list[tuple[str, list[dict[str, Any]]]]:
+    # One row per numbered family keeps a 100-iteration run readable; the JSON keeps every stage.
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for s in stages:
+        match = re.fullmatch(r"(.*)/(\d+)", s["name"])
+        groups.setdefault(match.group(1) if match else s["name"], []).append(s)
+    out = []
+    for prefix, members in groups.items():
+        if len(members) == 1:
+            out.append((members[0]["name"], members))
+        else:
+            numbers = [int(m["name"].rsplit("/", 1)[1]) for m in members]
+            out.append((f"{prefix}/{min(numbers)}…{max(numbers)}", members))
+    return out
+
+
+def metrics_table(latest: dict[str, float], series: dict[str, dict[str, Any]]) -> Table:
+    table = Table(title="Latest metrics")
+    table.add_column("key")
+    table.add_column("step", justify="right")
+    table.add_column("value", justify="right")
+    table.add_column("trend")
+    for key, value in latest.items():
+        entry = series.get(key)
+        table.add_row(
+            key,
+            str(entry["steps"][-1]) if entry else "",
+            fmt(value),
+            sparkline(entry["values"], 30) if entry and len(entry["values"]) > 1 else "",
+        )
+    return table
+
+
+def checkpoints_table(rows: list[dict[str, Any]], shown: int = 10) -> Table:
+    hidden = max(0, len(rows) - shown)
+    table = Table(title="Checkpoints" + (f" (latest {shown} of {len(rows)})" if hidden else ""))
+    for col in ("id", "stage", "iteration", "kind", "created", "path"):
+        table.add_column(col)
+    for r in rows[hidden:]:
+        table.add_row(
+            str(r["id"]),
+            r["stage"],
+            fmt(r["iteration"]),
+            r["kind"] or "",
+            (r["created_at"] or "")[:19].replace("T", " "),
+            r["path"],
+        )
+    return table
+
+
+def evals_table(rows: list[dict[str, Any]]) -> Table:
+    # Sized for an 80-column terminal; avg@k is left to --json (with k samples of every task it
+    # equals the success rate).
+    table = Table(title="Evaluation (held-out tasks)")
+    for col in ("checkpoint", "tasks×k", "success", "95% CI", "return", "pass@k", "turns", "tokens"):
+        table.add_column(col, justify="left" if col == "checkpoint" else "right", min_width=min(len(col), 8))
+    for r in rows:
+        table.add_row(
+            str(r.get("label") or r["checkpoint"]),
+            f"{r['tasks']}×{r['k']}",
+            f"{r['success_rate']:.1%}",
+            f"{r['ci_low']:.0%}–{r['ci_high']:.0%}",
+            fmt(r["mean_return"]),
+            fmt(r["pass_at_k"]),
+            fmt(r["mean_turns"]),
+            fmt(r["mean_tokens"]),
+        )
+    return table
+
+
+def compare_table(rows: list[dict[str, Any]]) -> Table:
+    table = Table(title="Runs side by side")
+    table.add_column("", no_wrap=True)
+    for row in rows:
+        table.add_column(row["name"], justify="right")
+
+    table.add_row("status", *(r["status"] for r in rows))
+    table.add_row("created", *(r["created_at"][:16].replace("T", " ") for r in rows))
+    table.add_row("recipe sha256", *(r["recipe_sha256"][:12] for r in rows))
+    table.add_row("episodes", *(str(r["episodes"]) for r in rows))
+    for key in COMPARE_METRICS:
+        if any(key in r["latest_metrics"] for r in rows):
+            table.add_row(key, *(fmt(r["latest_metrics"].get(key)) for r in rows))
+    labels = dict.fromkeys(label for r in rows for label in r["best_evals"])
+    for label in labels:
+        table.add_row(f"eval success: {label}", *(_fmt_eval(r["best_evals"].get(label)) for r in rows))
+    table.add_row("reward curve", *(sparkline(r["reward_curve"], 24) or "–" for r in rows))
+    return table
+
+
+def _fmt_eval(best: dict[str, Any] | None) -> str:
+    if best is None:
+        return "–"
+    return f"{best['success_rate']:.1%} [{best['ci_low']:.0%}–{best['ci_high']:.0%}]"
+
+
+# --- runs episodes ----------------------------------------------------------------------
+
+
+ROLE_STYLES = {"system": "dim", "user": "cyan", "assistant": "green", "tool": "magenta"}
+
+
+def print_episodes(console: Console, episodes: list[dict[str, Any]]) -> None:
+    for ep in episodes:
+        console.print(episode_panel(ep))
+
+
+def episode_panel(ep: dict[str, Any]) -> Panel:
+    title = f"episode {ep['id']} · {ep['stage']} · task {ep['task_index']} sample {ep['sample_index']}"
+    if ep["reward"] is not None:
+        title += f" · reward {fmt(ep['reward'])}"
+    facts = Text(
+        f"status {ep['status']} · end {ep['end_reason'] or '–'} · success {'yes' if ep['success'] else 'no'} · "
+        f"return {fmt(ep['env_return'])} · turns {ep['num_turns']} · tokens {ep['num_tokens']} · policy {ep['policy']}"
+    )
+    parts: list[Any] = [facts]
+    if ep["error"]:
+        parts.append(Text(f"error: {ep['error']}", style="bold red"))
+    if ep["rewards"]:
+        # A note column only when some value is a fallback (e.g. a judge reply without a score).
+        notes = any(r["error"] for r in ep["rewards"].values())
+        rewards = Table(title=f"rewards ({ep['label_set']})", title_justify="left", show_edge=False)
+        for col in ("component", "value", "weight", *(["note"] if notes else [])):
+            rewards.add_column(col, justify="right" if col in ("value", "weight") else "left")
+        for component, r in ep["rewards"].items():
+            note = [Text(r["error"] or "", style="yellow")] if notes else []
+            rewards.add_row(
+                component, fmt(r["value"]), fmt(r["weight"]), *note, style="bold" if component == "total" else None
+            )
+        parts.append(rewards)
+    parts.append(Text(""))
+    messages = Table.grid(padding=(0, 1))
+    messages.add_column(no_wrap=True)
+    messages.add_column()
+    for m in ep["messages"]:
+        role = m.get("role", "?")
+        body = Text(message_text(m))
+        if m.get("tool_calls"):
+            body.append(("\n" if body else "") + f"tool calls: {json.dumps(m['tool_calls'])}", style="italic")
+        messages.add_row(Text(role, style=f"bold {ROLE_STYLES.get(role, '')}"), body)
+    parts.append(messages)
+    border = "red" if ep["status"] == "failed" else "green" if ep["success"] else "blue"
+    return Panel(Group(*parts), title=title, title_align="left", border_style=border)
+
+
+# --- stage summaries: what `rlcli rollout / label / sft / eval` print when they finish -----------
+
+
+def episodes_table(title: str, summary: EpisodeSummary) -> Table:
+    table = Table(title=f"{title}: episodes")
+    values = asdict(summary)
+    for key in values:
+        table.add_column(key, justify="right")
+    table.add_row(*(fmt(v, digits=3) for v in values.values()))
+    return table
+
+
+def labels_table(summaries: list[Any]) -> Table:
+    """One row per labelled stage (engine.labelling.LabelSummary)."""
+    keys = sorted({k for s in summaries for k in s.means})
+    table = Table(title="Labels")
+    for col in ("stage", "label set", "episodes", *keys):
+        table.add_column(col)
+    for s in summaries:
+        table.add_row(s.stage, s.label_set, str(s.episodes), *(fmt(s.means.get(k), digits=3) for k in keys))
+    return table
+
+
+def sft_table(summary: Any) -> Table:
+    """The sft stage's summary (engine.sft.SftSummary)."""
+    table = Table(title="sft", show_header=False)
+    table.add_column(style="bold")
+    table.add_column(justify="right")
+    rows = [
+        ("source", summary.source),
+        ("examples (train / eval)", f"{summary.train_examples} / {summary.eval_examples}"),
+        ("cut at max_length", summary.truncated),
+        ("steps", summary.steps),
+        ("resumed from step", summary.resumed_from_step or None),
+        ("train loss (mean / final)", f"{fmt(summary.train_loss)} / {fmt(summary.final_loss)}"),
+        ("eval loss", fmt(summary.eval_loss)),
+        ("checkpoint", f"sft (id {summary.checkpoint_id}): {summary.path}"),
+    ]
+    for name, value in rows:
+        if value is not None:
+            table.add_row(name, str(value))
+    return table
+
+
+# --- shared ----------------------------------------------------------------------------------
+
+
+def sparkline(values: list[float], width: int | None = None) -> str:
+    """Block characters scaled between the min and max; longer series are averaged into `width`.
+
+    NaN and infinite values are left out rather than flattening the rest of the curve.
+    """
+    bars = "▁▂▃▄▅▆▇█"
+    values = [v for v in values if v is not None and math.isfinite(v)]
+    if not values:
+        return ""
+    if width and len(values) > width:
+        n = len(values)
+        buckets = [values[i * n // width : (i + 1) * n // width] for i in range(width)]
+        values = [sum(b) / len(b) for b in buckets]
+    lo, hi = min(values), max(values)
+    span = (hi - lo) or 1.0
+    return "".join(bars[int((v - lo) / span * (len(bars) - 1))] for v in values)
+
+
+def _fmt_duration(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, secs = divmod(round(seconds), 60)
+    if minutes < 60:
+        return f"{minutes}m{secs:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m"
+
+
+def stage_summary_table(summary: Any) -> Table:
+    """What `rlcli run` prints as a stage finishes: the eval results, or the SFT summary."""
+    if isinstance(summary, list):
+        return evals_table([eval_view(r) for r in summary])
+    return sft_table(summary)

@@ -1,0 +1,141 @@
+"""What `rlcli runs list / show / compare / episodes` show, as plain dicts built from store
+records: the --json output, and what the tables in report/tables.py render. Nothing here writes.
+
+docs/reporting.md describes the commands built on these functions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+from rlcli.store.db import RunDB
+from rlcli.store.episodes import episode_counts, labelled_episodes
+from rlcli.store.evals import eval_results
+from rlcli.store.records import EvalResult, LabelledEpisode
+
+KEY_METRICS = ("rollout/reward_mean", "rollout/success_rate", "train/loss")
+COMPARE_METRICS = (
+    "rollout/reward_mean",
+    "rollout/success_rate",
+    "train/loss",
+    "train/kl",
+    "train/entropy",
+    "perf/tokens_per_s",
+)
+REWARD_KEY = "rollout/reward_mean"
+SUCCESS_KEY = "rollout/success_rate"
+
+
+def runs_summary(rundb: RunDB) -> list[dict[str, Any]]:
+    return [
+        {
+            "name": run.name,
+            "status": run.status,
+            "created_at": run.created_at,
+            "metrics": {k: v for k, v in rundb.latest_metrics(run.name).items() if k in KEY_METRICS},
+        }
+        for run in rundb.list_runs()
+    ]
+
+
+def run_details(rundb: RunDB, name: str) -> dict[str, Any]:
+    run = rundb.require_run(name)
+    stages = [
+        {
+            "name": s.name,
+            "status": s.status,
+            "started_at": s.started_at,
+            "finished_at": s.finished_at,
+            "duration_s": s.duration_s,
+            "error": s.error,
+            "result": s.result,
+        }
+        for s in rundb.stages(name)
+    ]
+    total, failed = episode_counts(rundb, name)
+    return {
+        "name": run.name,
+        "status": run.status,
+        "description": run.description,
+        "created_at": run.created_at,
+        "recipe_sha256": run.recipe_sha256,
+        "recipe_path": run.recipe_path,
+        "seed": run.seed,
+        "git_sha": run.git_sha,
+        "hostname": run.hostname,
+        "versions": run.versions,
+        "stages": stages,
+        "episodes": {"total": total, "failed": failed},
+        "latest_metrics": rundb.latest_metrics(name),
+        "reward_curve": _curve(rundb, name, REWARD_KEY),
+        "success_curve": _curve(rundb, name, SUCCESS_KEY),
+        "checkpoints": [asdict(c) for c in rundb.checkpoints(name)],
+        "evals": [eval_view(r) for r in eval_results(rundb, name)],
+    }
+
+
+def eval_view(result: EvalResult) -> dict[str, Any]:
+    """An eval result with the display label that tells checkpoints apart."""
+    return {**asdict(result), "label": result.label}
+
+
+def metric_series(rundb: RunDB, run: str) -> dict[str, dict[str, Any]]:
+    """Every metric of a run as {key: {"stage", "steps", "values"}}, in step order."""
+    series: dict[str, dict[str, Any]] = {}
+    for metric in rundb.metrics(run):
+        entry = series.setdefault(metric.key, {"stage": metric.stage, "steps": [], "values": []})
+        entry["steps"].append(metric.step)
+        entry["values"].append(metric.value)
+    return series
+
+
+def compare_runs(rundb: RunDB, names: list[str]) -> list[dict[str, Any]]:
+    out = []
+    for name in names:
+        run = rundb.require_run(name)
+        latest = rundb.latest_metrics(name)
+        best: dict[str, dict[str, Any]] = {}
+        for result in eval_results(rundb, name):
+            # The raw checkpoint label (base, sft, latest, expert, an id) is what runs share.
+            label = result.checkpoint
+            if label not in best or result.success_rate > best[label]["success_rate"]:
+                best[label] = {
+                    k: getattr(result, k) for k in ("success_rate", "ci_low", "ci_high", "tasks", "k", "stage")
+                }
+        out.append(
+            {
+                "name": name,
+                "status": run.status,
+                "created_at": run.created_at,
+                "recipe_sha256": run.recipe_sha256,
+                "episodes": episode_counts(rundb, name)[0],
+                "latest_metrics": {k: latest[k] for k in COMPARE_METRICS if k in latest},
+                "best_evals": best,
+                "reward_curve": _curve(rundb, name, REWARD_KEY),
+            }
+        )
+    return out
+
+
+def select_episodes(rundb: RunDB, run: str, **filters: Any) -> list[dict[str, Any]]:
+    """Episodes to read, with their reward components (see store.episodes.labelled_episodes)."""
+    return [episode_view(e) for e in labelled_episodes(rundb, run, **filters)]
+
+
+def episode_view(labelled: LabelledEpisode) -> dict[str, Any]:
+    row = asdict(labelled.episode)
+    row.pop("turns")
+    return {
+        **row,
+        "label_set": labelled.label_set,
+        "reward": labelled.reward,
+        "rewards": {
+            component: {"value": r.value, "weight": r.weight, "error": r.error}
+            for component, r in labelled.components.items()
+        },
+    }
+
+
+def _curve(rundb: RunDB, run: str, key: str) -> list[float]:
+    return [metric.value for metric in rundb.metrics(run, key)]

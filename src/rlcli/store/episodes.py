@@ -1,0 +1,259 @@
+"""Episodes, their turns and their reward labels: writing them, and the reads each caller needs."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from typing import Any
+
+from rlcli.errors import UsageError
+from rlcli.store.blobs import pack_floats, pack_ids, unpack_floats, unpack_ids
+from rlcli.store.db import RunDB
+from rlcli.store.records import EndReason, Episode, EpisodeSummary, LabelledEpisode, RewardRow, Turn
+
+TOTAL = "total"  # the reward component that holds a label set's weighted sum
+
+
+# --- writing ----------------------------------------------------------------------------------
+
+
+def store_episodes(rundb: RunDB, episodes: list[Episode]) -> None:
+    """Episodes with their turns, all in one transaction: a kill stores all of them or none."""
+    with rundb.transaction() as db:
+        for episode in episodes:
+            row = asdict(episode)
+            turns = row.pop("turns")
+            row.pop("id")
+            row.update(
+                end_reason=episode.end_reason.value if episode.end_reason else None,
+                success=int(episode.success),
+                template_consistent=int(episode.template_consistent),
+                task=json.dumps(episode.task, default=str),
+                messages=json.dumps(episode.messages, default=str),
+            )
+            episode_id = db["episodes"].insert(row).last_pk
+            db["turns"].insert_all(
+                {
+                    **turn,
+                    "episode_id": episode_id,
+                    "prompt_ids": pack_ids(turn["prompt_ids"]),
+                    "completion_ids": pack_ids(turn["completion_ids"]),
+                    "logprobs": pack_floats(turn["logprobs"]),
+                    "terminated": int(turn["terminated"]),
+                    "truncated": int(turn["truncated"]),
+                }
+                for turn in turns
+            )
+
+
+def store_rewards(rundb: RunDB, rewards: list[RewardRow]) -> None:
+    """Reward components; labelling a label set again replaces its values."""
+    with rundb.transaction() as db:
+        db["rewards"].upsert_all([asdict(r) for r in rewards], pk=("episode_id", "label_set", "component"), alter=False)
+
+
+# --- reading ----------------------------------------------------------------------------------
+
+
+def stored_episode_keys(rundb: RunDB, run: str, stage: str) -> set[tuple[int, int]]:
+    """(task_index, sample_index) of every episode a stage has stored."""
+    rows = rundb.db.execute("select task_index, sample_index from episodes where run = ? and stage = ?", [run, stage])
+    return {(t, s) for t, s in rows.fetchall()}
+
+
+def stage_episodes(rundb: RunDB, run: str, stage: str, *, finished_only: bool = False) -> list[Episode]:
+    """A stage's episodes in the order they were stored; finished_only leaves out failed ones."""
+    status = " and status = 'ok'" if finished_only else ""
+    return [
+        _episode(row)
+        for row in rundb.db.query(
+            f"select * from episodes where run = ? and stage = ?{status} order by id", [run, stage]
+        )
+    ]
+
+
+def stages_with_episodes(rundb: RunDB, run: str) -> list[str]:
+    """The run's stages that stored episodes, in the order they first did."""
+    return [
+        stage
+        for (stage,) in rundb.db.execute(
+            "select stage from episodes where run = ? group by stage order by min(id)", [run]
+        ).fetchall()
+    ]
+
+
+def episode_summary(rundb: RunDB, run: str, stage: str) -> EpisodeSummary:
+    row = rundb.db.execute(
+        """select count(*), sum(status = 'failed'), avg(env_return), avg(success), avg(num_turns), sum(num_tokens)
+           from episodes where run = ? and stage = ?""",
+        [run, stage],
+    ).fetchone()
+    return EpisodeSummary(
+        episodes=row[0] or 0,
+        failed=row[1] or 0,
+        return_mean=row[2],
+        success_rate=row[3],
+        turns_mean=row[4],
+        tokens=row[5] or 0,
+    )
+
+
+def episode_counts(rundb: RunDB, run: str) -> tuple[int, int]:
+    """(all, failed) episodes of a run."""
+    total, failed = rundb.db.execute(
+        "select count(*), sum(status = 'failed') from episodes where run = ?", [run]
+    ).fetchone()
+    return total or 0, failed or 0
+
+
+def episodes_for_training(rundb: RunDB, run: str, stage: str, label_set: str) -> list[LabelledEpisode]:
+    """A rollout stage's finished episodes that the label set labelled, with their turns, grouped
+    by task (task_index, then sample_index) as GRPO's advantages need."""
+    rows = rundb.db.query(
+        """select e.*, r.value as total from episodes e
+           join rewards r on r.episode_id = e.id and r.label_set = ? and r.component = ?
+           where e.run = ? and e.stage = ? and e.status = 'ok' order by e.task_index, e.sample_index""",
+        [label_set, TOTAL, run, stage],
+    )
+    out = []
+    for row in rows:
+        total = row.pop("total")
+        turns = [
+            _turn(t)
+            for t in rundb.db.query("select * from turns where episode_id = ? order by turn_index", [row["id"]])
+        ]
+        out.append(LabelledEpisode(_episode(row, turns), label_set, total))
+    return out
+
+
+def episodes_for_sft(rundb: RunDB, run: str) -> list[LabelledEpisode]:
+    """A run's finished training episodes (eval episodes are held out), each with the total of the
+    newest label set that covers it, else its env return."""
+    rows = rundb.db.query(
+        """select e.*, coalesce(
+               (select r.value from rewards r where r.episode_id = e.id and r.component = ?
+                order by r.id desc limit 1),
+               e.env_return, 0) as total
+           from episodes e where e.run = ? and e.status = 'ok' and e.split = 'train' order by e.id""",
+        [TOTAL, run],
+    )
+    out = []
+    for row in rows:
+        total = row.pop("total")
+        out.append(LabelledEpisode(_episode(row), None, total))
+    return out
+
+
+def labelled_episodes(
+    rundb: RunDB,
+    run: str,
+    *,
+    order: str = "id",
+    iteration: int | None = None,
+    stage: str | None = None,
+    limit: int = 5,
+    label_set: str | None = None,
+) -> list[LabelledEpisode]:
+    """Episodes with their reward components; order is id, best or worst (by the label set's total).
+
+    Without a label set, the one that labelled most of the chosen episodes is used.
+    """
+    rundb.require_run(run)
+    where, params = ["e.run = ?"], [run]
+    if stage is not None:
+        where.append("e.stage = ?")
+        params.append(stage)
+    if iteration is not None:
+        where.append("e.iteration = ?")
+        params.append(iteration)
+    condition = " and ".join(where)
+    if not rundb.db.execute(f"select 1 from episodes e where {condition} limit 1", params).fetchone():
+        raise UsageError(_no_episodes(rundb, run, stage, iteration))
+
+    label_sets = [
+        name
+        for name, _ in rundb.db.execute(
+            f"select r.label_set, count(*) from rewards r join episodes e on e.id = r.episode_id "
+            f"where {condition} and r.component = '{TOTAL}' group by r.label_set order by count(*) desc, r.label_set",
+            params,
+        ).fetchall()
+    ]
+    if label_set is not None and label_set not in label_sets:
+        known = ", ".join(label_sets) or "none"
+        raise UsageError(
+            f"No rewards under label set {label_set!r} for these episodes of run {run!r}; label sets: {known}."
+        )
+    label_set = label_set or (label_sets[0] if label_sets else None)
+
+    # Episodes without a total (failed or unlabelled) come last whichever way the order goes.
+    order_by = {
+        "id": "e.id",
+        "best": "total is null, total desc, e.id",
+        "worst": "total is null, total asc, e.id",
+    }[order]
+    rows = list(
+        rundb.db.query(
+            f"select e.*, r.value as total from episodes e left join rewards r "
+            f"on r.episode_id = e.id and r.label_set = ? and r.component = '{TOTAL}' "
+            f"where {condition} order by {order_by} limit ?",
+            [label_set, *params, limit],
+        )
+    )
+    components: dict[int, dict[str, RewardRow]] = {row["id"]: {} for row in rows}
+    if rows and label_set is not None:
+        marks = ", ".join("?" * len(rows))
+        for r in rundb.db.query(
+            f"select * from rewards where label_set = ? and episode_id in ({marks}) order by id",
+            [label_set, *components],
+        ):
+            r.pop("id")
+            components[r["episode_id"]][r["component"]] = RewardRow(**r)
+    out = []
+    for row in rows:
+        total = row.pop("total")
+        out.append(LabelledEpisode(_episode(row), label_set, total, components[row["id"]]))
+    return out
+
+
+def _no_episodes(rundb: RunDB, run: str, stage: str | None, iteration: int | None) -> str:
+    stages = stages_with_episodes(rundb, run)
+    if not stages:
+        return f"Run {run!r} has no episodes yet; run `rlcli rollout` or `rlcli train grpo` first."
+    asked = [f"stage {stage!r}"] if stage else []
+    if iteration is not None:
+        asked.append(f"iteration {iteration}")
+    return f"Run {run!r} has no episodes for {' and '.join(asked)}; stages with episodes: {', '.join(stages)}."
+
+
+# --- rows -> records ------------------------------------------------------------------------
+
+
+def _episode(row: dict[str, Any], turns: list[Turn] | None = None) -> Episode:
+    return Episode(
+        **{
+            **row,
+            "end_reason": EndReason(row["end_reason"]) if row["end_reason"] else None,
+            "success": bool(row["success"]),
+            "template_consistent": bool(row["template_consistent"]),
+            "task": json.loads(row["task"] or "{}"),
+            "messages": json.loads(row["messages"] or "[]"),
+            "turns": turns or [],
+        }
+    )
+
+
+def _turn(row: dict[str, Any]) -> Turn:
+    return Turn(
+        turn_index=row["turn_index"],
+        prompt_ids=unpack_ids(row["prompt_ids"]),
+        completion_ids=unpack_ids(row["completion_ids"]),
+        logprobs=unpack_floats(row["logprobs"]),
+        reward=row["reward"],
+        text=row["text"],
+        observation=row["observation"],
+        terminated=bool(row["terminated"]),
+        truncated=bool(row["truncated"]),
+        info=row["info"],
+        gen_time_s=row["gen_time_s"],
+        env_time_s=row["env_time_s"],
+    )

@@ -1,0 +1,203 @@
+"""Typed records of the run database: what the engine, the reports and the CLI receive.
+
+Each record mirrors one table (docs/database.md): JSON text columns arrive parsed, token blobs
+arrive as lists, 0/1 columns as bools. Only store/ turns rows into records and records into rows.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+
+class EndReason(str, Enum):
+    """Why an episode ended; the values are the strings stored in `episodes.end_reason`."""
+
+    TERMINATED = "terminated"  # the env ended it
+    TRUNCATED = "truncated"  # the env cut it off (its own time or step limit)
+    MAX_TURNS = "max_turns"  # env.max_turns agent turns were played
+    CONTEXT = "context"  # the next prompt would not fit in model.max_length
+    LENGTH = "length"  # the last reply was cut by rollout.max_new_tokens
+    ERROR = "error"  # the env failed; the episode carries the error
+
+    @property
+    def hit_a_cap(self) -> bool:
+        """Cut short by a length or turn cap rather than played to its end: this is what reward
+        functions see as `truncated` and what `grpo.mask_truncated` leaves out of the loss."""
+        return self in (EndReason.TRUNCATED, EndReason.MAX_TURNS, EndReason.CONTEXT, EndReason.LENGTH)
+
+
+@dataclass(frozen=True)
+class Run:
+    name: str
+    status: str  # created | running | done | failed
+    recipe: dict[str, Any]  # the resolved recipe
+    recipe_sha256: str
+    recipe_path: str | None
+    seed: int
+    created_at: str
+    updated_at: str
+    versions: dict[str, str | None]
+    git_sha: str | None
+    hostname: str
+
+    @property
+    def description(self) -> str:
+        return self.recipe.get("run", {}).get("description") or ""
+
+
+@dataclass(frozen=True)
+class Stage:
+    id: int
+    run: str
+    name: str  # sft, rollout/0, train/3, eval/base, ...
+    status: str  # pending | running | done | failed
+    params: dict[str, Any]
+    result: dict[str, Any] | None  # the stage's summary, once done
+    error: str | None
+    started_at: str | None
+    finished_at: str | None
+    pid: int | None
+
+    @property
+    def done(self) -> bool:
+        return self.status == "done"
+
+    @property
+    def duration_s(self) -> float | None:
+        if not self.started_at or not self.finished_at:
+            return None
+        elapsed = dt.datetime.fromisoformat(self.finished_at) - dt.datetime.fromisoformat(self.started_at)
+        return round(elapsed.total_seconds(), 3)
+
+
+@dataclass(frozen=True)
+class Turn:
+    turn_index: int
+    prompt_ids: list[int]  # every token the model saw for this turn
+    completion_ids: list[int]  # the sampled tokens
+    logprobs: list[float]  # sampling-time logprobs of completion_ids
+    reward: float = 0.0
+    text: str = ""
+    observation: str = "[]"  # JSON messages the env answered with
+    terminated: bool = False
+    truncated: bool = False
+    info: str = "{}"  # JSON
+    gen_time_s: float = 0.0
+    env_time_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Episode:
+    id: int | None  # None until stored
+    run: str
+    stage: str
+    iteration: int | None
+    split: str  # train | eval
+    task_index: int
+    sample_index: int
+    seed: int
+    policy: str  # base | expert | a checkpoint id | train/<i>
+    status: str  # ok | failed
+    end_reason: EndReason | None
+    env_return: float
+    success: bool
+    num_turns: int
+    num_tokens: int  # generated tokens
+    task: dict[str, Any]
+    messages: list[dict[str, Any]]
+    template_consistent: bool
+    error: str | None
+    created_at: str
+    turns: list[Turn] = field(default_factory=list, compare=False)  # loaded only by queries that need them
+
+    @property
+    def hit_a_cap(self) -> bool:
+        return self.end_reason is not None and self.end_reason.hit_a_cap
+
+
+@dataclass(frozen=True)
+class RewardRow:
+    episode_id: int
+    label_set: str
+    component: str  # a reward function's name, or "total" for the weighted sum
+    value: float
+    weight: float | None
+    error: str | None = None  # why the value is a fallback (e.g. a judge reply with no score)
+
+
+@dataclass(frozen=True)
+class LabelledEpisode:
+    """An episode with its rewards under one label set (reward None: not labelled, e.g. failed)."""
+
+    episode: Episode
+    label_set: str | None
+    reward: float | None
+    components: dict[str, RewardRow] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EpisodeSummary:
+    """What a rollout stage produced, as its stage result and its summary table show it."""
+
+    episodes: int
+    failed: int
+    return_mean: float | None
+    success_rate: float | None
+    turns_mean: float | None
+    tokens: int
+
+
+@dataclass(frozen=True)
+class Metric:
+    run: str
+    stage: str
+    step: int
+    key: str  # namespaced: rollout/reward_mean, train/kl, perf/tokens_per_s
+    value: float
+    created_at: str
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    id: int
+    run: str
+    stage: str
+    iteration: int
+    path: str
+    kind: str  # lora | full
+    created_at: str
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    id: int | None  # None until stored
+    run: str
+    stage: str
+    checkpoint: str  # base | sft | latest | expert | an id, as asked
+    checkpoint_id: int | None  # the resolved checkpoint, None for the base model
+    split: str
+    tasks: int
+    k: int
+    success_rate: float
+    ci_low: float
+    ci_high: float
+    mean_return: float
+    pass_at_k: float
+    avg_at_k: float
+    mean_turns: float
+    mean_tokens: float
+    details: dict[str, Any]
+    created_at: str
+
+    @property
+    def label(self) -> str:
+        """A display name that tells checkpoints apart: "latest" names a different checkpoint each
+        time it is evaluated, so name the one it was; a sampled eval says how it sampled, to tell
+        it from the greedy one of the same checkpoint."""
+        which, ckpt = self.checkpoint, self.checkpoint_id
+        decoding = self.stage.partition("@")[2]
+        label = which if ckpt is None else f"ckpt-{ckpt}" if which == str(ckpt) else f"{which} (ckpt-{ckpt})"
+        return f"{label} @{decoding}" if decoding else label

@@ -1,0 +1,37 @@
+"""Importing the user's own Python files: environments (envs/x.py) and reward functions (rewards.py:fn).
+
+A recipe that names a file runs that file's code, like running a script.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+from rlcli.errors import UsageError
+
+
+def import_file(path: Path) -> ModuleType:
+    """The module defined by a .py file, imported once per process, as `import` would.
+
+    Any failure is a UsageError naming the file: it does not exist, or running it raised.
+    """
+    if not path.is_file():
+        raise UsageError(f"file {path} does not exist.")
+    # Named after the full path, so two rewards.py files in different folders do not replace each other.
+    digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
+    name = f"rlcli_user_{path.stem}_{digest}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses and pickle look a module up by name
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        del sys.modules[name]
+        raise UsageError(f"loading {path} failed: {type(exc).__name__}: {exc}") from exc
+    return module

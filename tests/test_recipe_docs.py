@@ -1,0 +1,93 @@
+"""`rlcli recipes explain` and docs/recipe.md: the recipe schema shown from the pydantic models."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from rlcli.cli.app import main
+from rlcli.cli.recipes import REGENERATE_DOCS, schema_markdown
+from rlcli.recipe import Recipe, schema_docs
+
+DOCS = Path(__file__).parents[1] / "docs" / "recipe.md"
+
+
+def cli(capsys, *args: str) -> tuple[int, str, str]:
+    try:
+        main(list(args))
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_docs_match_the_schema():
+    assert DOCS.read_text() == schema_markdown(), f"docs/recipe.md is out of date; run `{REGENERATE_DOCS}`"
+
+
+def test_every_section_and_field_is_described():
+    sections = schema_docs()
+    assert [s.name for s in sections] == list(Recipe.model_fields)
+    for section in sections:
+        assert section.description, section.name
+        for field in section.fields:
+            assert field.description and field.type, field.path
+
+
+def test_explain_everything(capsys):
+    code, out, err = cli(capsys, "recipes", "explain")
+    assert code == 0, err
+    for section in schema_docs():
+        assert f"{section.name} (" in out
+    assert "grpo.tis_cap" in out and "float > 0, or null" in out
+
+
+def test_explain_a_section(capsys):
+    code, out, _ = cli(capsys, "recipes", "explain", "lora")
+    assert code == 0
+    assert "lora.r" in out and "section or null" in out and "grpo." not in out
+
+
+def test_explain_a_field_as_json(capsys):
+    code, out, _ = cli(capsys, "recipes", "explain", "grpo.iterations", "--json")
+    assert code == 0
+    [section] = json.loads(out)
+    assert section["name"] == "grpo"
+    assert section["fields"] == [
+        {
+            "path": "grpo.iterations",
+            "type": "int >= 0",
+            "required": False,
+            "default": 10,
+            "description": "Rollout -> label -> update iterations.",
+            "resume_safe": True,
+        }
+    ]
+
+
+def test_required_field_has_no_default(capsys):
+    code, out, _ = cli(capsys, "recipes", "explain", "rewards.fn", "--json")
+    assert code == 0
+    [field] = json.loads(out)[0]["fields"]
+    assert field["required"] and field["default"] is None
+
+
+@pytest.mark.parametrize(
+    ("name", "hint"),
+    [("grpoo", "did you mean grpo?"), ("grpo.lrr", "did you mean grpo.lr?"), ("rewards.wieght", "rewards.weight?")],
+)
+def test_unknown_name_says_what_was_meant(capsys, name, hint):
+    code, out, err = cli(capsys, "recipes", "explain", name)
+    assert code == 2 and out == ""
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and hint in lines[0] and "Traceback" not in err
+
+
+def test_markdown_is_for_the_whole_schema(capsys):
+    code, out, _ = cli(capsys, "recipes", "explain", "--markdown")
+    assert code == 0 and out == schema_markdown()
+    code, _, err = cli(capsys, "recipes", "explain", "grpo", "--markdown")
+    assert code == 2 and "--markdown" in err
