@@ -21,6 +21,7 @@ from rlcli.cli.common import open_run
 from rlcli.engine.context import RunContext
 from rlcli.errors import RlcliError, UsageError
 from rlcli.recipe import Recipe
+from rlcli.store.checkpoints import add_checkpoint
 from rlcli.store.db import DB_NAME, RunDB
 from rlcli.store.stages import run_stage
 
@@ -352,7 +353,7 @@ def test_runs_show_json_has_stable_keys(capsys, rlcli_home):
             run_stage(rundb, "r1", "rollout/0", lambda: (_ for _ in ()).throw(RuntimeError("env crashed")))
         rundb.log_metrics("r1", "rollout", 0, {"rollout/reward_mean": 0.1})
         rundb.log_metrics("r1", "rollout", 1, {"rollout/reward_mean": 0.3})
-        rundb.add_checkpoint("r1", "sft", 0, "ckpt/sft", "lora")
+        add_checkpoint(rundb, "r1", "sft", 0, rlcli_home / "r1" / "sft", "lora")
     finally:
         rundb.close()
     code, out, err = cli(capsys, "runs", "show", "r1", "--json")
@@ -369,7 +370,7 @@ def test_runs_show_json_has_stable_keys(capsys, rlcli_home):
     assert sft["started_at"] and sft["finished_at"]
     assert data["reward_curve"] == [0.1, 0.3]
     assert data["latest_metrics"] == {"rollout/reward_mean": 0.3}
-    assert [c["path"] for c in data["checkpoints"]] == ["ckpt/sft"]
+    assert [c["path"] for c in data["checkpoints"]] == [str(rlcli_home.absolute() / "r1" / "sft")]
     assert data["episodes"] == {"total": 0, "failed": 0}
     # The table view renders the same run.
     code, out, _ = cli(capsys, "runs", "show", "r1")
@@ -483,3 +484,70 @@ def test_interrupt_prints_the_resume_hint(capsys, monkeypatch, good):
     code, _, err = cli(capsys, "run", "-r", good)
     assert code == 130
     assert "Interrupted" in err and "resume" in err
+
+
+# A process that works on run r1: its status says running while it holds the run's lock.
+RUN_HOLDER = textwrap.dedent(
+    """
+    import sys, time
+    from rlcli.recipe import Recipe
+    from rlcli.store.db import RunDB
+    from rlcli.store.stages import RunLock
+
+    rundb = RunDB.open(sys.argv[1])
+    with RunLock(sys.argv[1], "r1"):
+        rundb.start_run("r1", Recipe(), None)
+        rundb.set_run_status("r1", "running")
+        rundb.mark_stage("r1", "rollout", "running")
+        print("running", flush=True)
+        time.sleep(120)
+    """
+)
+
+
+def _status(capsys, *command: str) -> str:
+    code, out, err = cli(capsys, "runs", *command, "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    return (data[0] if isinstance(data, list) else data)["status"]
+
+
+def test_a_killed_run_is_listed_as_stopped(capsys, rlcli_home):
+    proc = subprocess.Popen([sys.executable, "-c", RUN_HOLDER, str(rlcli_home)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "running"
+        assert _status(capsys, "list") == "running"
+        assert _status(capsys, "show", "r1") == "running"
+    finally:
+        proc.kill()  # SIGKILL: the status row still says running
+        proc.wait(timeout=10)
+        proc.stdout.close()
+    assert _status(capsys, "list") == "stopped"
+    assert _status(capsys, "show", "r1") == "stopped"
+    code, out, _ = cli(capsys, "runs", "show", "r1", "--json")
+    assert [s["status"] for s in json.loads(out)["stages"]] == ["stopped"]  # the stage it was killed in
+    code, out, _ = cli(capsys, "runs", "list")
+    assert code == 0 and "stopped" in out
+
+
+def test_a_changed_reward_file_is_warned_about_and_the_history_shown(capsys, tmp_path, rlcli_home):
+    rewards = tmp_path / "my_rewards.py"
+    rewards.write_text("def score(completions, **kw):\n    return [1.0 for _ in completions]\n")
+    first_hash = hashlib.sha256(rewards.read_bytes()).hexdigest()
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("run:\n  name: prov\nrewards:\n  - fn: my_rewards.py:score\n")
+    with open_run(recipe, None, rlcli_home, []):
+        pass
+    assert capsys.readouterr().err == ""
+    rewards.write_text("def score(completions, **kw):\n    return [0.0 for _ in completions]\n")
+    with open_run(recipe, None, rlcli_home, []):
+        pass
+    warning = capsys.readouterr().err
+    assert len(warning.strip().splitlines()) == 1 and "my_rewards.py" in warning and "changed" in warning
+    code, out, _ = cli(capsys, "runs", "show", "prov", "--json")
+    history = json.loads(out)["recipe_history"]
+    assert [h["reason"] for h in history] == ["created", "code changed: my_rewards.py"]
+    assert history[0]["code"] == {"my_rewards.py": first_hash}
+    assert history[1]["code"] == {"my_rewards.py": hashlib.sha256(rewards.read_bytes()).hexdigest()}
+    code, out, _ = cli(capsys, "runs", "show", "prov")
+    assert code == 0 and "recipe history: 1 change(s); last: code changed:" in out and "my_rewards.py" in out

@@ -36,40 +36,69 @@ def test_mean_interval_is_normal_over_task_rates():
     assert low == pytest.approx(0.5 - 1.96 * sd / 2) and high == pytest.approx(0.5 + 1.96 * sd / 2)
 
 
+def eval_episode(task: int, sample: int, success: bool, status: str = "ok") -> Episode:
+    return Episode(
+        id=None,
+        run="r",
+        stage="eval/base",
+        iteration=None,
+        split="eval",
+        task_index=task,
+        sample_index=sample,
+        seed=0,
+        policy="base",
+        status=status,
+        end_reason=EndReason.TERMINATED if status == "ok" else EndReason.ERROR,
+        env_return=float(success),
+        success=success,
+        num_turns=2,
+        num_tokens=10,
+        task={},
+        messages=[],
+        template_consistent=True,
+        error=None if status == "ok" else "env step failed: step exceeded the 1s step time limit",
+        created_at="",
+    )
+
+
 def test_eval_metrics_from_episodes():
-    episodes = []
-    for task, successes in enumerate([[1, 1, 0], [0, 0, 0]]):
-        for sample, s in enumerate(successes):
-            episodes.append(
-                Episode(
-                    id=None,
-                    run="r",
-                    stage="eval/base",
-                    iteration=None,
-                    split="eval",
-                    task_index=task,
-                    sample_index=sample,
-                    seed=0,
-                    policy="base",
-                    status="ok",
-                    end_reason=EndReason.TERMINATED,
-                    env_return=float(s),
-                    success=bool(s),
-                    num_turns=2,
-                    num_tokens=10,
-                    task={},
-                    messages=[],
-                    template_consistent=True,
-                    error=None,
-                    created_at="",
-                )
-            )
+    episodes = [
+        eval_episode(task, sample, bool(s))
+        for task, successes in enumerate([[1, 1, 0], [0, 0, 0]])
+        for sample, s in enumerate(successes)
+    ]
     m = eval_metrics(episodes, k=3)
     assert m["tasks"] == 2 and m["success_rate"] == pytest.approx(2 / 6)
     assert m["pass_at_k"] == pytest.approx(0.5)  # task 0 passes at k=3, task 1 never
     assert m["avg_at_k"] == pytest.approx((2 / 3 + 0) / 2)
     assert m["details"]["pass@1"] == pytest.approx(2 / 6)
     assert m["mean_turns"] == 2 and m["mean_tokens"] == 10
+
+
+def test_eval_success_is_over_the_episodes_that_ran_with_failures_beside_it():
+    episodes = [eval_episode(0, 0, True), eval_episode(1, 0, False), eval_episode(2, 0, False, status="failed")]
+    m = eval_metrics(episodes, k=1)
+    assert m["success_rate"] == pytest.approx(1 / 2) and m["details"]["failed_episodes"] == 1
+    assert m["tasks"] == 3 and m["mean_return"] == pytest.approx(1 / 2) and m["mean_turns"] == 2
+    assert (m["ci_low"], m["ci_high"]) == pytest.approx(wilson_interval(1, 2))
+
+
+def test_eval_plays_timed_out_episodes_again_when_run_again(tmp_path):
+    from helpers import write_env_file
+    from rlcli.envs.protocol import task_seed
+    from test_rollout import SLOW_ENV
+
+    slow_seed = task_seed("eval", 1)
+    env_file = write_env_file(tmp_path / "slow.py", SLOW_ENV.replace("self.seed == 1", f"self.seed == {slow_seed}"))
+    recipe = write_recipe(tmp_path / "r.yaml", env={"name": str(env_file), "step_timeout_s": 0.3}, eval={"tasks": 3})
+    (tmp_path / "under-load").touch()
+    ctx = make_ctx(recipe, tmp_path / "runs")
+    (first,) = run_eval(ctx, ["base"])
+    assert first.details["failed_episodes"] == 1 and first.success_rate == 1.0  # 2 of 2 that ran
+    (tmp_path / "under-load").unlink()
+    (second,) = run_eval(ctx, ["base"])
+    assert second.details["failed_episodes"] == 0 and second.success_rate == 1.0 and second.tasks == 3
+    assert ctx.rundb.db["episodes"].count == 3
 
 
 def test_eval_several_checkpoints_in_one_call_and_resume(tmp_path):
@@ -129,3 +158,25 @@ def test_cli_eval_json_and_runs_show_include_evals(tmp_path):
     data = json.loads(show.stdout)
     assert data["evals"][0]["success_rate"] == rows[0]["success_rate"]
     assert any(s["name"] == "eval/base" and s["status"] == "done" for s in data["stages"])
+
+
+def test_eval_table_counts_failed_episodes_beside_the_success_rate():
+    from dataclasses import replace
+
+    from rich.console import Console
+
+    from rlcli.report.tables import evals_table
+    from rlcli.report.views import eval_view
+    from rlcli.store.records import EvalResult
+
+    metrics = eval_metrics([eval_episode(0, 0, True), eval_episode(1, 0, False, status="failed")], k=1)
+    result = EvalResult(
+        id=1, run="r", stage="eval/base", checkpoint="base", checkpoint_id=None, split="eval", created_at="", **metrics
+    )
+    console = Console(width=120, record=True)
+    console.print(evals_table([eval_view(result), eval_view(replace(result, details={}))]))
+    text = console.export_text()
+    rows = [line for line in text.splitlines() if "│" in line]
+    assert "failed" in next(line for line in text.splitlines() if "checkpoint" in line)
+    assert "100.0%" in rows[0] and rows[0].split("│")[-2].strip() == "1"
+    assert rows[1].split("│")[-2].strip() == "0"  # results stored before failures were counted

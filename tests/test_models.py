@@ -4,6 +4,7 @@ The slow tests pull the embedded SmolLM2-135M once per session into a shared cac
 """
 
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -239,6 +240,23 @@ def test_checkpoint_reloads_and_export_merges(tmp_path):
     out = loading.export_merged(TINY, lora, NO_QUANT, checkpoint, tmp_path / "merged")
     merged = AutoModelForCausalLM.from_pretrained(out)
     torch.testing.assert_close(logits(merged, tokenizer), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_a_checkpoint_is_on_disk_before_save_checkpoint_returns(tmp_path, monkeypatch):
+    """Every file and the folder are fsynced before the rename, and the parent after it, so that
+    a row written next never points at files a host crash emptied."""
+    fsync, synced = os.fsync, []
+
+    def recording_fsync(fd):
+        synced.append(Path(os.readlink(f"/proc/self/fd/{fd}")))
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    model, tokenizer = loading.load_policy(TINY, LoraSection(r=4), NO_QUANT)
+    checkpoint = loading.save_checkpoint(model, tokenizer, tmp_path / "ckpt")
+    staged = tmp_path / "ckpt.partial"
+    assert {p.name for p in synced if p.parent == staged} == {p.name for p in checkpoint.iterdir()}
+    assert synced.index(staged) < synced.index(tmp_path)
 
 
 def test_export_of_a_4bit_run_writes_a_full_model(tmp_path):

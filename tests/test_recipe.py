@@ -289,3 +289,28 @@ def test_sha256_stable_and_content_sensitive(tmp_path):
     assert Recipe().sha256() != a.sha256()
     # Even resume-safe fields are content: they change the hash (but not changed_fields).
     assert load_recipe(None, ["run.seed=1", "grpo.lr=1e-5", "grpo.iterations=3"]).sha256() != a.sha256()
+
+
+# --- non-finite numbers --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text, dotted",
+    [
+        ("grpo:\n  lr: .nan\n", "grpo.lr"),
+        ("rollout:\n  temperature: .inf\n", "rollout.temperature"),
+        ("env:\n  step_timeout_s: .inf\n", "env.step_timeout_s"),
+        ("sft:\n  min_reward: -.inf\n", "sft.min_reward"),
+        ("rewards:\n  - fn: env_return\n    weight: .nan\n", "rewards.0.weight"),
+    ],
+)
+def test_non_finite_numbers_in_yaml_are_refused(tmp_path, text, dotted):
+    message = usage_error(write(tmp_path, text))
+    assert message.startswith(f"{tmp_path / 'recipe.yaml'}: {dotted}: ")
+    assert "finite" in message and message.count(".") >= 1 and "\n" not in message
+
+
+@pytest.mark.parametrize("item", ["grpo.lr=nan", "grpo.lr=.nan", "env.step_timeout_s=inf", "sft.min_reward=-inf"])
+def test_non_finite_overrides_are_refused(item):
+    message = usage_error(overrides=[item])
+    assert f"{item.partition('=')[0]}: " in message and "finite" in message

@@ -12,6 +12,7 @@ from rlcli.cli.app import main
 from rlcli.errors import UsageError
 from rlcli.recipe import Recipe
 from rlcli.store.blobs import pack_floats, pack_ids
+from rlcli.store.checkpoints import add_checkpoint
 from rlcli.store.db import DB_NAME, RunDB
 
 STAGES = [  # (name, status, start second, end second, error)
@@ -140,8 +141,8 @@ def make_run(rundb: RunDB, name: str, *, scale: float = 1.0, evals: bool = True)
         )
     for step in range(5):
         rundb.log_metrics(name, "sft", step, {"sft/loss": 2.0 / (step + 1)})
-    rundb.add_checkpoint(name, "sft", 0, f"/tmp/{name}/sft", "lora")
-    ckpt = rundb.add_checkpoint(name, "train/2", 2, f"/tmp/{name}/ckpt-2", "lora")
+    add_checkpoint(rundb, name, "sft", 0, f"/tmp/{name}/sft", "lora")
+    ckpt = add_checkpoint(rundb, name, "train/2", 2, f"/tmp/{name}/ckpt-2", "lora")
     if evals:
         for stage, which, ckpt_id, rate in (
             ("eval/base", "base", None, 0.25),
@@ -384,6 +385,27 @@ def test_export_into_a_file_exits_2(capsys, runs_dir, tmp_path):
     (tmp_path / "taken").write_text("")
     code, _, err = cli(capsys, "runs", "export", "demo", "--out", tmp_path / "taken")
     assert code == 2 and "give --out a folder" in err
+
+
+def test_export_refuses_a_folder_it_did_not_write(capsys, runs_dir, tmp_path):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    code, _, err = cli(capsys, "runs", "export", "demo", "--out", mine)
+    assert code == 2 and "not written by rlcli" in err and "Traceback" not in err
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"] and (mine / "notes.txt").read_text() == "keep me"
+
+
+def test_export_again_needs_overwrite(capsys, runs_dir, tmp_path):
+    out_dir = tmp_path / "export"
+    assert cli(capsys, "runs", "export", "demo", "--out", out_dir)[0] == 0
+    (out_dir / "episodes.jsonl").write_text("edited\n")
+    code, _, err = cli(capsys, "runs", "export", "demo", "--out", out_dir)
+    assert code == 2 and "--overwrite" in err
+    assert (out_dir / "episodes.jsonl").read_text() == "edited\n"
+    code, _, _ = cli(capsys, "runs", "export", "demo", "--out", out_dir, "--overwrite")
+    assert code == 0 and (out_dir / "episodes.jsonl").read_text() != "edited\n"
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no temp folder left
 
 
 @pytest.mark.parametrize(

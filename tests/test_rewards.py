@@ -302,7 +302,7 @@ CHAT_TEMPLATE = (
 )
 
 
-def tiny_llama(folder, head: str, num_labels: int = 1):
+def tiny_llama(folder, head: str, num_labels: int = 1, max_positions: int = 2048):
     """A random one-layer Llama with a byte-level tokenizer, saved like a downloaded model."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -323,7 +323,7 @@ def tiny_llama(folder, head: str, num_labels: int = 1):
         num_hidden_layers=1,
         num_attention_heads=2,
         num_key_value_heads=1,
-        max_position_embeddings=2048,
+        max_position_embeddings=max_positions,
         pad_token_id=vocab["<pad>"],
         eos_token_id=vocab["<eos>"],
         num_labels=num_labels,
@@ -384,3 +384,33 @@ def test_reward_model_with_several_labels_needs_one_chosen(tmp_path):
         build_reward_fns([RewardSpec(fn="reward_model", kwargs={"model": folder})])
     [reward] = build_reward_fns([RewardSpec(fn="reward_model", kwargs={"model": folder, "label": 2})])
     assert len(reward([episode(1, "42")])) == 1
+
+
+# With one token per byte, this episode does not fit in the few positions these tiny models have.
+LONG_COMPLETION = "The answer, after a long think: " + "6 x 7 is 42. " * 20
+
+
+def test_judge_cuts_an_over_long_request_from_the_left_and_says_so(tmp_path):
+    folder = tiny_llama(tmp_path / "judge", "causal", max_positions=256)
+    spec = RewardSpec(fn="judge", kwargs={"model": folder, "max_new_tokens": 4, "batch_size": 2})
+    [judge] = build_reward_fns([spec])
+    scores = judge([episode(1, "42"), episode(2, LONG_COMPLETION)])
+    assert len(scores) == 2 and all(0.0 <= s <= 1.0 for s in scores)
+    assert "input cut from the left" in judge.failures[2] and "252 tokens kept" in judge.failures[2]
+    assert "cut" not in judge.failures.get(1, "")
+
+
+def test_reward_model_cuts_an_over_long_conversation_from_the_left_and_says_so(tmp_path):
+    folder = tiny_llama(tmp_path / "rm", "classification", max_positions=64)
+    [reward] = build_reward_fns([RewardSpec(fn="reward_model", kwargs={"model": folder, "batch_size": 2})])
+    long_episode = episode(2, LONG_COMPLETION)
+    values = reward([episode(1, "42"), long_episode])
+    assert len(values) == 2 and all(math.isfinite(v) for v in values)
+    assert list(reward.failures) == [2] and "64 tokens kept" in reward.failures[2]
+    # What is kept is the end of the conversation, where the model reads its score.
+    same_end = episode(
+        3,
+        LONG_COMPLETION,
+        messages=[{"role": "user", "content": "Other start. " * 20}, {"role": "assistant", "content": LONG_COMPLETION}],
+    )
+    assert reward([same_end]) == pytest.approx(values[1:], abs=1e-5)

@@ -257,3 +257,120 @@ def test_relabelling_adds_a_label_set_without_touching_episodes(tmp_path):
             )
         }
         assert vals["total"] == pytest.approx(0.5 * vals["env_return"] + vals["brevity"])
+
+
+# --- transient failures: retried on resume, a bounded number of times ----------------------
+
+SLOW_ENV = """
+from pathlib import Path
+
+FLAG = Path(__file__).with_name("under-load")
+
+class Slow:
+    def reset(self, seed):
+        self.seed = seed
+        return "Say anything.", {"task": {"seed": seed}}
+    def step(self, action):
+        if self.seed == 3:
+            raise RuntimeError("seed 3 is broken")
+        if self.seed == 1 and FLAG.exists():
+            import time
+            time.sleep(2)  # longer than env.step_timeout_s: the step times out
+        return "ok", 1.0, True, False, {}
+
+def make_env():
+    return Slow()
+"""
+
+
+def slow_env_recipe(tmp_path, **sections):
+    env_file = write_env_file(tmp_path / "slow.py", SLOW_ENV)
+    return write_recipe(
+        tmp_path / "r.yaml",
+        env={"name": str(env_file), "step_timeout_s": 0.3},
+        rollout={"tasks": 4, "group_size": 1, "batch_size": 4},
+        **sections,
+    )
+
+
+def test_timed_out_episodes_are_played_again_on_resume_and_others_stay_failed(tmp_path):
+    from rlcli.engine.labelling import run_label_stage
+
+    recipe = slow_env_recipe(tmp_path)
+    (tmp_path / "under-load").touch()
+    ctx = make_ctx(recipe, tmp_path / "runs")
+    first = run_rollout_stage(ctx, stage="rollout", policy="base", split="train")
+    assert (first.episodes, first.failed) == (4, 2)
+    by_seed = {e["seed"]: e for e in _episodes(ctx)}
+    assert "step time limit" in by_seed[1]["error"] and by_seed[1]["attempts"] == 1
+    run_label_stage(ctx, label_set="v1")
+
+    (tmp_path / "under-load").unlink()
+    again = run_rollout_stage(ctx, stage="rollout", policy="base", split="train")
+    assert (again.episodes, again.failed) == (4, 1)
+    run_label_stage(ctx, label_set="v1")  # labels the episode that finished on its retry
+    labelled = {r["episode_id"] for r in ctx.rundb.db.query("select episode_id from rewards where label_set = 'v1'")}
+    by_seed = {e["seed"]: e for e in _episodes(ctx)}
+    assert labelled == {by_seed[0]["id"], by_seed[1]["id"], by_seed[2]["id"]}
+    assert by_seed[1]["status"] == "ok" and by_seed[1]["attempts"] == 2 and by_seed[1]["error"] is None
+    assert by_seed[3]["status"] == "failed" and by_seed[3]["attempts"] == 1  # the env raised: not retried
+    assert by_seed[0]["id"] == 1 and by_seed[0]["attempts"] == 1  # finished episodes are untouched
+
+    # Played again with the same seeds, the episode is what an uninterrupted run records.
+    clean = make_ctx(recipe, tmp_path / "clean-runs")
+    run_rollout_stage(clean, stage="rollout", policy="base", split="train")
+    [retried] = [e for e in _episodes(ctx) if e["seed"] == 1]
+    [reference] = [e for e in _episodes(clean) if e["seed"] == 1]
+    assert [t["completion_ids"] for t in _turns(ctx, retried["id"])] == [
+        t["completion_ids"] for t in _turns(clean, reference["id"])
+    ]
+    assert retried["messages"] == reference["messages"]
+
+
+def test_retries_of_a_timed_out_episode_are_bounded(tmp_path):
+    from rlcli.engine.rollout import MAX_ATTEMPTS
+
+    recipe = slow_env_recipe(tmp_path)
+    (tmp_path / "under-load").touch()
+    ctx = make_ctx(recipe, tmp_path / "runs")
+    for _ in range(MAX_ATTEMPTS + 1):
+        summary = run_rollout_stage(ctx, stage="rollout", policy="base", split="train")
+    assert (summary.episodes, summary.failed) == (4, 2)
+    by_seed = {e["seed"]: e for e in _episodes(ctx)}
+    assert by_seed[1]["attempts"] == MAX_ATTEMPTS and "step time limit" in by_seed[1]["error"]
+    assert ctx.rundb.db["turns"].count == sum(e["num_turns"] for e in _episodes(ctx))  # no orphaned turns
+
+
+def test_a_grpo_iteration_whose_episodes_timed_out_trains_on_resume(tmp_path):
+    from rlcli.engine.train import run_grpo
+    from rlcli.errors import RlcliError
+
+    env_file = write_env_file(
+        tmp_path / "stuck.py",
+        """
+        import time
+        from pathlib import Path
+
+        class Stuck:
+            def reset(self, seed):
+                return "Say anything.", {"task": {}}
+            def step(self, action):
+                if Path(__file__).with_name("under-load").exists():
+                    time.sleep(2)
+                return "ok", float(len(action) % 2), True, False, {}
+
+        def make_env():
+            return Stuck()
+        """,
+    )
+    recipe = write_recipe(
+        tmp_path / "r.yaml", env={"name": str(env_file), "step_timeout_s": 0.3}, grpo={"iterations": 1, "lr": 1e-3}
+    )
+    (tmp_path / "under-load").touch()
+    ctx = make_ctx(recipe, tmp_path / "runs")
+    with pytest.raises(RlcliError, match="no successfully finished"):
+        run_grpo(ctx)
+    (tmp_path / "under-load").unlink()
+    run_grpo(ctx)
+    assert ctx.rundb.stage(ctx.run, "train/0").done
+    assert {e["status"] for e in _episodes(ctx, "rollout/0")} == {"ok"}

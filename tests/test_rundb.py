@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import os
 import socket
@@ -16,6 +18,7 @@ import pytest
 
 from rlcli.errors import RlcliError, UsageError
 from rlcli.recipe import Recipe, load_recipe
+from rlcli.store.checkpoints import add_checkpoint, checkpoints, resolve_checkpoint
 from rlcli.store.db import DB_NAME, RunDB, check_run_name, package_versions
 from rlcli.store.stages import RunLock, run_stage, stage_done
 
@@ -154,7 +157,8 @@ def test_blank_database_gets_every_table_in_wal_mode(runs_dir):
         assert rundb.db["runs"].pks == ["name"]
     finally:
         rundb.close()
-    assert [name for _, name, _ in migration_rows(runs_dir / DB_NAME)] == ["001_initial"]
+    names = [name for _, name, _ in migration_rows(runs_dir / DB_NAME)]
+    assert names[0] == "001_initial" and len(names) == len(set(names))  # each applied once, in order
 
 
 def test_default_runs_dir_is_rlcli_home(rlcli_home):
@@ -370,32 +374,48 @@ def test_latest_metrics(rundb, run1):
 # --- checkpoints -----------------------------------------------------------------------
 
 
-def test_checkpoints_and_resolve(rundb, run1):
-    assert rundb.resolve_checkpoint(run1, "base") is None
-    assert rundb.resolve_checkpoint(run1, "latest") is None  # nothing trained yet: the base model
+def test_checkpoints_and_resolve(rundb, run1, runs_dir):
+    assert resolve_checkpoint(rundb, run1, "base") is None
+    assert resolve_checkpoint(rundb, run1, "latest") is None  # nothing trained yet: the base model
     with pytest.raises(UsageError, match="no SFT checkpoint"):
-        rundb.resolve_checkpoint(run1, "sft")
-    sft = rundb.add_checkpoint(run1, "sft", 0, Path("runs/r1/sft"), "lora")
-    t0 = rundb.add_checkpoint(run1, "train/0", 1, "runs/r1/train-1", "lora")
-    t1 = rundb.add_checkpoint(run1, "train/1", 2, "runs/r1/train-2", "lora")
-    assert [c.id for c in rundb.checkpoints(run1)] == [sft, t0, t1]
-    assert rundb.checkpoints(run1)[0].path == "runs/r1/sft"
-    assert rundb.resolve_checkpoint(run1, "base") is None
-    assert rundb.resolve_checkpoint(run1, "latest").id == t1
-    assert rundb.resolve_checkpoint(run1, "sft").id == sft
-    assert rundb.resolve_checkpoint(run1, str(t0)).path == "runs/r1/train-1"
+        resolve_checkpoint(rundb, run1, "sft")
+    sft = add_checkpoint(rundb, run1, "sft", 0, runs_dir / "r1" / "sft", "lora")
+    t0 = add_checkpoint(rundb, run1, "train/0", 1, runs_dir / "r1" / "train-1", "lora")
+    t1 = add_checkpoint(rundb, run1, "train/1", 2, runs_dir / "r1" / "train-2", "lora")
+    assert [c.id for c in checkpoints(rundb, run1)] == [sft, t0, t1]
+    assert checkpoints(rundb, run1)[0].path == str(runs_dir / "r1" / "sft")
+    assert resolve_checkpoint(rundb, run1, "base") is None
+    assert resolve_checkpoint(rundb, run1, "latest").id == t1
+    assert resolve_checkpoint(rundb, run1, "sft").id == sft
+    assert resolve_checkpoint(rundb, run1, str(t0)).path == str(runs_dir / "r1" / "train-1")
     with pytest.raises(UsageError, match="no checkpoint with id 999"):
-        rundb.resolve_checkpoint(run1, "999")
+        resolve_checkpoint(rundb, run1, "999")
     with pytest.raises(UsageError, match="Unknown checkpoint 'newest'"):
-        rundb.resolve_checkpoint(run1, "newest")
+        resolve_checkpoint(rundb, run1, "newest")
 
 
 def test_checkpoint_ids_are_per_run(rundb, run1):
     rundb.start_run("r2", Recipe(), None)
-    other = rundb.add_checkpoint("r2", "train/0", 1, "x", "lora")
+    other = add_checkpoint(rundb, "r2", "train/0", 1, "x", "lora")
     with pytest.raises(UsageError, match=f"no checkpoint with id {other}"):
-        rundb.resolve_checkpoint(run1, str(other))
-    assert rundb.resolve_checkpoint(run1, "latest") is None
+        resolve_checkpoint(rundb, run1, str(other))
+    assert resolve_checkpoint(rundb, run1, "latest") is None
+
+
+def test_checkpoint_paths_are_relative_to_the_runs_dir_and_old_rows_still_resolve(rundb, run1, runs_dir, monkeypatch):
+    folder = runs_dir / "r1" / "checkpoints" / "iter-0000"
+    folder.mkdir(parents=True)
+    add_checkpoint(rundb, run1, "train/0", 0, folder, "lora")
+    assert [path for (path,) in rundb.db.execute("select path from checkpoints")] == ["r1/checkpoints/iter-0000"]
+    # Rows of older rlcli: relative to the working directory of the time, or absolute.
+    with rundb.transaction() as db:
+        for path in ("runs/r1/checkpoints/iter-0000", str(folder)):
+            db["checkpoints"].insert({"run": run1, "stage": "train/0", "iteration": 0, "path": path, "kind": "lora"})
+    for cwd in (runs_dir.parent, runs_dir):  # where the run was started, and elsewhere
+        monkeypatch.chdir(cwd)
+        assert [c.path for c in checkpoints(rundb, run1)] == [str(folder)] * 3
+    # Re-recording a folder (a redone stage) keeps its row and id.
+    assert add_checkpoint(rundb, run1, "train/0", 0, folder, "lora") == checkpoints(rundb, run1)[0].id
 
 
 # --- stages ------------------------------------------------------------------------------
@@ -561,3 +581,36 @@ def test_lock_released_on_exit_of_the_with_block(runs_dir):
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["locked", "released"]
+
+
+@pytest.mark.parametrize("code", [errno.ENOLCK, errno.EOPNOTSUPP])
+def test_file_system_without_flock_is_one_sentence_and_exit_2(runs_dir, monkeypatch, code):
+    def no_flock(fh, op):
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    with pytest.raises(UsageError, match="does not support file locks") as info, RunLock(runs_dir, "r1"):
+        pytest.fail("locked without flock")
+    assert str(runs_dir) in str(info.value) and "--runs-dir" in str(info.value)
+
+
+def test_recipe_history_keeps_every_version_and_why(rundb):
+    rundb.start_run("r1", Recipe(), None)
+    rundb.start_run("r1", Recipe(), None)  # unchanged: nothing new to record
+    forced = load_recipe(None, ["grpo.lr=1e-3"])
+    rundb.start_run("r1", forced, None, force=True)
+    history = rundb.recipe_history("r1")
+    assert [h.reason for h in history] == ["created", "recipe changed with --force: grpo.lr"]
+    assert history[0].recipe == Recipe().to_dict() and history[0].recipe_sha256 == Recipe().sha256()
+    assert history[1].recipe_sha256 == forced.sha256()
+
+
+def test_code_hashes_are_stored_and_a_changed_file_is_recorded(rundb):
+    rundb.start_run("r1", Recipe(), None, code={"envs/x.py": "aaa", "rewards.py": "bbb"})
+    assert rundb.code_changes("r1", {"envs/x.py": "aaa", "rewards.py": "bbb"}) == []
+    assert rundb.code_changes("r1", {"envs/x.py": "aaa", "rewards.py": "ccc"}) == ["rewards.py"]
+    assert rundb.code_changes("new-run", {"rewards.py": "ccc"}) == []  # nothing recorded to compare with
+    rundb.start_run("r1", Recipe(), None, code={"envs/x.py": "aaa", "rewards.py": "ccc"})
+    history = rundb.recipe_history("r1")
+    assert [h.reason for h in history] == ["created", "code changed: rewards.py"]
+    assert history[-1].code == {"envs/x.py": "aaa", "rewards.py": "ccc"}

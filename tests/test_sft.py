@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import sqlite3
 import subprocess
@@ -25,6 +26,7 @@ from rlcli.engine.sft import (
 )
 from rlcli.engine.sft_data import Conversation, conversation_from_row, read_conversations
 from rlcli.errors import UsageError
+from rlcli.store.checkpoints import checkpoints, resolve_checkpoint
 
 RLCLI_BIN = Path(sys.executable).parent / "rlcli"
 CHAT = [
@@ -217,6 +219,14 @@ def test_malformed_parquet_row_names_its_position(tmp_path):
         read_conversations(path)
 
 
+@pytest.mark.parametrize("name", ["data.jsonl", "data.json"])
+def test_a_binary_data_file_is_a_usage_error(tmp_path, name):
+    path = tmp_path / name
+    path.write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe\x00binary")
+    with pytest.raises(UsageError, match=rf"{path}: not UTF-8 text; expected JSON"):
+        read_conversations(path)
+
+
 def test_unreadable_sources_and_empty_data(tmp_path):
     (tmp_path / "x.csv").write_text("a,b\n")
     with pytest.raises(UsageError, match="unknown suffix; expected .jsonl, .json, .parquet"):
@@ -347,9 +357,9 @@ def test_sft_on_expert_demos_raises_their_likelihood(tmp_path):
     r = ctx.recipe
     base, tokenizer = load_policy(r.model, r.lora, r.quantization, trainable=False)
     rows, _ = encode_conversations(tokenizer, load_conversations(ctx), r.model.max_length, _eos_ids(base, tokenizer))
-    [row] = ctx.rundb.checkpoints(ctx.run)
+    [row] = checkpoints(ctx.rundb, ctx.run)
     assert (row.stage, row.kind, row.path, row.id) == ("sft", "lora", summary.path, summary.checkpoint_id)
-    assert ctx.rundb.resolve_checkpoint(ctx.run, "sft").id == row.id
+    assert resolve_checkpoint(ctx.rundb, ctx.run, "sft").id == row.id
     tuned, _ = load_policy(r.model, r.lora, r.quantization, adapter=row.path, trainable=False)
     before, after = _mean_assistant_nll(base, rows), _mean_assistant_nll(tuned, rows)
     assert after < before - 0.5, (before, after)
@@ -358,7 +368,7 @@ def test_sft_on_expert_demos_raises_their_likelihood(tmp_path):
     assert {"sft/loss", "sft/eval_loss", "sft/lr", "sft/grad_norm"} <= logged
     # Done is done: a second call returns the recorded summary and adds nothing.
     assert run_sft(ctx) == summary
-    assert len(ctx.rundb.checkpoints(ctx.run)) == 1
+    assert len(checkpoints(ctx.rundb, ctx.run)) == 1
     assert ctx.rundb.db.execute("select count(*) from episodes where stage = 'sft/demos'").fetchone()[0] == 16
 
 
@@ -377,10 +387,39 @@ def test_full_fine_tuning_and_4bit_lora_train_and_save(tmp_path, sections, kind)
     )
     summary = run_sft(ctx)
     assert summary.steps == 2 and summary.eval_loss is None
-    assert ctx.rundb.checkpoints(ctx.run)[0].kind == kind
+    assert checkpoints(ctx.rundb, ctx.run)[0].kind == kind
     assert all(m.value > 0 for m in ctx.rundb.metrics(ctx.run, "sft/grad_norm"))
     r = ctx.recipe
     load_policy(r.model, r.lora, r.quantization, adapter=summary.path, trainable=False)
+
+
+def test_a_new_sft_lr_takes_effect_when_a_stage_resumes(tmp_path):
+    from rlcli.engine.context import RunContext
+    from rlcli.recipe import load_recipe
+    from rlcli.store.db import RunDB
+
+    recipe = write_recipe(
+        tmp_path / "r.yaml",
+        env={"name": "arithmetic"},
+        sft={"source": "expert", "demos": 8, "epochs": 2, "batch_size": 2, "micro_batch_size": 2, "save_steps": 2}
+        | {"eval_fraction": 0.0, "lr": 1e-2},
+    )
+    runs = tmp_path / "runs"
+    ctx = make_ctx(recipe, runs)
+    run_sft(ctx)
+    before = {m.step: m.value for m in ctx.rundb.metrics(ctx.run, "sft/lr")}
+    # As if killed after step 6: its last checkpoint is step 6's, the stage is not done.
+    for folder in (runs / "t" / "sft").glob("checkpoint-8"):
+        shutil.rmtree(folder)
+    ctx.rundb.mark_stage(ctx.run, "sft", "failed")
+
+    resumed = load_recipe(recipe, ["sft.lr=1e-3"])
+    rundb = RunDB.open(runs)
+    rundb.start_run("t", resumed, str(recipe), force=True)  # rlcli sft --force sft.lr=1e-3
+    run_sft(RunContext(resumed, rundb, "t", runs))
+    after = {m.step: m.value for m in rundb.metrics("t", "sft/lr")}
+    assert after[6] == before[6]
+    assert after[7] == pytest.approx(before[7] / 10)
 
 
 def test_kill_during_sft_resumes_from_its_checkpoint(tmp_path):

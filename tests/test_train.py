@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import shutil
 import signal
 import sqlite3
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from helpers import RLCLI, cli_env, make_ctx, run_cli, write_recipe
+from rlcli.engine import train
 from rlcli.engine.train import run_grpo
+from rlcli.store.checkpoints import checkpoints
+from rlcli.store.db import RunDB
+from rlcli.store.records import EndReason, Episode, Turn
 
 DIGITS = "def digits(completions, **kwargs):\n    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]\n"
 
@@ -60,7 +66,7 @@ def test_reward_rises_over_iterations(tmp_path):
         assert _metric(ctx, key), key
     stages = {s.name: s.status for s in ctx.rundb.stages(ctx.run)}
     assert all(stages[f"{kind}/{i}"] == "done" for kind in ("rollout", "label", "train") for i in range(12))
-    assert len(ctx.rundb.checkpoints(ctx.run)) == 12
+    assert len(checkpoints(ctx.rundb, ctx.run)) == 12
 
 
 @pytest.mark.parametrize(
@@ -92,7 +98,7 @@ def test_objective_variants_run_and_change_the_adapter(tmp_path, options):
     run_grpo(ctx)
     from safetensors.torch import load_file
 
-    ckpt = ctx.rundb.checkpoints(ctx.run)[-1]
+    ckpt = checkpoints(ctx.rundb, ctx.run)[-1]
     weights = load_file(f"{ckpt.path}/adapter_model.safetensors")
     lora_b = [v for k, v in weights.items() if "lora_B" in k]
     assert lora_b and any(v.abs().sum() > 0 for v in lora_b), "LoRA B starts at zero and must have moved"
@@ -124,6 +130,7 @@ def _final_state(runs_dir, run="t"):
 
     with sqlite3.connect(runs_dir / "rlcli.db") as conn:
         path = conn.execute("select path from checkpoints where run = ? order by id desc limit 1", [run]).fetchone()[0]
+        path = runs_dir / path  # stored relative to the runs dir
         metrics = conn.execute(
             "select step, key, value from metrics where run = ? and key not like 'perf/%' order by step, key", [run]
         ).fetchall()
@@ -212,3 +219,198 @@ def test_shared_prefix_forward_gives_the_same_loss_and_gradients(monkeypatch):
     assert torch.allclose(shared_loss, full_loss, atol=1e-5)
     for name, grad in full_grads.items():
         assert torch.allclose(shared_grads[name], grad, atol=1e-5, rtol=1e-3), name
+
+
+# --- what training leaves out: one meaning of "truncated" -------------------------------------
+
+TRUNCATED_REWARD = (
+    "def truncated(completions, episodes, **kwargs):\n    return [float(ep['truncated']) for ep in episodes]\n"
+)
+
+
+def _stored_episode(ctx, sample: int, end_reason: EndReason, completion_ids: list[int]) -> Episode:
+    """An episode of rollout/0, task 0, as the rollout engine would store it."""
+    prompt_ids = list(range(3, 19))
+    return Episode(
+        id=None,
+        run=ctx.run,
+        stage="rollout/0",
+        iteration=0,
+        split="train",
+        task_index=0,
+        sample_index=sample,
+        seed=0,
+        policy="base",
+        status="ok",
+        end_reason=end_reason,
+        env_return=0.0,
+        success=False,
+        num_turns=1,
+        num_tokens=len(completion_ids),
+        task={},
+        messages=[{"role": "user", "content": "2 + 3?"}, {"role": "assistant", "content": "5"}],
+        template_consistent=True,
+        error=None,
+        created_at="2025-01-01T00:00:00.000+00:00",
+        turns=[Turn(0, prompt_ids, completion_ids, [-1.0] * len(completion_ids))],
+    )
+
+
+def test_mask_truncated_follows_the_end_reason_and_rewards_see_the_same(tmp_path):
+    """A reply ended by a stop string (its last token is no eos) is not truncated; the turn cap and
+    the token cap are, whatever the last token. Reward functions get the same flag."""
+    from rlcli.models.cache import resolve_model
+    from rlcli.models.loading import load_tokenizer
+    from rlcli.recipe import ModelSection
+    from rlcli.store.episodes import episodes_for_training, store_episodes
+
+    (tmp_path / "truncated.py").write_text(TRUNCATED_REWARD)
+    recipe = _learnable_recipe(
+        tmp_path,
+        lora={"r": 4, "alpha": 8},
+        rewards=[{"fn": f"{tmp_path / 'truncated.py'}:truncated", "name": "truncated"}],
+        rollout={"stop": ["5"]},
+        grpo={"iterations": 1, "mask_truncated": True, "drop_zero_var_groups": False},
+    )
+    ctx = make_ctx(recipe, tmp_path / "runs")
+    eos = load_tokenizer(ModelSection(name="tiny-random"), resolve_model("tiny-random")).eos_token_id
+    ended = [
+        (EndReason.TERMINATED, [40, 41]),  # on the stop string "5"
+        (EndReason.TERMINATED, [45, 41]),
+        (EndReason.MAX_TURNS, [42, eos]),
+        (EndReason.LENGTH, [43, 44]),
+    ]
+    store_episodes(ctx.rundb, [_stored_episode(ctx, i, reason, ids) for i, (reason, ids) in enumerate(ended)])
+    ctx.rundb.mark_stage(ctx.run, "rollout/0", "done", result={})
+    run_grpo(ctx)
+
+    labelled = episodes_for_training(ctx.rundb, ctx.run, "rollout/0", train.LABEL_SET)
+    assert [(e.episode.end_reason, e.reward) for e in labelled] == [
+        (EndReason.TERMINATED, 0.0),
+        (EndReason.TERMINATED, 0.0),
+        (EndReason.MAX_TURNS, 1.0),
+        (EndReason.LENGTH, 1.0),
+    ]
+    assert _metric(ctx, "train/sequences") == [2.0]  # the stop-string replies alone
+
+
+# --- resuming ---------------------------------------------------------------------------------
+
+
+def _resume(recipe, runs_dir, *overrides: str):
+    """Continue the run with overrides that need --force (as `rlcli train grpo --force` does)."""
+    from rlcli.engine.context import RunContext
+    from rlcli.recipe import load_recipe
+
+    new = load_recipe(recipe, list(overrides))
+    rundb = RunDB.open(runs_dir)
+    rundb.start_run(new.run.name, new, str(recipe), force=True)
+    return RunContext(new, rundb, new.run.name, runs_dir)
+
+
+def _interrupt_at(monkeypatch, stage: str) -> None:
+    """Stop run_grpo like Ctrl-C as the rollout of `stage` begins."""
+    collect = train.collect
+
+    def interrupted(ctx, **kwargs):
+        if kwargs["stage"] == stage:
+            raise KeyboardInterrupt
+        return collect(ctx, **kwargs)
+
+    monkeypatch.setattr(train, "collect", interrupted)
+
+
+def test_resume_from_another_directory_continues_from_the_checkpoint(tmp_path):
+    recipe = _learnable_recipe(tmp_path, lora={"r": 4, "alpha": 8}, grpo={"iterations": 1})
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir(), second.mkdir()
+    runs = first / "runs"
+
+    def grpo(cwd, runs_dir, *overrides):
+        args = RLCLI + ["--runs-dir", str(runs_dir), "train", "grpo", "-r", str(recipe), *overrides]
+        return subprocess.run(args, cwd=cwd, env=cli_env(runs), capture_output=True, text=True, timeout=300)
+
+    assert grpo(first, "runs").returncode == 0
+    resumed = grpo(second, runs, "grpo.iterations=2")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "iterations 1..1, starting from checkpoint" in resumed.stderr
+
+    # A recorded checkpoint that cannot be found is an error naming it, never a fresh start.
+    shutil.move(runs / "t" / "checkpoints" / "iter-0001", tmp_path / "moved")
+    gone = grpo(second, runs, "grpo.iterations=3")
+    assert gone.returncode == 2, gone.stderr
+    assert "iter-0001" in gone.stderr and "Traceback" not in gone.stderr
+
+
+def test_force_lr_takes_effect_on_resume(tmp_path):
+    recipe = _learnable_recipe(tmp_path, lora={"r": 4, "alpha": 8}, grpo={"iterations": 1, "lr": 1e-2})
+    runs = tmp_path / "runs"
+    run_grpo(make_ctx(recipe, runs))
+    ctx = _resume(recipe, runs, "grpo.lr=1e-4", "grpo.iterations=2")
+    run_grpo(ctx)
+    assert _metric(ctx, "train/lr") == pytest.approx([1e-2, 1e-4])
+
+
+def test_raising_iterations_mid_schedule_continues_the_decay_without_a_jump(tmp_path, monkeypatch):
+    recipe = _learnable_recipe(
+        tmp_path,
+        lora={"r": 4, "alpha": 8},
+        grpo={"iterations": 4, "lr": 1e-2, "schedule": "linear", "drop_zero_var_groups": False},
+    )
+    runs = tmp_path / "runs"
+    _interrupt_at(monkeypatch, "rollout/2")
+    with pytest.raises(KeyboardInterrupt):
+        run_grpo(make_ctx(recipe, runs))
+    monkeypatch.undo()
+
+    ctx = make_ctx(recipe, runs, ["grpo.iterations=8"])
+    run_grpo(ctx)
+    # One optimizer step per iteration: 4 steps planned, 2 taken, the remaining half of the decay
+    # stretched over the 6 steps now left (the lr an iteration starts with).
+    remaining = [0.5 - (0.5 / 6) * i for i in range(6)]
+    assert _metric(ctx, "train/lr") == pytest.approx([1e-2 * f for f in [1.0, 0.75, *remaining]])
+
+
+def test_an_iteration_commits_its_checkpoint_metrics_and_stage_together(tmp_path, monkeypatch):
+    recipe = _learnable_recipe(tmp_path, lora={"r": 4, "alpha": 8}, grpo={"iterations": 2})
+    ctx = make_ctx(recipe, tmp_path / "runs")
+    log_metrics = RunDB.log_metrics
+
+    def killed_before_the_metrics(self, run, stage, step, values):
+        if stage == train.METRICS_STAGE and step == 1:
+            raise RuntimeError("killed")
+        return log_metrics(self, run, stage, step, values)
+
+    monkeypatch.setattr(RunDB, "log_metrics", killed_before_the_metrics)
+    with pytest.raises(RuntimeError, match="killed"):
+        run_grpo(ctx)
+    # Iteration 0 is recorded whole, iteration 1 not at all.
+    assert [c.iteration for c in checkpoints(ctx.rundb, ctx.run)] == [0]
+    assert not ctx.rundb.stage(ctx.run, "train/1").done
+    assert {m.step for m in ctx.rundb.metrics(ctx.run)} == {0}
+
+    monkeypatch.undo()
+    run_grpo(ctx)
+    assert [c.iteration for c in checkpoints(ctx.rundb, ctx.run)] == [0, 1]
+    assert ctx.rundb.stage(ctx.run, "train/1").done
+    assert {m.step for m in ctx.rundb.metrics(ctx.run)} == {0, 1}
+
+
+def test_an_unreadable_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    recipe = _learnable_recipe(tmp_path, lora={"r": 4, "alpha": 8}, grpo={"iterations": 2})
+    ctx = make_ctx(recipe, tmp_path / "runs")
+    run_grpo(ctx)
+    newest = Path(checkpoints(ctx.rundb, ctx.run)[-1].path)
+    weights = load_file(newest / "adapter_model.safetensors")
+    state = newest / "trainer_state.pt"
+    state.write_bytes(state.read_bytes()[:100])  # what a host crash can leave behind
+
+    run_grpo(ctx)
+    assert "unreadable" in capsys.readouterr().err
+    assert [c.iteration for c in checkpoints(ctx.rundb, ctx.run)] == [0, 1]
+    redone = load_file(newest / "adapter_model.safetensors")
+    for key, value in weights.items():
+        assert torch.allclose(redone[key], value, atol=1e-6), key
+    torch.load(state, weights_only=True)

@@ -27,7 +27,9 @@ RESUME_SAFE = {"resume_safe": True}
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", coerce_numbers_to_str=True, validate_assignment=True)
+    # NaN and infinity pass every bound (an infinite step_timeout_s fails each episode), so no
+    # recipe number may be one.
+    model_config = ConfigDict(extra="forbid", coerce_numbers_to_str=True, validate_assignment=True, allow_inf_nan=False)
 
 
 class RunSection(Section):

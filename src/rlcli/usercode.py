@@ -35,3 +35,15 @@ def import_file(path: Path) -> ModuleType:
         del sys.modules[name]
         raise UsageError(f"loading {path} failed: {type(exc).__name__}: {exc}") from exc
     return module
+
+
+def code_files(env_name: str, reward_fns: list[str]) -> list[str]:
+    """The .py files a recipe names (env.name and reward fns as path.py[:name]), as it names them."""
+    targets = [env_name.partition(":")[0]] + [fn.rpartition(":")[0] for fn in reward_fns if ":" in fn]
+    return sorted({t for t in targets if t.endswith(".py")})
+
+
+def code_hashes(env_name: str, reward_fns: list[str], base: Path) -> dict[str, str]:
+    """SHA-256 of each code file a recipe names, found from `base` as loading finds them; missing files are left out."""
+    paths = {name: base / name for name in code_files(env_name, reward_fns)}
+    return {name: hashlib.sha256(path.read_bytes()).hexdigest() for name, path in paths.items() if path.is_file()}

@@ -73,6 +73,7 @@ def open_run(
     from rlcli.recipe import load_recipe
     from rlcli.store.db import RunDB, check_run_name, default_runs_dir
     from rlcli.store.stages import RunLock
+    from rlcli.usercode import code_hashes
 
     if recipe_path is None and run is None:
         raise UsageError("Give a recipe with --recipe/-r FILE (or --run NAME to continue a recorded run).")
@@ -92,7 +93,15 @@ def open_run(
         name = check_run_name(run or recipe.run.name)
         recipe.run.name = name
         with RunLock(runs_dir, name):
-            rundb.start_run(name, recipe, str(recipe_path) if recipe_path else None, force=force)
+            # User env and reward files are loaded from the working directory, like the recipe's paths.
+            code = code_hashes(recipe.env.name, [r.fn for r in recipe.rewards], Path.cwd())
+            for path in rundb.code_changes(name, code):
+                err_console.print(
+                    f"warning: {path} changed since run {name!r} last used it; "
+                    "the new hash is recorded in its recipe history (rlcli runs show).",
+                    highlight=False,
+                )
+            rundb.start_run(name, recipe, str(recipe_path) if recipe_path else None, force=force, code=code)
             yield RunContext(recipe, rundb, name, runs_dir, console=err_console)
     finally:
         rundb.close()

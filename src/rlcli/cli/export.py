@@ -19,17 +19,19 @@ def export_cmd(
     run: Annotated[str, typer.Argument(help="Run name.")],
     merge: Annotated[Path, typer.Option("--merge", help="Folder to write the merged full model to.")],
     checkpoint: Annotated[str, typer.Option(help="latest, sft or a checkpoint id.")] = "latest",
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an earlier export in that folder.")] = False,
 ) -> None:
     """Write a run's checkpoint merged into its base model, loadable with from_pretrained."""
     from rlcli.models.loading import export_merged
+    from rlcli.store.checkpoints import resolve_checkpoint
 
     rundb = open_existing(cli_ctx, f"No run named {run!r}")
     try:
         recipe = rundb.run_recipe(run)
-        found = rundb.resolve_checkpoint(run, checkpoint)
+        found = resolve_checkpoint(rundb, run, checkpoint)
         if found is None:
             raise UsageError(f"Run {run!r} has no checkpoint to export yet.")
-        export_merged(recipe.model, recipe.lora, recipe.quantization, found.path, merge)
+        export_merged(recipe.model, recipe.lora, recipe.quantization, found.path, merge, overwrite)
     finally:
         rundb.close()
     err_console.print(f"Merged model written to [bold]{merge}[/bold]")

@@ -168,6 +168,7 @@ def runs_export(
             "--out", "-o", help="Folder to write into (default: <runs-dir>/<run>/export).", show_default=False
         ),
     ] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an earlier export in that folder.")] = False,
 ) -> None:
     """Export episodes, turns (token ids as lists), rewards, metrics and evals, plus run.json."""
     from rich.table import Table
@@ -177,7 +178,7 @@ def runs_export(
     rundb = open_existing(cli_ctx, f"No run named {run!r}")
     try:
         folder = out or rundb.path.parent / run / "export"
-        counts = export.export_run(rundb, run, fmt.value, folder)
+        counts = export.export_run(rundb, run, fmt.value, folder, overwrite)
     finally:
         rundb.close()
     table = Table(title=f"Exported {run}")

@@ -12,7 +12,8 @@ from collections import defaultdict
 from typing import Any
 
 from rlcli.engine.context import RunContext
-from rlcli.engine.rollout import collect, sampling_config
+from rlcli.engine.rollout import collect, reopen_for_retries, sampling_config
+from rlcli.store.checkpoints import resolve_checkpoint
 from rlcli.store.db import now
 from rlcli.store.episodes import stage_episodes
 from rlcli.store.evals import eval_result, replace_eval
@@ -50,37 +51,39 @@ def mean_interval(values: list[float], z: float = 1.96) -> tuple[float, float]:
 
 
 def eval_metrics(episodes: list[Episode], k: int) -> dict[str, Any]:
-    """Success rate with a 95% CI, pass@k / avg@k and means, from a stage's episodes."""
+    """Success rate with a 95% CI, pass@k / avg@k and means, from a stage's episodes.
+
+    A failed episode (the env failed, not the policy) says nothing about the policy: every measure
+    is over the episodes that ran, and the failures are counted beside them in details.
+    """
+    ran = [ep for ep in episodes if ep.status == "ok"]
     per_task: dict[int, list[Episode]] = defaultdict(list)
-    for ep in episodes:
+    for ep in ran:
         per_task[ep.task_index].append(ep)
     task_rates = [sum(e.success for e in eps) / len(eps) for eps in per_task.values()]
-    successes = sum(e.success for e in episodes)
-    n = len(episodes)
+    successes = sum(e.success for e in ran)
+    n = len(ran)
     rate = successes / n if n else 0.0
     ci = wilson_interval(successes, n) if k == 1 else mean_interval(task_rates)
-    passes = (
-        {
-            f"pass@{j}": sum(pass_at_k(len(eps), sum(e.success for e in eps), j) for eps in per_task.values())
-            / len(per_task)
-            for j in sorted({1, k})
-            if all(len(eps) >= j for eps in per_task.values())
-        }
-        if per_task
-        else {}
-    )
+    passes = {}
+    for j in sorted({1, k}):
+        sampled_enough = [eps for eps in per_task.values() if len(eps) >= j]
+        if sampled_enough:
+            passes[f"pass@{j}"] = sum(
+                pass_at_k(len(eps), sum(e.success for e in eps), j) for eps in sampled_enough
+            ) / len(sampled_enough)
     return {
-        "tasks": len(per_task),
+        "tasks": len({ep.task_index for ep in episodes}),
         "k": k,
         "success_rate": rate,
         "ci_low": ci[0],
         "ci_high": ci[1],
-        "mean_return": sum(e.env_return for e in episodes) / n if n else 0.0,
+        "mean_return": sum(e.env_return for e in ran) / n if n else 0.0,
         "pass_at_k": passes.get(f"pass@{k}", 0.0),
         "avg_at_k": sum(task_rates) / len(task_rates) if task_rates else 0.0,
-        "mean_turns": sum(e.num_turns for e in episodes) / n if n else 0.0,
-        "mean_tokens": sum(e.num_tokens for e in episodes) / n if n else 0.0,
-        "details": {"failed_episodes": sum(1 for e in episodes if e.status == "failed"), **passes},
+        "mean_turns": sum(e.num_turns for e in ran) / n if n else 0.0,
+        "mean_tokens": sum(e.num_tokens for e in ran) / n if n else 0.0,
+        "details": {"failed_episodes": len(episodes) - n, **passes},
     }
 
 
@@ -95,7 +98,7 @@ def run_eval(ctx: RunContext, checkpoints: list[str]) -> list[EvalResult]:
 
     results, seen = [], set()
     for which in checkpoints:
-        ckpt = ctx.rundb.resolve_checkpoint(ctx.run, which) if which != "expert" else None
+        ckpt = resolve_checkpoint(ctx.rundb, ctx.run, which) if which != "expert" else None
         if which == "latest" and ckpt is None:
             ctx.console.print("eval: the run has no checkpoint yet; 'latest' is the base model.")
         key = "expert" if which == "expert" else ("base" if ckpt is None else f"ckpt-{ckpt.id}")
@@ -111,6 +114,7 @@ def run_eval(ctx: RunContext, checkpoints: list[str]) -> list[EvalResult]:
         done = ctx.rundb.stage(ctx.run, stage)
         if done and done.done and done.params.get("tasks", 0) < recipe.eval.tasks:
             ctx.rundb.mark_stage(ctx.run, stage, "pending")  # more tasks asked for: add the missing ones
+        reopen_for_retries(ctx, stage)
         ctx.stage(
             stage,
             lambda: _evaluate(ctx, stage, which, ckpt, sampling),

@@ -14,6 +14,9 @@ from rlcli.errors import UsageError
 from rlcli.rewards.episodes import message_text
 from rlcli.store.episodes import stage_episodes, stages_with_episodes, store_rewards
 from rlcli.store.records import Episode, RewardRow
+from rlcli.store.stages import check_user_name
+
+GRPO_LABEL_SET = "grpo"  # the labels `train grpo` trains on; no `rlcli label` may replace them
 
 
 @dataclass(frozen=True)
@@ -58,7 +61,7 @@ def label_stage_episodes(ctx: RunContext, rollout_stage: str, label_set: str, fn
     Returns the stage's result (see LabelSummary)."""
     from rlcli.rewards.scoring import build_reward_fns, label_episodes
 
-    fns = fns if fns is not None else build_reward_fns(ctx.recipe.rewards)
+    fns = fns if fns is not None else build_reward_fns(ctx.recipe.rewards, device=ctx.recipe.model.device)
     episodes = [episode_dict(e) for e in stage_episodes(ctx.rundb, ctx.run, rollout_stage, finished_only=True)]
     if not episodes:
         return {"episodes": 0, "label_set": label_set}
@@ -92,16 +95,23 @@ def run_label_stage(ctx: RunContext, *, label_set: str) -> list[LabelSummary]:
     """`rlcli label`: label every rollout stage of the run that has episodes, under one label set."""
     from rlcli.rewards.scoring import build_reward_fns
 
+    check_user_name("--label-set", label_set, reserved=GRPO_LABEL_SET)
     stages = stages_with_episodes(ctx.rundb, ctx.run)
     if not stages:
         raise UsageError(f"Run {ctx.run!r} has no episodes to label; run `rlcli rollout` first.")
-    fns = build_reward_fns(ctx.recipe.rewards)
+    fns = build_reward_fns(ctx.recipe.rewards, device=ctx.recipe.model.device)
     summaries = []
     for stage in stages:
         result = ctx.stage(
             f"label/{label_set}/{stage}",
             lambda stage=stage: label_stage_episodes(ctx, stage, label_set, fns),
-            {"label_set": label_set, "rewards": [r.model_dump() for r in ctx.recipe.rewards]},
+            {"label_set": label_set},
+            # Labels under one name come from one set of rewards; relabelling in place would hide the change.
+            identity={"rewards": [r.model_dump() for r in ctx.recipe.rewards]},
+            new_stage_hint=(
+                f"label set {label_set!r} keeps the rewards it was labelled with; "
+                "use another --label-set to label with these beside it"
+            ),
         )
         summaries.append(LabelSummary.from_result(stage, result))
     return summaries

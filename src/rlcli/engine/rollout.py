@@ -11,6 +11,11 @@ Durability: episode specs are cut into fixed chunks of `rollout.batch_size`; a c
 are committed in one transaction when the chunk finishes. A resumed stage skips committed chunks
 and replays the first missing one with the same composition and seeds, so resumed results are
 identical to uninterrupted ones.
+
+Transient failures: an episode whose env call timed out failed for a reason that need not recur
+(a loaded machine), so running its stage again plays it again with the same seeds, up to
+MAX_ATTEMPTS times in all; the new row replaces the failed one and counts its attempts. An episode
+whose env raised stays failed.
 """
 
 from __future__ import annotations
@@ -19,16 +24,20 @@ import hashlib
 import json
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from rlcli.engine.context import RunContext
+from rlcli.envs.protocol import EnvFailure, EnvTimeout, as_messages, call_with_timeout
 from rlcli.errors import UsageError
+from rlcli.store.checkpoints import resolve_checkpoint
 from rlcli.store.db import now
-from rlcli.store.episodes import episode_summary, store_episodes, stored_episode_keys
+from rlcli.store.episodes import episode_summary, retryable_episodes, store_episodes, stored_episode_keys
 from rlcli.store.records import EndReason, Episode, EpisodeSummary, Turn
+from rlcli.store.stages import check_user_name
 
 EXPERT = "expert"
+MAX_ATTEMPTS = 3  # plays of an episode that keeps failing transiently, the first one included
 
 
 def derive_seed(*parts: Any) -> int:
@@ -43,6 +52,7 @@ class EpisodeSpec:
     sample_index: int
     env_seed: int  # the task: shared by the samples of a group
     sample_seed: int  # the sampling randomness: differs per sample
+    attempt: int = 1  # 2 and up: a transient failure played again
 
 
 @dataclass
@@ -60,6 +70,7 @@ class LiveEpisode:
     status: str = "ok"
     end_reason: EndReason | None = None
     error: str | None = None
+    transient: bool = False  # failed in a way that need not recur: worth playing again
     env_return: float = 0.0
     success: bool | None = None
     template_consistent: bool = True
@@ -73,6 +84,10 @@ class LiveEpisode:
         self.end_reason = reason
         if error is not None:
             self.status, self.error = "failed", error
+
+    def env_failed(self, what: str, exc: EnvFailure) -> None:
+        self.finish(EndReason.ERROR, f"{what} failed: {exc}")
+        self.transient = isinstance(exc, EnvTimeout)
 
     def to_record(self, run: str, stage: str, iteration: int | None, split: str, policy: str) -> Episode:
         success = self.success if self.success is not None else self.env_return > 0
@@ -97,6 +112,8 @@ class LiveEpisode:
             template_consistent=self.template_consistent,
             error=self.error,
             created_at=now(),
+            attempts=self.spec.attempt,
+            transient=self.transient,
             turns=self.turns,
         )
 
@@ -144,8 +161,6 @@ class EpisodeRunner:
         self.sampling = sampling
 
     def run(self, specs: list[EpisodeSpec], on_turns: Callable[[int], None] | None = None) -> list[LiveEpisode]:
-        from rlcli.envs.protocol import EnvFailure, as_messages, call_with_timeout
-
         episodes = [LiveEpisode(spec) for spec in specs]
         for ep in episodes:
             try:
@@ -155,15 +170,15 @@ class EpisodeRunner:
                 ep.task = dict((info or {}).get("task", {}))
                 ep.tools = getattr(ep.env, "tools", None) or None
             except EnvFailure as exc:
-                ep.finish(EndReason.ERROR, f"env reset failed: {exc}")
+                ep.env_failed("env reset", exc)
             except UsageError:  # a recipe mistake (a game id, a kwarg): stop the stage with one sentence
                 raise
             except Exception as exc:  # the env factory itself
                 ep.finish(EndReason.ERROR, f"env could not be created: {type(exc).__name__}: {exc}")
             if self.model is not None:
-                import torch
+                from rlcli.engine.sampling import make_generator
 
-                ep.generator = torch.Generator().manual_seed(ep.spec.sample_seed)
+                ep.generator = make_generator(self.model, ep.spec.sample_seed)
         turn_cache = None
         if self.model is not None:
             from rlcli.engine.sampling import TurnCache
@@ -177,7 +192,7 @@ class EpisodeRunner:
             for ep, action in zip(live, actions):
                 if ep.done:  # ended while building its prompt (context budget)
                     continue
-                self._step(ep, action, EnvFailure, call_with_timeout, as_messages)
+                self._step(ep, action)
             if on_turns:
                 on_turns(sum(len(a.ids) for a in actions))
         return episodes
@@ -248,7 +263,7 @@ class EpisodeRunner:
 
     # --- stepping the env -------------------------------------------------------
 
-    def _step(self, ep: LiveEpisode, action: Action, EnvFailure, call_with_timeout, as_messages) -> None:
+    def _step(self, ep: LiveEpisode, action: Action) -> None:
         ep.messages.append({"role": "assistant", "content": action.text})
         if self.model is not None:
             ep.ids = ep.ids + action.ids
@@ -263,7 +278,7 @@ class EpisodeRunner:
             feedback = as_messages(obs) if obs else []
             reward = float(reward)
         except EnvFailure as exc:
-            ep.finish(EndReason.ERROR, f"env step failed: {exc}")
+            ep.env_failed("env step", exc)
             feedback, reward, terminated, truncated, info = [], 0.0, False, False, {}
         except (TypeError, ValueError) as exc:
             ep.finish(
@@ -349,13 +364,20 @@ def collect(
     env_factory = load_env(recipe.env.name, recipe.env.kwargs)
     specs = episode_specs(recipe.run.seed, stage, task_indices, group_size, split, recipe.env.eval_seed_start)
     have = stored_episode_keys(ctx.rundb, ctx.run, stage)
+    retry = retryable_episodes(ctx.rundb, ctx.run, stage, MAX_ATTEMPTS)  # key -> attempts so far
     # A killed stage never leaves a chunk half stored (one transaction per chunk); a chunk is only
-    # partly stored when the stage was asked for more tasks (eval.tasks raised): play the missing ones.
-    todo = [
-        missing
-        for c in chunks(specs, recipe.rollout.batch_size)
-        if (missing := [s for s in c if (s.task_index, s.sample_index) not in have])
-    ]
+    # partly stored when the stage was asked for more tasks (eval.tasks raised), or when some of its
+    # episodes failed transiently: play the missing ones and those again.
+    todo = []
+    for chunk in chunks(specs, recipe.rollout.batch_size):
+        keys = [(s.task_index, s.sample_index) for s in chunk]
+        missing = [
+            replace(spec, attempt=retry.get(key, 0) + 1)
+            for spec, key in zip(chunk, keys)
+            if key not in have or key in retry
+        ]
+        if missing:
+            todo.append(missing)
     limits = RolloutLimits(recipe.env.max_turns, recipe.model.max_length, recipe.env.step_timeout_s)
     runner = EpisodeRunner(env_factory, limits, model, tokenizer, sampling)
     if model is not None:
@@ -366,6 +388,24 @@ def collect(
             store_episodes(ctx.rundb, [ep.to_record(ctx.run, stage, iteration, split, policy_label) for ep in episodes])
             advance(len(chunk), 0)
     return asdict(episode_summary(ctx.rundb, ctx.run, stage))
+
+
+def reopen_for_retries(ctx: RunContext, stage: str) -> bool:
+    """Mark a done stage pending again when it has transiently failed episodes left to play again,
+    so that running it retries them; return whether it did.
+
+    Its `rlcli label` stages (label/<label set>/<stage>) reopen too, so that an episode that
+    finishes on a retry gets labelled when they run again.
+    """
+    row = ctx.rundb.stage(ctx.run, stage)
+    if row is None or not row.done or not retryable_episodes(ctx.rundb, ctx.run, stage, MAX_ATTEMPTS):
+        return False
+    for other in ctx.rundb.stages(ctx.run):
+        prefix, _, rest = other.name.partition("/")
+        if prefix == "label" and rest.partition("/")[2] == stage and other.done:
+            ctx.rundb.mark_stage(ctx.run, other.name, "pending")
+    ctx.rundb.mark_stage(ctx.run, stage, "pending")
+    return True
 
 
 class _progress:
@@ -411,7 +451,7 @@ def load_rollout_policy(ctx: RunContext, policy: str):
         return EXPERT, None, None
     from rlcli.models.loading import load_policy
 
-    row = ctx.rundb.resolve_checkpoint(ctx.run, policy) if policy != "base" else None
+    row = resolve_checkpoint(ctx.rundb, ctx.run, policy) if policy != "base" else None
     label = "base" if row is None else str(row.id)
     recipe = ctx.recipe
     model, tokenizer = load_policy(
@@ -436,10 +476,14 @@ def run_rollout_stage(ctx: RunContext, *, stage: str, policy: str, split: str) -
     """`rlcli rollout`: tasks x group size episodes with one policy, stored token by token."""
     if split not in ("train", "eval"):
         raise UsageError(f"--split must be train or eval, got {split!r}.")
+    check_user_name("--stage", stage, reserved="sft")
     recipe = ctx.recipe
+    # The weights, resolved now, define the stage: `latest` after more training is another policy.
+    checkpoint = resolve_checkpoint(ctx.rundb, ctx.run, policy) if policy not in (EXPERT, "base") else None
+    weights = policy if policy == EXPERT else ("base" if checkpoint is None else str(checkpoint.id))
 
     def work() -> dict[str, Any]:
-        label, model, tokenizer = load_rollout_policy(ctx, policy)
+        label, model, tokenizer = load_rollout_policy(ctx, weights)
         summary = collect(
             ctx,
             stage=stage,
@@ -453,5 +497,12 @@ def run_rollout_stage(ctx: RunContext, *, stage: str, policy: str, split: str) -
         )
         return {"policy": label, **summary}
 
-    ctx.stage(stage, work, {"policy": policy, "split": split})
+    reopen_for_retries(ctx, stage)
+    ctx.stage(
+        stage,
+        work,
+        {"policy_asked": policy},
+        identity={"policy": weights, "split": split},
+        new_stage_hint="use another --stage name for a new stage",
+    )
     return episode_summary(ctx.rundb, ctx.run, stage)

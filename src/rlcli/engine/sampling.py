@@ -5,6 +5,11 @@ without keeping a [batch, vocab] tensor per step, gives every row its own random
 episode's samples do not depend on which other episodes share its batch), and stops as soon as
 every row is finished.
 
+It runs on any device. Generators live on the model's device, the sampled tokens and their logprobs
+stay there, and the loop reads from the device once per step (the step's tokens, to check eos, stop
+strings and budgets) plus once at the end (the logprobs): on a GPU each read waits for the queued
+work, so reading per row and per token would serialise the loop.
+
 Multi-turn episodes keep their KV cache between turns (`TurnCache`): a turn's prompt is the previous
 prompt plus the sampled tokens plus the env's feedback, so only those new tokens are prefilled.
 Re-prefilling the whole conversation every turn made prefill most of a multi-turn rollout's time.
@@ -50,6 +55,29 @@ def _filter_logits(scores: torch.Tensor, top_k: int, top_p: float) -> torch.Tens
         sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
         scores = torch.full_like(scores, float("-inf")).scatter(-1, order, sorted_scores)
     return scores
+
+
+def model_device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def make_generator(model, seed: int) -> torch.Generator:
+    """An episode's own random stream, on the model's device (a CUDA draw needs a CUDA generator)."""
+    return torch.Generator(device=model_device(model)).manual_seed(seed)
+
+
+def _draw(probs: torch.Tensor, generators: list[torch.Generator], live: list[bool]) -> torch.Tensor:
+    """One token per row of probs, drawn with that row's generator; rows not live leave theirs untouched.
+
+    argmax(p / E) with E ~ Exp(1) picks token i with probability p_i. It is how torch.multinomial draws
+    one sample, so the tokens are the same for the same generator state, but multinomial also reads
+    its input back to check it: two host syncs per row per step.
+    """
+    clocks = torch.ones_like(probs)
+    for row, generator in enumerate(generators):
+        if live[row]:
+            clocks[row].exponential_(generator=generator)
+    return (probs / clocks).argmax(-1)
 
 
 @dataclass
@@ -103,7 +131,7 @@ def sample_batch(
     With a `turn_cache` from the previous turn, only the tokens each prompt adds are prefilled;
     the cache is then left holding this turn, ready for the next.
     """
-    device = next(model.parameters()).device
+    device = model_device(model)
     batch = len(prompts)
     budgets = max_new_tokens or [cfg.max_new_tokens] * batch
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -113,15 +141,11 @@ def sample_batch(
         fresh, cache, cached_attention, cached_len = (
             prompts,
             None,
-            torch.zeros((batch, 0), dtype=torch.long),
+            torch.zeros((batch, 0), dtype=torch.long, device=device),
             [0] * batch,
         )
     else:
-        cache, cached_attention, cached_len = (
-            turn_cache.kv,
-            turn_cache.attention.cpu(),
-            [len(c) for c in turn_cache.ids],
-        )
+        cache, cached_attention, cached_len = (turn_cache.kv, turn_cache.attention, [len(c) for c in turn_cache.ids])
     width = max(len(p) for p in fresh)
     input_ids = torch.full((batch, width), pad_id, dtype=torch.long)
     new_attention = torch.zeros((batch, width), dtype=torch.long)
@@ -129,8 +153,8 @@ def sample_batch(
         input_ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
         new_attention[i, width - len(p) :] = 1
     positions = torch.tensor(cached_len)[:, None] + (new_attention.cumsum(-1) - 1).clamp(min=0)
-    attention = torch.cat([cached_attention, new_attention], dim=-1)
-    input_ids, attention, positions = input_ids.to(device), attention.to(device), positions.to(device)
+    attention = torch.cat([cached_attention, new_attention.to(device)], dim=-1)
+    input_ids, positions = input_ids.to(device), positions.to(device)
 
     # Only the last position's logits are needed; all of them would be a [batch, width, vocab] tensor
     # (hundreds of MB with a 49k-token vocabulary) and a fifth of the prefill's compute.
@@ -146,40 +170,41 @@ def sample_batch(
     next_pos = positions[:, -1:] + 1
 
     ids: list[list[int]] = [[] for _ in range(batch)]
-    logps: list[list[float]] = [[] for _ in range(batch)]
+    step_logprobs = []  # per step, every row's logprob of its token; read back once, at the end
     done = [False] * batch
+    done_rows = torch.zeros(batch, dtype=torch.bool, device=device)  # `done`, kept on the device too
     finished = [False] * batch
     for _ in range(max(budgets)):
         scores = logits.float() / cfg.logprob_temperature
-        logprobs = torch.log_softmax(scores, dim=-1)
         if cfg.temperature > 0:
             probs = _filter_logits(scores, cfg.top_k, cfg.top_p).softmax(-1)
-            chosen = [
-                int(torch.multinomial(probs[i], 1, generator=generators[i])) if not done[i] else pad_id
-                for i in range(batch)
-            ]
+            chosen = _draw(probs, generators, [not d for d in done])
         else:
-            chosen = logits.argmax(-1).tolist()
-        for i, tok in enumerate(chosen):
+            chosen = logits.argmax(-1)
+        step_logprobs.append(torch.log_softmax(scores, dim=-1).gather(-1, chosen[:, None])[:, 0])
+        for i, tok in enumerate(chosen.tolist()):  # the step's one read from the device
             if done[i]:
                 continue
             ids[i].append(tok)
-            logps[i].append(float(logprobs[i, tok]))
             if tok in eos_ids or _hits_stop(tokenizer, ids[i], cfg.stop):
-                done[i] = finished[i] = True
-            elif len(ids[i]) >= budgets[i]:
-                done[i] = True
+                finished[i] = True
+            elif len(ids[i]) < budgets[i]:
+                continue
+            done[i] = True
+            done_rows[i].fill_(True)  # the value goes to the kernel as an argument: no copy, no wait
         if all(done):
             break
         # A finished row is fed padding that no later token attends to, so its cache stays clean.
-        step_ids = torch.tensor([[t if not done[i] else pad_id] for i, t in enumerate(chosen)], device=device)
-        live = torch.tensor([[0 if d else 1] for d in done], dtype=attention.dtype, device=device)
-        attention = torch.cat([attention, live], dim=-1)
+        step_ids = chosen.masked_fill(done_rows, pad_id)[:, None]
+        attention = torch.cat([attention, (~done_rows).to(attention.dtype)[:, None]], dim=-1)
         out = model(
             input_ids=step_ids, attention_mask=attention, position_ids=next_pos, past_key_values=cache, use_cache=True
         )
         cache, logits = out.past_key_values, out.logits[:, -1, :]
         next_pos = next_pos + 1
+    # A row's tokens are sampled at consecutive steps from the first, so its logprobs are a prefix.
+    logprobs = torch.stack(step_logprobs, dim=1).tolist()
+    logps = [row[: len(ids[i])] for i, row in enumerate(logprobs)]
     if turn_cache is not None:
         # Every row's last sampled token ended it and was never fed: the cache holds the rest.
         turn_cache.kv, turn_cache.attention = cache, attention

@@ -7,7 +7,8 @@ training with TRL's SFTTrainer, and saving the adapter as the run's `sft` checkp
 
 Resuming: the Trainer checkpoints into <run>/sft/checkpoint-N every sft.save_steps optimizer steps
 (weights, optimizer, scheduler, RNG, log history); a killed stage restarts from the newest complete
-one. Expert demonstrations are their own stage (sft/demos), committed in chunks, so a resumed run
+one. A resume with another sft.lr (--force) trains from there with the new peak learning rate, at
+the schedule's current position (the checkpoint's optimizer state would bring back the old one). Expert demonstrations are their own stage (sft/demos), committed in chunks, so a resumed run
 never rolls them out twice.
 """
 
@@ -27,6 +28,7 @@ from transformers import TrainerCallback
 from rlcli.engine.context import RunContext
 from rlcli.engine.sft_data import Conversation, read_conversations
 from rlcli.errors import RlcliError, UsageError
+from rlcli.store.checkpoints import add_checkpoint
 from rlcli.store.episodes import episodes_for_sft, stage_episodes
 
 DEMOS_STAGE = "sft/demos"
@@ -56,6 +58,10 @@ class SftSummary:
     path: str
 
 
+# The recipe fields that choose the SFT data, per sft.source.
+SFT_DATA_FIELDS = {"expert": ("demos",), "episodes": ("from_run", "min_reward")}
+
+
 def run_sft(ctx: RunContext) -> SftSummary:
     """`rlcli sft`: train the policy on conversations, record the result as checkpoint `sft`."""
     cfg = ctx.recipe.sft
@@ -65,7 +71,17 @@ def run_sft(ctx: RunContext) -> SftSummary:
         raise UsageError(
             f"sft.batch_size ({cfg.batch_size}) must be a multiple of sft.micro_batch_size ({cfg.micro_batch_size})."
         )
-    return SftSummary(**ctx.stage("sft", lambda: asdict(train_sft(ctx)), cfg.model_dump(mode="json")))
+    # What SFT trains on defines the stage; optimiser settings are resume-safe and may change.
+    data = {"source": cfg.source, **{f: getattr(cfg, f) for f in SFT_DATA_FIELDS.get(cfg.source, ())}}
+    return SftSummary(
+        **ctx.stage(
+            "sft",
+            lambda: asdict(train_sft(ctx)),
+            cfg.model_dump(mode="json"),
+            identity=data,
+            new_stage_hint="use another --run to train on other data",
+        )
+    )
 
 
 def train_sft(ctx: RunContext) -> SftSummary:
@@ -92,7 +108,7 @@ def train_sft(ctx: RunContext) -> SftSummary:
         )
 
     progress = RichProgress(ctx)
-    trainer = build_trainer(ctx, model, tokenizer, train_rows, eval_rows, [progress])
+    trainer = build_trainer(ctx, model, tokenizer, train_rows, eval_rows, [progress, RecipeLearningRate()])
     resume = resume_point(Path(trainer.args.output_dir))
     if resume is not None:
         ctx.console.print(f"sft: resuming from {resume}")
@@ -118,17 +134,10 @@ def train_sft(ctx: RunContext) -> SftSummary:
         train_loss=sum(losses) / len(losses) if losses else None,
         final_loss=losses[-1] if losses else None,
         eval_loss=eval_losses[-1] if eval_losses else None,
-        checkpoint_id=record_checkpoint(ctx, path, "lora" if recipe.lora is not None else "full"),
+        # A crash between this row and the stage's "done" mark re-runs the stage, which reuses the row.
+        checkpoint_id=add_checkpoint(ctx.rundb, ctx.run, "sft", 0, path, "lora" if recipe.lora is not None else "full"),
         path=str(path),
     )
-
-
-def record_checkpoint(ctx: RunContext, path: Path, kind: str) -> int:
-    # A crash between this row and the stage's "done" mark re-runs the stage: reuse the row.
-    for row in ctx.rundb.checkpoints(ctx.run):
-        if row.stage == "sft" and row.path == str(path):
-            return row.id
-    return ctx.rundb.add_checkpoint(ctx.run, "sft", 0, path, kind)
 
 
 # --- data: where conversations come from --------------------------------------------------------
@@ -394,6 +403,20 @@ def resume_point(output_dir: Path) -> Path | None:
             continue
         complete.append((int(step), folder))
     return max(complete)[1] if complete else None
+
+
+class RecipeLearningRate(TrainerCallback):
+    """sft.lr from the recipe, not from the checkpoint a resumed Trainer restored."""
+
+    def on_train_begin(self, args, state, control, optimizer=None, lr_scheduler=None, **kwargs):
+        if state.global_step == 0:  # a fresh start already uses it
+            return
+        lr = args.learning_rate
+        lr_scheduler.base_lrs = [lr] * len(optimizer.param_groups)
+        for group, factor in zip(optimizer.param_groups, lr_scheduler.lr_lambdas):
+            group.update(initial_lr=lr, lr=lr * factor(lr_scheduler.last_epoch))
+        # The Trainer logs learning_rate from the scheduler's last value, which the checkpoint set.
+        lr_scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
 
 
 class RichProgress(TrainerCallback):

@@ -44,9 +44,9 @@ def read_rows(path: Path) -> list[tuple[int, Any]]:
         raise UsageError(f"sft.source: {path} is not none, expert, episodes, or an existing data file or folder.")
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
-        return _jsonl_rows(path, path.read_text())
+        return _jsonl_rows(path, _read_text(path))
     if suffix == ".json":
-        text = path.read_text()
+        text = _read_text(path)
         try:
             data = json.loads(text)
         except json.JSONDecodeError:
@@ -65,6 +65,13 @@ def read_rows(path: Path) -> list[tuple[int, Any]]:
         f"sft.source: {path} has an unknown suffix; expected {', '.join(FILE_SUFFIXES)}, "
         "or a folder written by datasets' save_to_disk."
     )
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"{path}: not UTF-8 text; expected JSON (byte {exc.start} cannot be decoded).") from None
 
 
 def _jsonl_rows(path: Path, text: str) -> list[tuple[int, Any]]:

@@ -7,9 +7,16 @@ Per iteration i, three stages of the run:
 
 Exact resume: the tasks of iteration i are fixed by i (the data cursor), every episode's sampling
 seed is derived from (run seed, stage, task, sample), the shuffling and dropout seeds from
-(run seed, iteration), and a checkpoint holds the adapter, the optimizer and the scheduler. A
-resumed run reloads the newest checkpoint and redoes any later `train/i` from stored rollouts, so
-it ends with the same weights and metrics as a run that was never interrupted.
+(run seed, iteration), and a checkpoint holds the adapter, the optimizer and the learning-rate
+schedule. A resumed run reloads the newest readable checkpoint and redoes any later `train/i` from
+stored rollouts, so it ends with the same weights and metrics as a run that was never interrupted.
+An iteration's checkpoint row, metrics and `done` mark are committed together, once its checkpoint
+folder is on disk (fsynced).
+
+What a resume may change (docs/database.md): grpo.lr and grpo.weight_decay take effect from the
+next optimizer step, at the schedule's current position; a new number of optimizer steps (most
+often grpo.iterations) spreads what is left of the schedule over the steps now left, so the
+learning rate never jumps.
 """
 
 from __future__ import annotations
@@ -17,21 +24,25 @@ from __future__ import annotations
 import math
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 # Heavy (torch), but this module is only imported by the commands that train.
 from rlcli.engine import grpo
 from rlcli.engine.context import RunContext
-from rlcli.engine.rollout import collect, derive_seed, sampling_config
+from rlcli.engine.labelling import GRPO_LABEL_SET
+from rlcli.engine.rollout import collect, derive_seed, reopen_for_retries, sampling_config
 from rlcli.errors import RlcliError
+from rlcli.models.loading import fsync_folder
+from rlcli.store.checkpoints import add_checkpoint, checkpoints, require_folder, train_checkpoints
 from rlcli.store.episodes import episodes_for_training
 from rlcli.store.records import Checkpoint, LabelledEpisode, Turn
 from rlcli.store.stages import stage_done
 
-LABEL_SET = "grpo"
+LABEL_SET = GRPO_LABEL_SET
 METRICS_STAGE = "grpo"
+TRAINER_STATE = "trainer_state.pt"
 
 
 @dataclass
@@ -87,9 +98,9 @@ def run_grpo(ctx: RunContext) -> None:
 
     recipe, cfg = ctx.recipe, ctx.recipe.grpo
     check_reference_possible(recipe.lora, cfg.beta)
-    reward_fns = build_reward_fns(recipe.rewards)
+    reward_fns = build_reward_fns(recipe.rewards, device=recipe.model.device)
 
-    resume = latest_train_checkpoint(ctx)
+    resume, state = resume_point(ctx)
     start_iter = resume.iteration + 1 if resume else 0
     if start_iter >= cfg.iterations:
         ctx.console.print(f"train grpo: all {cfg.iterations} iterations are done.")
@@ -97,7 +108,7 @@ def run_grpo(ctx: RunContext) -> None:
     if resume:
         adapter = resume.path
     else:
-        sft = [c for c in ctx.rundb.checkpoints(ctx.run) if c.stage == "sft"]
+        sft = [c for c in checkpoints(ctx.rundb, ctx.run) if c.stage == "sft"]
         adapter = sft[-1].path if sft else None
     torch.manual_seed(derive_seed(recipe.run.seed, "init"))  # a fresh LoRA adapter's random init
     model, tokenizer = load_policy(recipe.model, recipe.lora, recipe.quantization, adapter=adapter, trainable=True)
@@ -107,16 +118,16 @@ def run_grpo(ctx: RunContext) -> None:
             model.enable_input_require_grads()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    steps_per_iter = cfg.epochs * _minibatches_per_epoch(recipe)
-    scheduler = _scheduler(optimizer, cfg, steps_per_iter * cfg.iterations)
-    if resume:
-        state = torch.load(Path(resume.path) / "trainer_state.pt", weights_only=False)
+    schedule = planned_schedule(cfg, cfg.epochs * _minibatches_per_epoch(recipe) * cfg.iterations, state)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule.factor)
+    if state:
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
-        # Stages after the checkpoint were done with weights that were not saved: redo them.
-        for it in range(start_iter, cfg.iterations):
-            if stage_done(ctx.rundb, ctx.run, f"train/{it}"):
-                ctx.rundb.mark_stage(ctx.run, f"train/{it}", "pending")
+        _apply_recipe_hyperparameters(optimizer, scheduler, cfg, schedule)
+    # Stages after the checkpoint were done with weights that were not saved: redo them.
+    for it in range(start_iter, cfg.iterations):
+        if stage_done(ctx.rundb, ctx.run, f"train/{it}"):
+            ctx.rundb.mark_stage(ctx.run, f"train/{it}", "pending")
     sampling = sampling_config(recipe.rollout)
     view = MetricsView(ctx.console)
     start_label = f"checkpoint {resume.id}" if resume else ("sft" if adapter else "base")
@@ -126,6 +137,9 @@ def run_grpo(ctx: RunContext) -> None:
             timings: dict[str, float] = {}
             tasks = list(range(it * recipe.rollout.tasks, (it + 1) * recipe.rollout.tasks))
             fresh_rollout = not stage_done(ctx.rundb, ctx.run, f"rollout/{it}")
+            # Episodes that timed out are played again, and labelled, before this iteration trains.
+            if reopen_for_retries(ctx, f"rollout/{it}"):
+                ctx.rundb.mark_stage(ctx.run, f"label/{it}", "pending")
 
             t0 = time.perf_counter()
             rollout_summary = ctx.stage(
@@ -151,33 +165,52 @@ def run_grpo(ctx: RunContext) -> None:
             ctx.stage(f"label/{it}", lambda: label_stage_episodes(ctx, f"rollout/{it}", LABEL_SET, reward_fns))
             timings["perf/time_label_s"] = time.perf_counter() - t0
 
-            t0 = time.perf_counter()
-            result = ctx.stage(
-                f"train/{it}",
-                lambda: train_iteration(ctx, model, tokenizer, optimizer, scheduler, it),
-                {"iteration": it},
-            )
-            timings["perf/time_train_s"] = time.perf_counter() - t0
-            tokens = rollout_summary.get("tokens", 0)
-            metrics = {
-                "rollout/reward_mean": result.get("reward_mean"),
-                "rollout/reward_std": result.get("reward_std"),
-                "rollout/success_rate": rollout_summary.get("success_rate"),
-                "rollout/return_mean": rollout_summary.get("return_mean"),
-                "rollout/turns_mean": rollout_summary.get("turns_mean"),
-                "rollout/failed": rollout_summary.get("failed"),
-                **{k: v for k, v in result.items() if k.startswith("train/")},
-            }
             if fresh_rollout:
-                timings["perf/tokens_per_s"] = tokens / max(timings["perf/time_rollout_s"], 1e-9)
+                timings["perf/tokens_per_s"] = rollout_summary.get("tokens", 0) / max(
+                    timings["perf/time_rollout_s"], 1e-9
+                )
             else:  # timings of a resumed iteration would describe the resume, not the work
                 timings = {}
-            ctx.rundb.log_metrics(ctx.run, METRICS_STAGE, it, {**metrics, **timings})
-            tracker.log({**metrics, **timings}, step=it)
-            view.show(it, {**metrics, **timings})
+            t0 = time.perf_counter()
+
+            def commit(result: dict[str, Any]) -> None:
+                # In the transaction that marks train/{it} done, once its checkpoint folder is durable.
+                if fresh_rollout:
+                    timings["perf/time_train_s"] = time.perf_counter() - t0
+                if saves_checkpoint(cfg, it):
+                    kind = "lora" if recipe.lora is not None else "full"
+                    add_checkpoint(ctx.rundb, ctx.run, f"train/{it}", it, checkpoint_folder(ctx, it), kind)
+                ctx.rundb.log_metrics(
+                    ctx.run, METRICS_STAGE, it, {**iteration_metrics(rollout_summary, result), **timings}
+                )
+
+            result = ctx.stage(
+                f"train/{it}",
+                lambda: train_iteration(ctx, model, tokenizer, optimizer, scheduler, schedule, it),
+                {"iteration": it},
+                commit=commit,
+            )
+            metrics = {**iteration_metrics(rollout_summary, result), **timings}
+            tracker.log(metrics, step=it)
+            view.show(it, metrics)
 
 
-def train_iteration(ctx: RunContext, model, tokenizer, optimizer, scheduler, it: int) -> dict[str, Any]:
+def iteration_metrics(rollout_summary: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
+    """An iteration's metrics, from its rollout stage's summary and its train stage's result."""
+    return {
+        "rollout/reward_mean": result.get("reward_mean"),
+        "rollout/reward_std": result.get("reward_std"),
+        "rollout/success_rate": rollout_summary.get("success_rate"),
+        "rollout/return_mean": rollout_summary.get("return_mean"),
+        "rollout/turns_mean": rollout_summary.get("turns_mean"),
+        "rollout/failed": rollout_summary.get("failed"),
+        **{k: v for k, v in result.items() if k.startswith("train/")},
+    }
+
+
+def train_iteration(
+    ctx: RunContext, model, tokenizer, optimizer, scheduler, schedule: LrSchedule, it: int
+) -> dict[str, Any]:
     """Advantages and K epochs of updates on iteration `it`'s stored rollouts; save a checkpoint."""
     import torch
 
@@ -193,6 +226,7 @@ def train_iteration(ctx: RunContext, model, tokenizer, optimizer, scheduler, it:
     grpo.check_finite("the rewards", rewards)
     zero_var = grpo.zero_variance_groups(rewards, groups)
     stats: dict[str, Any] = {
+        "train/lr": optimizer.param_groups[0]["lr"],  # what this iteration's first update uses
         "reward_mean": float(rewards.mean()),
         "reward_std": float(rewards.std(unbiased=False)),
         "train/zero_var_groups": int(len(set(groups[zero_var].tolist()))),
@@ -226,10 +260,9 @@ def train_iteration(ctx: RunContext, model, tokenizer, optimizer, scheduler, it:
         stats.update(update_stats)
     else:  # every group had equal rewards, or every episode was masked: nothing to learn from
         stats["train/skipped"] = 1.0
-    stats["train/lr"] = scheduler.get_last_lr()[0]
 
-    if (it + 1) % cfg.checkpoint_every == 0 or it + 1 == cfg.iterations:
-        save_train_checkpoint(ctx, model, tokenizer, optimizer, scheduler, it)
+    if saves_checkpoint(cfg, it):
+        save_train_checkpoint(ctx, model, tokenizer, optimizer, scheduler, schedule, it)
     return stats
 
 
@@ -448,39 +481,118 @@ def _minibatches_per_epoch(recipe) -> int:
     return max(1, math.ceil(episodes / size))
 
 
-def _scheduler(optimizer, cfg, total_steps: int):
-    from transformers import get_scheduler
-
-    return get_scheduler(
-        cfg.schedule, optimizer, num_warmup_steps=cfg.warmup_steps, num_training_steps=max(total_steps, 1)
-    )
+def saves_checkpoint(cfg, it: int) -> bool:
+    return (it + 1) % cfg.checkpoint_every == 0 or it + 1 == cfg.iterations
 
 
-def latest_train_checkpoint(ctx: RunContext) -> Checkpoint | None:
-    rows = [c for c in ctx.rundb.checkpoints(ctx.run) if c.stage.startswith("train/")]
-    rows = [c for c in rows if (Path(c.path) / "trainer_state.pt").exists()]
-    return rows[-1] if rows else None
+def checkpoint_folder(ctx: RunContext, it: int) -> Path:
+    return ctx.run_dir / "checkpoints" / f"iter-{it:04d}"
 
 
-def save_train_checkpoint(ctx: RunContext, model, tokenizer, optimizer, scheduler, it: int) -> None:
-    """Write to a temporary folder, rename into place, then record the row: a kill leaves either
-    no row (the iteration is redone) or a complete checkpoint."""
+@dataclass(frozen=True)
+class LrSchedule:
+    """The learning rate's multiplier at each optimizer step: a linear warmup over `warmup` steps,
+    then `kind` (constant, linear or cosine decay to 0) until step `total`.
+
+    A checkpoint stores it. A resume that changes the number of steps (grpo.iterations) re-anchors
+    it (`stretched`): from the step reached, what is left of it spreads over the steps now left.
+    `anchor`, `anchor_position` and `rate` map a step to its position in the plan; they are
+    0, 0.0 and 1.0 until then. `end` is the step at which the run ends.
+    """
+
+    kind: str
+    warmup: int
+    total: int
+    end: int
+    anchor: int = 0
+    anchor_position: float = 0.0
+    rate: float = 1.0
+
+    def position(self, step: int) -> float:
+        return self.anchor_position + (step - self.anchor) * self.rate
+
+    def factor(self, step: int) -> float:
+        position = self.position(step)
+        if position < self.warmup:
+            return position / max(1, self.warmup)
+        progress = (position - self.warmup) / max(1, self.total - self.warmup)
+        if self.kind == "linear":
+            return max(0.0, 1.0 - progress)
+        if self.kind == "cosine":
+            return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
+        return 1.0
+
+    def stretched(self, step: int, end: int) -> LrSchedule:
+        position = self.position(step)
+        return replace(
+            self, end=end, anchor=step, anchor_position=position, rate=(self.total - position) / (end - step)
+        )
+
+
+def planned_schedule(cfg, total_steps: int, state: dict[str, Any] | None) -> LrSchedule:
+    """The recipe's schedule over `total_steps`; on resume, the checkpoint's, stretched over a new total."""
+    total_steps = max(total_steps, 1)
+    fresh = LrSchedule(cfg.schedule, cfg.warmup_steps, total_steps, total_steps)
+    if state is None or "schedule" not in state:  # a fresh start, or a checkpoint from before rlcli stored it
+        return fresh
+    saved = replace(LrSchedule(**state["schedule"]), kind=cfg.schedule, warmup=cfg.warmup_steps)
+    step = state["scheduler"]["last_epoch"]
+    return saved if saved.end == total_steps or total_steps <= step else saved.stretched(step, total_steps)
+
+
+def _apply_recipe_hyperparameters(optimizer, scheduler, cfg, schedule: LrSchedule) -> None:
+    """The recipe's lr and weight decay rather than the checkpoint's, from the next step on, at the
+    schedule's current position (loading the optimizer and scheduler state brought back the old ones)."""
+    scheduler.base_lrs = [cfg.lr] * len(optimizer.param_groups)
+    for group in optimizer.param_groups:
+        group.update(
+            initial_lr=cfg.lr, lr=cfg.lr * schedule.factor(scheduler.last_epoch), weight_decay=cfg.weight_decay
+        )
+
+
+def resume_point(ctx: RunContext) -> tuple[Checkpoint | None, dict[str, Any] | None]:
+    """The newest GRPO checkpoint whose trainer state reads back, with that state; (None, None) to
+    start afresh. One that a crash left unreadable is passed over, saying so: its iterations are redone."""
+    import torch
+
+    for checkpoint in reversed(train_checkpoints(ctx.rundb, ctx.run)):
+        state_file = require_folder(checkpoint) / TRAINER_STATE
+        try:
+            return checkpoint, torch.load(state_file, map_location="cpu", weights_only=True)
+        except Exception as exc:  # a cut-off or corrupt file: EOFError, RuntimeError, UnpicklingError, ...
+            ctx.console.print(
+                f"train grpo: checkpoint {checkpoint.id} ({state_file}) is unreadable "
+                f"({type(exc).__name__}: {exc}); falling back to the one before it."
+            )
+    return None, None
+
+
+def save_train_checkpoint(
+    ctx: RunContext, model, tokenizer, optimizer, scheduler, schedule: LrSchedule, it: int
+) -> None:
+    """Write to a temporary folder, fsync it, rename it into place: a crash leaves either the old
+    folder or the complete new one. Its row is written when the iteration commits."""
     import torch
 
     from rlcli.models.loading import save_checkpoint
 
-    final = ctx.run_dir / "checkpoints" / f"iter-{it:04d}"
+    final = checkpoint_folder(ctx, it)
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     save_checkpoint(model, tokenizer, tmp)
     torch.save(
-        {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "iteration": it},
-        tmp / "trainer_state.pt",
+        {
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "schedule": asdict(schedule),
+            "iteration": it,
+        },
+        tmp / TRAINER_STATE,
     )
+    fsync_folder(tmp)
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
-    kind = "lora" if ctx.recipe.lora is not None else "full"
-    ctx.rundb.add_checkpoint(ctx.run, f"train/{it}", it, final, kind)
+    fsync_folder(final.parent, files=False)
 
 
 # --- live view -----------------------------------------------------------------------

@@ -34,6 +34,11 @@ class EnvFailure(Exception):
     """An environment raised, returned garbage, or took too long; the episode fails, the stage goes on."""
 
 
+class EnvTimeout(EnvFailure):
+    """An env call outlasted env.step_timeout_s. Under load this need not happen again, so a resumed
+    stage plays the episode again (see engine/rollout.py)."""
+
+
 def as_messages(observation: Any) -> list[dict]:
     if observation is None:
         return []
@@ -60,7 +65,7 @@ def call_with_timeout(fn: Callable, timeout_s: float, *args: Any) -> Any:
     worker.start()
     worker.join(timeout_s)
     if worker.is_alive():
-        raise EnvFailure(f"{getattr(fn, '__name__', 'env call')} exceeded the {timeout_s:g}s step time limit")
+        raise EnvTimeout(f"{getattr(fn, '__name__', 'env call')} exceeded the {timeout_s:g}s step time limit")
     if "error" in result:
         exc = result["error"]
         raise EnvFailure(f"{type(exc).__name__}: {exc}")

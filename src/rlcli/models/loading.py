@@ -8,6 +8,7 @@ stays cheap.
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import shutil
 import warnings
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 
 from rlcli.errors import UsageError
+from rlcli.export_folder import check_export_target, export_folder
 from rlcli.models.cache import resolve_model
 
 if TYPE_CHECKING:
@@ -279,7 +281,7 @@ def reference_context(model: Any) -> AbstractContextManager[Any]:
 def save_checkpoint(model: Any, tokenizer: Any, path: str | Path) -> Path:
     """Save the LoRA adapter (or the full model, without LoRA) and the tokenizer into `path`.
 
-    The folder appears complete or not at all: it is written beside and renamed into place.
+    The folder appears complete or not at all: it is written beside, fsynced and renamed into place.
     """
     return _save_folder(model, tokenizer, Path(path))
 
@@ -290,14 +292,18 @@ def export_merged(
     quant_cfg: QuantizationSection,
     adapter_path: str | Path,
     out_dir: str | Path,
+    overwrite: bool = False,
 ) -> Path:
     """Write the checkpoint merged into its base as one full model that from_pretrained loads.
 
     The base is loaded unquantized on the CPU: merging into 4-bit or 8-bit weights would round the
-    adapter's update away. dtype auto means float32 here.
+    adapter's update away. dtype auto means float32 here. `out_dir` may be new, empty, or (with
+    `overwrite`) an earlier export; any other folder is refused untouched.
     """
     from transformers import AutoModelForCausalLM
 
+    out_dir = Path(out_dir)
+    check_export_target(out_dir, "--merge", overwrite)  # before minutes of loading and merging
     checkpoint = _check_checkpoint(adapter_path)
     is_adapter = (checkpoint / "adapter_config.json").is_file()
     if is_adapter != (lora_cfg is not None):
@@ -307,9 +313,6 @@ def export_merged(
             else "a full model (the recipe has no lora: section)"
         )
         raise UsageError(f"Checkpoint {checkpoint} does not match the recipe: expected {expected}.")
-    out_dir = Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / "config.json").is_file():
-        raise UsageError(f"{out_dir} exists and is not an earlier export; give an empty or new folder.")
     base = resolve_model(model_cfg.name)
     dtype = resolve_dtype(model_cfg.dtype, "cpu")
     if quant_cfg.mode != "none":
@@ -325,7 +328,10 @@ def export_merged(
             model = PeftModel.from_pretrained(model, checkpoint).merge_and_unload()
     else:
         model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype, device_map={"": "cpu"})
-    return _save_folder(model, load_tokenizer(model_cfg, base), out_dir)
+    with export_folder(out_dir, "--merge", overwrite) as staging:
+        model.save_pretrained(staging)
+        load_tokenizer(model_cfg, base).save_pretrained(staging)
+    return out_dir
 
 
 def _save_folder(model: Any, tokenizer: Any, path: Path) -> Path:
@@ -333,7 +339,27 @@ def _save_folder(model: Any, tokenizer: Any, path: Path) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    fsync_folder(tmp)
     if path.exists():
         shutil.rmtree(path)
     tmp.rename(path)
+    fsync_folder(path.parent, files=False)
     return path
+
+
+def fsync_folder(folder: Path, *, files: bool = True) -> None:
+    """Flush the folder's files (unless files=False) and the folder itself to disk, so that after
+    a host crash a folder that was renamed into place, and the row recorded for it, never point
+    at empty or partial files."""
+    if files:
+        for path in sorted(folder.rglob("*")):
+            _fsync(path)
+    _fsync(folder)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)  # a folder too: fsync on its descriptor makes its entries durable
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from rlcli.errors import UsageError
+from rlcli.export_folder import export_folder
 from rlcli.report.views import run_details
 from rlcli.store.db import RunDB
 from rlcli.store.dump import TableDump, run_tables
@@ -16,23 +16,22 @@ from rlcli.store.dump import TableDump, run_tables
 CHUNK_ROWS = 1000
 
 
-def export_run(rundb: RunDB, name: str, fmt: str, out: Path) -> dict[str, int]:
+def export_run(rundb: RunDB, name: str, fmt: str, out: Path, overwrite: bool = False) -> dict[str, int]:
     """Write a run's tables to `out` as <table>.jsonl or <table>.parquet, plus run.json; return row counts.
 
     One file per table, as in the database (turns join episodes on episode_id): token ids and
     logprobs become lists, and columns holding JSON text (messages, task, info, details) stay text.
+    `out` may be new, empty, or (with `overwrite`) an earlier export; any other folder is refused.
     """
     run = rundb.require_run(name)
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"Cannot export into {out}: it is a file; give --out a folder.")
-    out.mkdir(parents=True, exist_ok=True)
     counts = {}
-    for table in run_tables(rundb, name):
-        path = out / f"{table.name}.{fmt}"
-        counts[table.name] = _write_jsonl(path, table.rows) if fmt == "jsonl" else _write_parquet(path, table)
-    details = run_details(rundb, name)
-    details["recipe"] = run.recipe
-    (out / "run.json").write_text(json.dumps(details, indent=2))
+    with export_folder(out, "--out", overwrite) as staging:
+        for table in run_tables(rundb, name):
+            path = staging / f"{table.name}.{fmt}"
+            counts[table.name] = _write_jsonl(path, table.rows) if fmt == "jsonl" else _write_parquet(path, table)
+        details = run_details(rundb, name)
+        details["recipe"] = run.recipe
+        (staging / "run.json").write_text(json.dumps(details, indent=2))
     return counts
 
 

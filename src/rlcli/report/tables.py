@@ -60,6 +60,9 @@ def print_run(console: Console, data: dict[str, Any], series: dict[str, dict[str
         f"git: {(data['git_sha'] or '–')[:10]}  "
         f"episodes: {data['episodes']['total']} ({data['episodes']['failed']} failed)"
     )
+    changes = data["recipe_history"][1:]  # the first entry is the recipe the run started with
+    if changes:
+        header.append(f"\nrecipe history: {len(changes)} change(s); last: {changes[-1]['reason']}")
     parts: list[Any] = [header]
     if data["stages"]:
         parts.append(stages_table(data["stages"]))
@@ -80,6 +83,10 @@ def print_run(console: Console, data: dict[str, Any], series: dict[str, dict[str
     console.print(Group(*parts))
 
 
+# A stage row's colour: the first of these statuses among its members.
+STATUS_COLOURS = (("failed", "red"), ("stopped", "red"), ("running", "yellow"), ("done", "green"))
+
+
 def stages_table(stages: list[dict[str, Any]]) -> Table:
     """Stages with durations; numbered stages (rollout/0, rollout/1, ...) fold into one row each."""
     table = Table(title="Stages", expand=False)
@@ -88,9 +95,7 @@ def stages_table(stages: list[dict[str, Any]]) -> Table:
     for name, members in _stage_groups(stages):
         counts = Counter(s["status"] for s in members)
         status = ", ".join(f"{n} {st}" if len(members) > 1 else st for st, n in counts.items())
-        style = (
-            "red" if "failed" in counts else "yellow" if "running" in counts else "green" if "done" in counts else ""
-        )
+        style = next((colour for status, colour in STATUS_COLOURS if status in counts), "")
         durations = [s["duration_s"] for s in members if s["duration_s"] is not None]
         failed = next((s for s in members if s["error"]), None)
         error = (
@@ -159,12 +164,17 @@ def checkpoints_table(rows: list[dict[str, Any]], shown: int = 10) -> Table:
 
 def evals_table(rows: list[dict[str, Any]]) -> Table:
     # Sized for an 80-column terminal; avg@k is left to --json (with k samples of every task it
-    # equals the success rate).
+    # equals the success rate). Success and the means are over the episodes that ran; a "failed"
+    # column, shown when there are any, counts those the env failed.
+    failed = [r["details"].get("failed_episodes", 0) for r in rows]
+    columns = ["checkpoint", "tasks×k", "success", "95% CI", "return", "pass@k", "turns", "tokens"]
+    if any(failed):
+        columns.append("failed")
     table = Table(title="Evaluation (held-out tasks)")
-    for col in ("checkpoint", "tasks×k", "success", "95% CI", "return", "pass@k", "turns", "tokens"):
+    for col in columns:
         table.add_column(col, justify="left" if col == "checkpoint" else "right", min_width=min(len(col), 8))
-    for r in rows:
-        table.add_row(
+    for r, n_failed in zip(rows, failed):
+        cells = [
             str(r.get("label") or r["checkpoint"]),
             f"{r['tasks']}×{r['k']}",
             f"{r['success_rate']:.1%}",
@@ -173,7 +183,8 @@ def evals_table(rows: list[dict[str, Any]]) -> Table:
             fmt(r["pass_at_k"]),
             fmt(r["mean_turns"]),
             fmt(r["mean_tokens"]),
-        )
+        ]
+        table.add_row(*cells, *([str(n_failed)] if any(failed) else []))
     return table
 
 

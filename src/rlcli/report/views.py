@@ -9,10 +9,12 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
+from rlcli.store.checkpoints import checkpoints
 from rlcli.store.db import RunDB
 from rlcli.store.episodes import episode_counts, labelled_episodes
 from rlcli.store.evals import eval_results
-from rlcli.store.records import EvalResult, LabelledEpisode
+from rlcli.store.records import EvalResult, LabelledEpisode, Run
+from rlcli.store.stages import displayed_status
 
 KEY_METRICS = ("rollout/reward_mean", "rollout/success_rate", "train/loss")
 COMPARE_METRICS = (
@@ -31,7 +33,7 @@ def runs_summary(rundb: RunDB) -> list[dict[str, Any]]:
     return [
         {
             "name": run.name,
-            "status": run.status,
+            "status": _status(rundb, run),
             "created_at": run.created_at,
             "metrics": {k: v for k, v in rundb.latest_metrics(run.name).items() if k in KEY_METRICS},
         }
@@ -41,10 +43,12 @@ def runs_summary(rundb: RunDB) -> list[dict[str, Any]]:
 
 def run_details(rundb: RunDB, name: str) -> dict[str, Any]:
     run = rundb.require_run(name)
+    status = _status(rundb, run)
     stages = [
         {
             "name": s.name,
-            "status": s.status,
+            # A killed run leaves its last stage marked running.
+            "status": "stopped" if status == "stopped" and s.status == "running" else s.status,
             "started_at": s.started_at,
             "finished_at": s.finished_at,
             "duration_s": s.duration_s,
@@ -56,7 +60,7 @@ def run_details(rundb: RunDB, name: str) -> dict[str, Any]:
     total, failed = episode_counts(rundb, name)
     return {
         "name": run.name,
-        "status": run.status,
+        "status": status,
         "description": run.description,
         "created_at": run.created_at,
         "recipe_sha256": run.recipe_sha256,
@@ -70,9 +74,17 @@ def run_details(rundb: RunDB, name: str) -> dict[str, Any]:
         "latest_metrics": rundb.latest_metrics(name),
         "reward_curve": _curve(rundb, name, REWARD_KEY),
         "success_curve": _curve(rundb, name, SUCCESS_KEY),
-        "checkpoints": [asdict(c) for c in rundb.checkpoints(name)],
+        "checkpoints": [asdict(c) for c in checkpoints(rundb, name)],
         "evals": [eval_view(r) for r in eval_results(rundb, name)],
+        "recipe_history": [
+            {"created_at": h.created_at, "reason": h.reason, "recipe_sha256": h.recipe_sha256, "code": h.code}
+            for h in rundb.recipe_history(name)
+        ],
     }
+
+
+def _status(rundb: RunDB, run: Run) -> str:
+    return displayed_status(rundb.path.parent, run)
 
 
 def eval_view(result: EvalResult) -> dict[str, Any]:
@@ -106,7 +118,7 @@ def compare_runs(rundb: RunDB, names: list[str]) -> list[dict[str, Any]]:
         out.append(
             {
                 "name": name,
-                "status": run.status,
+                "status": _status(rundb, run),
                 "created_at": run.created_at,
                 "recipe_sha256": run.recipe_sha256,
                 "episodes": episode_counts(rundb, name)[0],

@@ -34,6 +34,7 @@ def judge(
     max_new_tokens: PositiveInt = 8,
     scale: PositiveFloat = 10.0,
     batch_size: PositiveInt = 8,
+    device: str = "auto",
 ) -> Scorer:
     try:
         fields = {name for _, name, _, _ in string.Formatter().parse(rubric) if name is not None}
@@ -41,13 +42,14 @@ def judge(
         raise UsageError(f"kwargs.rubric: {exc} (write a literal brace as {{{{ or }}}}).") from None
     if any(not name.isidentifier() for name in fields):
         raise UsageError("kwargs.rubric: placeholders must be names such as {prompt}, {completion} or a task field.")
-    lm, tokenizer = _load_model(model, "AutoModelForCausalLM")
+    lm, tokenizer = _load_model(model, "AutoModelForCausalLM", device)
     tokenizer.padding_side = "left"  # generation continues from the right end of every row
     return Judge(lm, tokenizer, rubric, fields, max_new_tokens, scale, batch_size)
 
 
 class Judge:
-    """An LLM judge: greedy-decodes a score for each episode; unparseable replies score 0.0 and are recorded."""
+    """An LLM judge: greedy-decodes a score for each episode; unparseable replies score 0.0 and are
+    recorded in `failures`, as are requests cut to fit the model."""
 
     def __init__(
         self, lm, tokenizer, rubric: str, fields: set[str], max_new_tokens: int, scale: float, batch_size: int
@@ -55,19 +57,23 @@ class Judge:
         self.lm, self.tokenizer, self.rubric, self.fields = lm, tokenizer, rubric, fields
         self.max_new_tokens, self.scale, self.batch_size = max_new_tokens, scale, batch_size
         self.failures: dict[int, str] = {}
+        limit = input_limit(tokenizer, lm.config)
+        # The reply needs positions too; a model too short for even that gets the whole limit.
+        self.max_prompt_tokens = None if limit is None else max(limit - max_new_tokens, 1)
 
     def __call__(self, episodes: list[EpisodeDict]) -> list[float]:
         self.failures = {}
         requests = [self.request(ep) for ep in episodes]
         replies = []
         for start in range(0, len(requests), self.batch_size):
-            replies += self.generate(requests[start : start + self.batch_size])
+            batch = episodes[start : start + self.batch_size]
+            replies += self.generate(requests[start : start + self.batch_size], [ep["id"] for ep in batch])
         scores = []
         for ep, reply in zip(episodes, replies):
             try:
                 scores.append(parse_score(reply, self.scale))
             except ValueError as exc:
-                self.failures[ep["id"]] = str(exc)
+                self.failures[ep["id"]] = "; ".join(filter(None, [self.failures.get(ep["id"]), str(exc)]))
                 scores.append(0.0)
         return scores
 
@@ -87,13 +93,13 @@ class Judge:
             )
         return self.rubric.format(**values)
 
-    def generate(self, requests: list[str]) -> list[str]:
+    def generate(self, requests: list[str], episode_ids: list[int]) -> list[str]:
         import torch
 
         texts = [
             _render(self.tokenizer, [{"role": "user", "content": r}], add_generation_prompt=True) for r in requests
         ]
-        inputs = _tokenize(self.tokenizer, texts).to(self.lm.device)
+        inputs = _tokenize(self.tokenizer, texts, self.max_prompt_tokens, episode_ids, self.failures).to(self.lm.device)
         with torch.inference_mode():
             output = self.lm.generate(
                 **inputs, max_new_tokens=self.max_new_tokens, do_sample=False, pad_token_id=self.tokenizer.pad_token_id
@@ -116,10 +122,10 @@ def parse_score(text: str, scale: float) -> float:
 
 
 @validate_call
-def reward_model(*, model: str, label: NonNegativeInt | None = None, batch_size: PositiveInt = 8) -> Scorer:
-    import torch
-
-    net, tokenizer = _load_model(model, "AutoModelForSequenceClassification")
+def reward_model(
+    *, model: str, label: NonNegativeInt | None = None, batch_size: PositiveInt = 8, device: str = "auto"
+) -> Scorer:
+    net, tokenizer = _load_model(model, "AutoModelForSequenceClassification", device)
     num_labels = net.config.num_labels
     if label is None and num_labels != 1:
         raise UsageError(f"{model} has {num_labels} labels; set kwargs.label to the index of the one to score.")
@@ -128,26 +134,40 @@ def reward_model(*, model: str, label: NonNegativeInt | None = None, batch_size:
     # The model reads its score at each row's last real token, which it finds through the pad id.
     net.config.pad_token_id = tokenizer.pad_token_id
     tokenizer.padding_side = "right"
+    return RewardModel(net, tokenizer, label or 0, batch_size)
 
-    def score(episodes: list[EpisodeDict]) -> list[float]:
-        texts = [_render(tokenizer, ep["messages"], add_generation_prompt=False) for ep in episodes]
+
+class RewardModel:
+    """A sequence classifier's logit as the reward; conversations cut to fit it are recorded in `failures`."""
+
+    def __init__(self, net, tokenizer, label: int, batch_size: int):
+        self.net, self.tokenizer, self.label, self.batch_size = net, tokenizer, label, batch_size
+        self.max_tokens = input_limit(tokenizer, net.config)
+        self.failures: dict[int, str] = {}
+
+    def __call__(self, episodes: list[EpisodeDict]) -> list[float]:
+        import torch
+
+        self.failures = {}
+        texts = [_render(self.tokenizer, ep["messages"], add_generation_prompt=False) for ep in episodes]
         values = []
-        for start in range(0, len(texts), batch_size):
-            inputs = _tokenize(tokenizer, texts[start : start + batch_size]).to(net.device)
+        for start in range(0, len(texts), self.batch_size):
+            ids = [ep["id"] for ep in episodes[start : start + self.batch_size]]
+            texts_in_batch = texts[start : start + self.batch_size]
+            inputs = _tokenize(self.tokenizer, texts_in_batch, self.max_tokens, ids, self.failures).to(self.net.device)
             with torch.inference_mode():
-                values += net(**inputs).logits[:, label or 0].float().tolist()
+                values += self.net(**inputs).logits[:, self.label].float().tolist()
         return values
 
-    return score
 
-
-def _load_model(model: str, auto_class: str):
-    """A model and its tokenizer from a local folder, on the GPU when there is one, in eval mode."""
+def _load_model(model: str, auto_class: str, device: str):
+    """A model and its tokenizer from a local folder, on device (as model.device reads it), in eval mode."""
     path = Path(model)
     if not path.is_dir():
         raise UsageError(f"kwargs.model {model!r} is not a local model folder.")
-    import torch
     import transformers
+
+    from rlcli.models.loading import resolve_device
 
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(path)
@@ -156,7 +176,7 @@ def _load_model(model: str, auto_class: str):
         raise UsageError(f"cannot load {path} as {auto_class}: {type(exc).__name__}: {exc}") from exc
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token  # batches need padding; eos is the usual stand-in
-    net.to("cuda" if torch.cuda.is_available() else "cpu").eval()
+    net.to(resolve_device(device)).eval()
     return net, tokenizer
 
 
@@ -166,6 +186,23 @@ def _render(tokenizer, messages: list[dict], add_generation_prompt: bool) -> str
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
-def _tokenize(tokenizer, texts: list[str]):
+def input_limit(tokenizer, config) -> int | None:
+    """The most tokens the model reads at once: the smaller of the tokenizer's model_max_length and
+    the config's max_position_embeddings, leaving out either one when it is unset (transformers puts
+    a huge placeholder in model_max_length when the tokenizer does not know)."""
+    limits = [tokenizer.model_max_length, getattr(config, "max_position_embeddings", None)]
+    known = [n for n in limits if isinstance(n, int) and 0 < n < 1_000_000_000]
+    return min(known) if known else None
+
+
+def _tokenize(tokenizer, texts: list[str], max_tokens: int | None, episode_ids: list[int], notes: dict[int, str]):
+    """A padded batch, each row cut from the left to max_tokens: the end of an episode (the answer,
+    the judge's question) matters most. Each cut is noted under its episode id."""
     # A chat template writes its own special tokens; plain transcripts get the tokenizer's usual ones.
-    return tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=tokenizer.chat_template is None)
+    rows = tokenizer(texts, add_special_tokens=tokenizer.chat_template is None)["input_ids"]
+    if max_tokens is not None:
+        for i, (row, episode_id) in enumerate(zip(rows, episode_ids)):
+            if len(row) > max_tokens:
+                rows[i] = row[-max_tokens:]
+                notes[episode_id] = f"input cut from the left to fit the model: {max_tokens} tokens kept of {len(row)}"
+    return tokenizer.pad({"input_ids": rows}, return_tensors="pt")

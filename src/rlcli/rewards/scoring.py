@@ -79,11 +79,12 @@ class RewardFn:
         return number
 
 
-def build_reward_fns(specs: list[RewardSpec], root: Path | None = None) -> list[RewardFn]:
+def build_reward_fns(specs: list[RewardSpec], root: Path | None = None, device: str = "auto") -> list[RewardFn]:
     """Resolve every reward of a recipe once: import user code, load models, check kwargs.
 
     User files (path.py:function) and modules (module:function) are found relative to root, or to the
-    working directory when root is None. Anything wrong is a UsageError naming the reward.
+    working directory when root is None. Model-based rewards load on device (the recipe's model.device)
+    unless their kwargs name one. Anything wrong is a UsageError naming the reward.
     """
     base = Path(root) if root is not None else Path.cwd()
     fns = []
@@ -92,7 +93,7 @@ def build_reward_fns(specs: list[RewardSpec], root: Path | None = None) -> list[
         if spec.component == "total":
             raise UsageError(f"Reward {label}: the name total is kept for the weighted sum; give it another name:.")
         try:
-            scorer = _resolve(spec, base)
+            scorer = _resolve(spec, base, device)
         except UsageError as exc:
             raise UsageError(f"Reward {label}: {exc}") from exc.__cause__
         fns.append(RewardFn(spec.component, spec.fn, spec.weight, scorer))
@@ -116,11 +117,14 @@ def label_episodes(fns: list[RewardFn], episodes: list[EpisodeDict]) -> list[dic
     return labels
 
 
-def _resolve(spec: RewardSpec, base: Path) -> Scorer:
+def _resolve(spec: RewardSpec, base: Path, device: str) -> Scorer:
     if spec.fn in BUILTINS:
         factory = BUILTINS[spec.fn]
+        kwargs = spec.kwargs
+        if "device" in inspect.signature(factory).parameters:
+            kwargs = {"device": device, **kwargs}
         try:
-            return factory(**spec.kwargs)
+            return factory(**kwargs)
         except ValidationError as exc:
             raise UsageError(_explain(exc, factory)) from None
     if ":" not in spec.fn:

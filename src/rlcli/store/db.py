@@ -22,7 +22,7 @@ from sqlite_utils import Database
 from rlcli.errors import UsageError
 from rlcli.recipe import Recipe, changed_fields
 from rlcli.store.migrations import migrations
-from rlcli.store.records import Checkpoint, Metric, Run, Stage
+from rlcli.store.records import Metric, RecipeVersion, Run, Stage
 
 SQLITE_MAGIC = b"SQLite format 3\x00"
 DB_NAME = "rlcli.db"
@@ -34,6 +34,28 @@ def now() -> str:
 
 def default_runs_dir() -> Path:
     return Path(os.environ.get("RLCLI_HOME") or "runs")
+
+
+def _create(path: Path) -> None:
+    """Put a new, fully migrated WAL database at `path`, unless another process got there first.
+
+    Switching a file to WAL fails at once ("database is locked", no busy wait) while any other
+    connection has it open, so two processes opening a new database together could not both do it.
+    The file is built aside and linked into place: link never replaces a file that appeared meanwhile.
+    """
+    staging = path.with_name(f".{path.name}.{os.getpid()}.new")
+    conn = sqlite3.connect(str(staging))
+    try:
+        conn.execute("PRAGMA journal_mode=WAL")
+        migrations.apply(Database(conn))
+    finally:
+        conn.close()  # the last connection to close folds the WAL into the file
+    try:
+        os.link(staging, path)
+    except FileExistsError:
+        pass  # another process created it first; theirs is as good as ours
+    finally:
+        staging.unlink()
 
 
 class RunDB:
@@ -53,6 +75,8 @@ class RunDB:
             if head and head != SQLITE_MAGIC:
                 raise UsageError(f"{path} is not an SQLite database; rlcli left it untouched.")
         runs_dir.mkdir(parents=True, exist_ok=True)
+        if not path.exists():
+            _create(path)
         # A generous busy timeout: a reader such as Datasette may hold the file briefly.
         conn = sqlite3.connect(str(path), timeout=30)
         try:
@@ -69,19 +93,42 @@ class RunDB:
                 f"{path} was written by a newer rlcli (unknown migrations: {', '.join(unknown)}); "
                 "upgrade rlcli to use it. The file was left untouched."
             )
-        # Only now may the file change: it is ours and not from a newer rlcli.
-        conn.execute("PRAGMA journal_mode=WAL")
+        # Only now may the file change: it is ours and not from a newer rlcli. Files rlcli created
+        # are WAL already; switching needs the file to itself, so it is left to files made elsewhere.
+        if conn.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
+            conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA foreign_keys=ON")
-        migrations.apply(db)
-        return cls(db, path)
+        rundb = cls(db, path)
+        # One write transaction: a second process opening a new file at the same time waits, then
+        # finds every migration applied instead of applying them again.
+        with rundb.transaction():
+            migrations.apply(db)
+        return rundb
 
     def close(self) -> None:
         self.db.conn.close()
 
     @contextlib.contextmanager
     def transaction(self) -> Iterator[Database]:
-        with self.db.atomic() as db:
-            yield db
+        """A write transaction; nested ones are savepoints.
+
+        BEGIN IMMEDIATE takes the write lock before the first read. A deferred BEGIN (sqlite-utils'
+        atomic) that has read cannot become a writer once another process committed: SQLite answers
+        "database is locked" at once, without waiting for the busy timeout.
+        """
+        conn = self.db.conn
+        if conn.in_transaction:
+            with self.db.atomic() as db:
+                yield db
+            return
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield self.db
+            conn.execute("COMMIT")
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
 
     # --- runs ----------------------------------------------------------------
 
@@ -97,27 +144,65 @@ class RunDB:
             raise UsageError(f"No run named {name!r} in {self.path}.{known}")
         return run
 
-    def start_run(self, name: str, recipe: Recipe, recipe_path: str | None, *, force: bool = False) -> Run:
-        """Create the run, or resume it if the recipe is unchanged in every field that matters."""
+    def start_run(
+        self,
+        name: str,
+        recipe: Recipe,
+        recipe_path: str | None,
+        *,
+        force: bool = False,
+        code: dict[str, str] | None = None,
+    ) -> Run:
+        """Create the run, or resume it if the recipe is unchanged in every field that matters.
+
+        `code` maps the code files the recipe names to their SHA-256; a new recipe or changed code
+        adds an entry to the run's recipe history.
+        """
         resolved = recipe.to_dict()
+        code = code or {}
         existing = self.get_run(name)
-        if existing is not None:
+        if existing is None:
+            reasons = ["created"]
+        else:
             changed = changed_fields(existing.recipe, resolved)
             if changed and not force:
                 raise UsageError(
                     f"Run {name!r} exists with a different recipe (changed: {', '.join(changed)}); "
                     "use another --run name, or --force to continue it with the new recipe."
                 )
-            with self.transaction():
+            reasons = []
+            if changed:
+                reasons.append(f"recipe changed with --force: {', '.join(changed)}")
+            elif existing.recipe_sha256 != recipe.sha256():
+                reasons.append("recipe changed in resume-safe fields")
+            if changed_code := self.code_changes(name, code):
+                reasons.append(f"code changed: {', '.join(changed_code)}")
+        with self.transaction():
+            if existing is None:
+                self.db["runs"].insert(self._new_run_row(name, recipe, recipe_path))
+            else:
                 self.db["runs"].update(
-                    name,
-                    {"recipe": json.dumps(resolved), "recipe_sha256": recipe.sha256(), "updated_at": now()},
+                    name, {"recipe": json.dumps(resolved), "recipe_sha256": recipe.sha256(), "updated_at": now()}
                 )
-            return self.require_run(name)
-        row = {
+            if reasons:
+                self.db["run_recipes"].insert(
+                    {
+                        "run": name,
+                        "recipe": json.dumps(resolved),
+                        "recipe_sha256": recipe.sha256(),
+                        "code": json.dumps(code, sort_keys=True),
+                        "reason": "; ".join(reasons),
+                        "created_at": now(),
+                    }
+                )
+        return self.require_run(name)
+
+    @staticmethod
+    def _new_run_row(name: str, recipe: Recipe, recipe_path: str | None) -> dict[str, Any]:
+        return {
             "name": name,
             "status": "created",
-            "recipe": json.dumps(resolved),
+            "recipe": json.dumps(recipe.to_dict()),
             "recipe_sha256": recipe.sha256(),
             "recipe_path": str(recipe_path) if recipe_path else None,
             "seed": recipe.run.seed,
@@ -127,9 +212,16 @@ class RunDB:
             "git_sha": git_sha(Path(recipe_path).parent if recipe_path else Path.cwd()),
             "hostname": socket.gethostname(),
         }
-        with self.transaction():
-            self.db["runs"].insert(row)
-        return _run(row)
+
+    def recipe_history(self, name: str) -> list[RecipeVersion]:
+        rows = self.db["run_recipes"].rows_where("run = ?", [name], order_by="id")
+        return [RecipeVersion(**{**r, "recipe": json.loads(r["recipe"]), "code": json.loads(r["code"])}) for r in rows]
+
+    def code_changes(self, name: str, code: dict[str, str]) -> list[str]:
+        """The files whose hash differs from the one last recorded for the run (new files do not count)."""
+        history = self.recipe_history(name)
+        recorded = history[-1].code if history else {}
+        return [path for path, digest in code.items() if path in recorded and recorded[path] != digest]
 
     def set_run_status(self, name: str, status: str) -> None:
         with self.transaction():
@@ -160,7 +252,7 @@ class RunDB:
             else:
                 self.db["stages"].update(row.id, values)
 
-    # --- metrics and checkpoints --------------------------------------------
+    # --- metrics -------------------------------------------------------------
 
     def log_metrics(self, run: str, stage: str, step: int, values: dict[str, float | None]) -> None:
         rows = [
@@ -187,44 +279,6 @@ class RunDB:
             ) order by key
         """
         return {k: v for k, v in self.db.execute(sql, [run]).fetchall()}
-
-    def add_checkpoint(self, run: str, stage: str, iteration: int, path: str | Path, kind: str) -> int:
-        with self.transaction():
-            table = self.db["checkpoints"].insert(
-                {
-                    "run": run,
-                    "stage": stage,
-                    "iteration": iteration,
-                    "path": str(path),
-                    "kind": kind,
-                    "created_at": now(),
-                }
-            )
-        return table.last_pk
-
-    def checkpoints(self, run: str) -> list[Checkpoint]:
-        return [Checkpoint(**row) for row in self.db["checkpoints"].rows_where("run = ?", [run], order_by="id")]
-
-    def resolve_checkpoint(self, run: str, which: str) -> Checkpoint | None:
-        """base -> None (the base model); sft / latest / a numeric id -> that checkpoint."""
-        if which == "base":
-            return None
-        rows = self.checkpoints(run)
-        if which == "latest":
-            if not rows:
-                return None
-            return rows[-1]
-        if which == "sft":
-            sft_rows = [r for r in rows if r.stage == "sft"]
-            if not sft_rows:
-                raise UsageError(f"Run {run!r} has no SFT checkpoint; run `rlcli sft` first or choose base/latest.")
-            return sft_rows[-1]
-        if which.isdigit():
-            for row in rows:
-                if row.id == int(which):
-                    return row
-            raise UsageError(f"Run {run!r} has no checkpoint with id {which}; `rlcli runs show {run}` lists them.")
-        raise UsageError(f"Unknown checkpoint {which!r}: expected base, sft, latest or a checkpoint id.")
 
 
 def _run(row: dict[str, Any]) -> Run:

@@ -6,6 +6,8 @@ import json
 from dataclasses import asdict
 from typing import Any
 
+from sqlite_utils import Database
+
 from rlcli.errors import UsageError
 from rlcli.store.blobs import pack_floats, pack_ids, unpack_floats, unpack_ids
 from rlcli.store.db import RunDB
@@ -18,16 +20,20 @@ TOTAL = "total"  # the reward component that holds a label set's weighted sum
 
 
 def store_episodes(rundb: RunDB, episodes: list[Episode]) -> None:
-    """Episodes with their turns, all in one transaction: a kill stores all of them or none."""
+    """Episodes with their turns, all in one transaction: a kill stores all of them or none.
+
+    An episode played again (attempts above 1) takes the place and the id of the failed row it retries.
+    """
     with rundb.transaction() as db:
         for episode in episodes:
             row = asdict(episode)
             turns = row.pop("turns")
-            row.pop("id")
             row.update(
+                id=_remove_failed_attempt(db, episode) if episode.attempts > 1 else None,
                 end_reason=episode.end_reason.value if episode.end_reason else None,
                 success=int(episode.success),
                 template_consistent=int(episode.template_consistent),
+                transient=int(episode.transient),
                 task=json.dumps(episode.task, default=str),
                 messages=json.dumps(episode.messages, default=str),
             )
@@ -46,6 +52,20 @@ def store_episodes(rundb: RunDB, episodes: list[Episode]) -> None:
             )
 
 
+def _remove_failed_attempt(db: Database, episode: Episode) -> int:
+    """Delete the failed row an episode retries, with anything pointing at it; return its id."""
+    key = [episode.run, episode.stage, episode.task_index, episode.sample_index]
+    (episode_id,) = db.execute(
+        "select id from episodes where run = ? and stage = ? and task_index = ? and sample_index = ? "
+        "and status = 'failed'",
+        key,
+    ).fetchone()
+    for table in ("turns", "rewards"):
+        db.execute(f"delete from {table} where episode_id = ?", [episode_id])
+    db.execute("delete from episodes where id = ?", [episode_id])
+    return episode_id
+
+
 def store_rewards(rundb: RunDB, rewards: list[RewardRow]) -> None:
     """Reward components; labelling a label set again replaces its values."""
     with rundb.transaction() as db:
@@ -59,6 +79,17 @@ def stored_episode_keys(rundb: RunDB, run: str, stage: str) -> set[tuple[int, in
     """(task_index, sample_index) of every episode a stage has stored."""
     rows = rundb.db.execute("select task_index, sample_index from episodes where run = ? and stage = ?", [run, stage])
     return {(t, s) for t, s in rows.fetchall()}
+
+
+def retryable_episodes(rundb: RunDB, run: str, stage: str, max_attempts: int) -> dict[tuple[int, int], int]:
+    """(task_index, sample_index) -> attempts so far, of a stage's transiently failed episodes that
+    were played fewer than max_attempts times."""
+    rows = rundb.db.execute(
+        "select task_index, sample_index, attempts from episodes "
+        "where run = ? and stage = ? and status = 'failed' and transient = 1 and attempts < ?",
+        [run, stage, max_attempts],
+    )
+    return {(t, s): attempts for t, s, attempts in rows.fetchall()}
 
 
 def stage_episodes(rundb: RunDB, run: str, stage: str, *, finished_only: bool = False) -> list[Episode]:
@@ -235,6 +266,7 @@ def _episode(row: dict[str, Any], turns: list[Turn] | None = None) -> Episode:
             "end_reason": EndReason(row["end_reason"]) if row["end_reason"] else None,
             "success": bool(row["success"]),
             "template_consistent": bool(row["template_consistent"]),
+            "transient": bool(row["transient"]),
             "task": json.loads(row["task"] or "{}"),
             "messages": json.loads(row["messages"] or "[]"),
             "turns": turns or [],

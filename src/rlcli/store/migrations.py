@@ -148,3 +148,36 @@ def initial(db: Database) -> None:
         pk="id",
         foreign_keys=[("run", "runs", "name")],
     )
+
+
+@migrations(name="002_episode_attempts")
+def episode_attempts(db: Database) -> None:
+    # A failed episode whose error may not recur (an env call timed out) is played again when its
+    # stage is resumed; the row it replaces leaves its count behind.
+    db["episodes"].add_column("attempts", int, not_null_default=1)  # times this episode was played
+    db["episodes"].add_column("transient", int, not_null_default=0)  # 1: failed in a way worth retrying
+
+
+@migrations(name="003_run_recipes")
+def run_recipes(db: Database) -> None:
+    # Every recipe a run has used, and the hashes of the code files it names: --force and edited
+    # env or reward files leave a trace instead of overwriting the only record.
+    db["run_recipes"].create(
+        {
+            "id": int,
+            "run": str,
+            "recipe": str,  # the resolved recipe, JSON
+            "recipe_sha256": str,
+            "code": str,  # JSON: {path as the recipe names it: SHA-256 of the file}
+            "reason": str,  # created | recipe changed ... | code changed: <files>
+            "created_at": str,
+        },
+        pk="id",
+        foreign_keys=[("run", "runs", "name")],
+    )
+    db["run_recipes"].create_index(["run", "id"])
+    # Runs of an older rlcli start their history with the recipe they have now.
+    db.execute(
+        "insert into run_recipes (run, recipe, recipe_sha256, code, reason, created_at) "
+        "select name, recipe, recipe_sha256, '{}', 'recorded before recipe history', updated_at from runs"
+    )

@@ -111,6 +111,8 @@ class Episode:
     template_consistent: bool
     error: str | None
     created_at: str
+    attempts: int = 1  # times it was played: a transient failure is played again on resume
+    transient: bool = False  # failed in a way that need not recur (an env call timed out)
     turns: list[Turn] = field(default_factory=list, compare=False)  # loaded only by queries that need them
 
     @property
@@ -201,3 +203,16 @@ class EvalResult:
         decoding = self.stage.partition("@")[2]
         label = which if ckpt is None else f"ckpt-{ckpt}" if which == str(ckpt) else f"{which} (ckpt-{ckpt})"
         return f"{label} @{decoding}" if decoding else label
+
+
+@dataclass(frozen=True)
+class RecipeVersion:
+    """One entry of a run's recipe history: the recipe, the hashes of its code files, and why it was recorded."""
+
+    id: int
+    run: str
+    recipe: dict[str, Any]
+    recipe_sha256: str
+    code: dict[str, str]  # path as the recipe names it -> SHA-256 of the file
+    reason: str
+    created_at: str

@@ -7,14 +7,19 @@ after a crash continues instead of repeating.
 
 from __future__ import annotations
 
+import errno
 import fcntl
+import json
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
-from rlcli.errors import RlcliError
+from rlcli.errors import RlcliError, UsageError
 from rlcli.store.db import RunDB, now
+from rlcli.store.records import Run, Stage
+
+NEW_STAGE_HINT = "give the new work another stage name"
 
 
 class RunLock:
@@ -32,7 +37,7 @@ class RunLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fh = self.path.open("a+")
         try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             fh.seek(0)
             holder = fh.read().strip() or "unknown"
@@ -41,6 +46,9 @@ class RunLock:
                 f"Run {self.path.parent.name!r} is in use by another rlcli process (pid {holder}); "
                 "wait for it to finish or stop it."
             ) from None
+        except BaseException:
+            fh.close()
+            raise
         fh.seek(0)
         fh.truncate()
         fh.write(str(os.getpid()))
@@ -54,6 +62,43 @@ class RunLock:
             self._fh.close()
             self._fh = None
 
+    @staticmethod
+    def held(runs_dir: Path, run: str) -> bool:
+        """Whether some process holds the run's lock now (a shared probe that never waits).
+
+        Where the file system cannot tell (no flock), the answer is yes: a run is only called
+        stopped when that is known.
+        """
+        try:
+            with (Path(runs_dir) / run / "lock").open() as fh:
+                fcntl.flock(fh, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                fcntl.flock(fh, fcntl.LOCK_UN)
+        except FileNotFoundError:
+            return False
+        except OSError:  # BlockingIOError: an exclusive holder; anything else: cannot tell
+            return True
+        return False
+
+
+def _flock(fh: IO[str], operation: int) -> None:
+    try:
+        fcntl.flock(fh, operation)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS):
+            raise
+        raise UsageError(
+            f"The file system of {Path(fh.name).parent.parent} does not support file locks ({exc.strerror}), "
+            "which rlcli needs to keep two processes off one run; put the runs folder on a local disk "
+            "with --runs-dir DIR or RLCLI_HOME."
+        ) from None
+
+
+def displayed_status(runs_dir: Path, run: Run) -> str:
+    """A run recorded as running whose lock no process holds was killed: it is `stopped`."""
+    if run.status == "running" and not RunLock.held(runs_dir, run.name):
+        return "stopped"
+    return run.status
+
 
 def run_stage(
     rundb: RunDB,
@@ -61,21 +106,59 @@ def run_stage(
     name: str,
     work: Callable[[], dict[str, Any] | None],
     params: dict[str, Any] | None = None,
+    *,
+    identity: dict[str, Any] | None = None,
+    new_stage_hint: str = NEW_STAGE_HINT,
+    commit: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
-    """Run `work` as stage `name` of `run` unless it is already done; return its result summary."""
+    """Run `work` as stage `name` of `run` unless it is already done; return its result summary.
+
+    `commit(result)`, if given, makes the stage's closing writes (a checkpoint row, metrics) in the
+    transaction that marks it done: a kill leaves all of them or none.
+
+    `identity` holds the parameters that define the stage's work (a policy, a split, reward specs):
+    asked again under the same name with other values, the stage is refused, done or interrupted
+    (whose episodes would mix). `params` holds the rest, such as a task count that may grow.
+    """
     row = rundb.stage(run, name)
+    identity = json.loads(json.dumps(identity or {}))  # compared as stored: tuples become lists
+    if row is not None:
+        _check_identity(run, row, identity, new_stage_hint)
     if row is not None and row.done:
         return row.result or {}
     started = row.started_at if row and row.started_at else now()
-    rundb.mark_stage(run, name, "running", started_at=started, params=params or {}, error=None, pid=os.getpid())
+    stored = {**(params or {}), **identity}
+    rundb.mark_stage(run, name, "running", started_at=started, params=stored, error=None, pid=os.getpid())
     try:
         result = work() or {}
+        with rundb.transaction():
+            if commit is not None:
+                commit(result)
+            rundb.mark_stage(run, name, "done", result=result, finished_at=now())
     except BaseException as exc:
         reason = "interrupted" if isinstance(exc, KeyboardInterrupt) else (str(exc) or type(exc).__name__)
         rundb.mark_stage(run, name, "failed", error=reason, finished_at=now())
         raise
-    rundb.mark_stage(run, name, "done", result=result, finished_at=now())
     return result
+
+
+def _check_identity(run: str, row: Stage, identity: dict[str, Any], new_stage_hint: str) -> None:
+    # A parameter the row lacks was not recorded (an older rlcli): nothing to compare it with.
+    changed = [key for key, value in identity.items() if key in row.params and row.params[key] != value]
+    if changed:
+        was = ", ".join(f"{key}={row.params[key]!r}" for key in changed)
+        asked = ", ".join(f"{key}={identity[key]!r}" for key in changed)
+        raise UsageError(f"Stage {row.name!r} of run {run!r} was run with {was}, not {asked}; {new_stage_hint}.")
+
+
+def check_user_name(option: str, name: str, reserved: str) -> str:
+    """A stage or label-set name a user gives must stay out of the names rlcli's own stages use."""
+    if not name or "/" in name or name == reserved:
+        raise UsageError(
+            f"{option} {name!r} is not allowed: names with '/' (rollout/<i>, train/<i>, eval/..., label/...) "
+            f"and {reserved!r} belong to rlcli's own stages; choose another name."
+        )
+    return name
 
 
 def stage_done(rundb: RunDB, run: str, name: str) -> bool:
