@@ -1,0 +1,321 @@
+"""Kill-fuzz: `rlcli run` (SFT, two GRPO iterations, eval) is killed with SIGKILL at random
+moments, resumed after each kill, and must end with the same database and adapter weights as a run
+that was never interrupted.
+
+The delays are drawn, seeded, uniformly over the duration of one uninterrupted invocation measured
+at the start of the test, so kills land anywhere in an invocation: during imports and start-up,
+inside any stage, during commits, during exit. A resumed invocation skips what is done, so the same
+delay reaches further into the recipe as the run progresses. Every kill is printed with its seed,
+its delay and the stages it interrupted (pytest shows them beside a failure, or with -s)."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import signal
+import sqlite3
+import subprocess
+import time
+from collections import defaultdict
+from contextlib import closing
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from helpers import RLCLI, cli_env, write_recipe
+
+# A reward that differs between samples of a group, so that every GRPO iteration updates the
+# adapter (equal rewards make a group zero-variance and the update is skipped).
+DISTINCT_CHARS = (
+    "def distinct(completions, **kwargs):\n    return [len(set(c)) / max(len(c), 1) for c in completions]\n"
+)
+
+
+def tiny_recipe(tmp_path: Path) -> Path:
+    """Multi-turn episodes (turn tokens and logprobs), six rollout chunks per stage (a kill can
+    land between their commits), SFT with a trainer checkpoint at each of its 6 steps, a
+    checkpoint per GRPO iteration, and three evaluated checkpoints (base, sft, latest). On 2 CPU
+    cores the work takes about 2.5 s, beside about 4.5 s of imports and model loading that every
+    invocation pays."""
+    (tmp_path / "distinct.py").write_text(DISTINCT_CHARS)
+    return write_recipe(
+        tmp_path / "r.yaml",
+        run={"name": "fuzz", "seed": 0},
+        env={"name": "guess_number", "max_turns": 3},
+        rollout={"tasks": 6, "group_size": 2, "max_new_tokens": 16, "batch_size": 2, "temperature": 1.0},
+        rewards=[{"fn": "env_return"}, {"fn": f"{tmp_path / 'distinct.py'}:distinct", "name": "distinct"}],
+        sft={"source": "expert", "demos": 12, "batch_size": 2, "micro_batch_size": 2, "save_steps": 1},
+        grpo={"iterations": 2, "lr": 1e-2},
+        eval={"tasks": 4},
+    )
+
+
+class Invocation:
+    """One `rlcli run` in its own process, its output in a log file."""
+
+    def __init__(self, recipe: Path, runs: Path, log: Path):
+        self.log, self.started = log, time.monotonic()
+        with log.open("w") as out:
+            self.proc = subprocess.Popen(
+                RLCLI + ["run", "-r", str(recipe)], env=cli_env(runs), cwd=recipe.parent, stdout=out, stderr=out
+            )
+
+    def finished_within(self, seconds: float) -> bool:
+        try:
+            self.proc.wait(timeout=seconds)
+        except subprocess.TimeoutExpired:
+            return False
+        self.elapsed = time.monotonic() - self.started
+        assert self.proc.returncode == 0, f"rlcli run failed:\n{self.log.read_text()[-3000:]}"
+        return True
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+
+def what_was_killed(runs: Path, pid: int) -> str:
+    """Where the kill landed, as the database tells it: the stages this process had started and
+    not finished."""
+    if not (runs / "rlcli.db").exists():
+        return "before the database existed"
+    with closing(sqlite3.connect(runs / "rlcli.db")) as conn:
+        if not table_exists(conn, "stages"):
+            return "before the schema existed"
+        running = conn.execute("select name from stages where status = 'running' and pid = ? order by id", [pid])
+        running = [name for (name,) in running]
+        done = conn.execute("select count(*) from stages where status = 'done'").fetchone()[0]
+    where = f"in {', '.join(running)}" if running else "outside any stage (start-up or exit)"
+    return f"{where}, {done} stages done"
+
+
+def run_status(runs: Path) -> str | None:
+    """The run's status: `done` once a command has committed all of the run's work."""
+    if not (runs / "rlcli.db").exists():
+        return None
+    with closing(sqlite3.connect(runs / "rlcli.db")) as conn:
+        row = conn.execute("select status from runs").fetchone() if table_exists(conn, "runs") else None
+    return row and row[0]
+
+
+def table_exists(conn: sqlite3.Connection, name: str) -> bool:
+    return conn.execute("select 1 from sqlite_master where type = 'table' and name = ?", [name]).fetchone() is not None
+
+
+# What may legitimately differ between the fuzzed and the uninterrupted run, and why:
+# - row ids (`id`, and the ids that other rows point at): a redone stage may allocate them
+#   differently; rows are matched by their natural keys instead (a checkpoint by the stage that
+#   wrote it, an episode by stage, task and sample);
+# - wall-clock times (`*_at`) and durations (`gen_time_s`, `env_time_s`), and `pid`;
+# - `perf/*` metrics: timings, which a resumed iteration also does not log (they would time the
+#   resume, not the work);
+# - `resumed_from_step` in a stage's result: where its last attempt started, which is what a kill
+#   changes;
+# - checkpoint paths: each run has its own runs dir, so they are compared relative to it.
+# Everything else is compared exactly, floats and token blobs included: every random draw derives
+# from the run seed, and resumed weights are loaded bit for bit from float32 safetensors, so a
+# resumed run repeats the same CPU computation.
+VOLATILE_COLUMNS = {"id", "pid", "gen_time_s", "env_time_s"}
+VOLATILE_RESULT_FIELDS = {"resumed_from_step"}
+
+# Rows are matched on these columns (after ids are translated, see `Snapshot.normalise`), so that a
+# difference names the row and the column; a table not listed here is matched on its whole row.
+NATURAL_KEYS = {
+    "runs": ("name",),
+    "stages": ("run", "name"),
+    "episodes": ("run", "stage", "task_index", "sample_index"),
+    "turns": ("episode_id", "turn_index"),
+    "rewards": ("episode_id", "label_set", "component"),
+    "metrics": ("run", "stage", "step", "key"),
+    "checkpoints": ("run", "stage"),
+    "evals": ("run", "stage"),
+    "_sqlite_migrations": ("migration_set", "name"),
+}
+
+
+class Snapshot:
+    """A runs dir reduced to what must not change when the run is killed and resumed: each table's
+    rows grouped by natural key (a key with two rows is a duplicate), the files, and the folder of
+    each checkpoint."""
+
+    def __init__(self, runs: Path):
+        self.runs = runs
+        self.conn = sqlite3.connect(runs / "rlcli.db")
+        try:
+            self.checkpoints = dict(self.conn.execute("select id, stage from checkpoints"))
+            self.episodes = {
+                episode_id: (self.stage_name(stage), task, sample)
+                for episode_id, stage, task, sample in self.conn.execute(
+                    "select id, stage, task_index, sample_index from episodes"
+                )
+            }
+            names = self.conn.execute(
+                "select name from sqlite_master where type = 'table' and name not like 'sqlite_%'"
+            )
+            self.tables = {table: self.rows_by_key(table) for (table,) in names.fetchall()}
+            # The database itself (and its -wal, -shm) is compared by its rows above.
+            self.files = sorted(str(p.relative_to(runs)) for p in runs.rglob("*") if not p.name.startswith("rlcli.db"))
+            self.checkpoint_folders = {
+                stage: runs / self.relative(path)
+                for stage, path in self.conn.execute("select stage, path from checkpoints")
+            }
+        finally:
+            self.conn.close()
+
+    def rows_by_key(self, table: str) -> dict[tuple, list[dict]]:
+        rows = defaultdict(list)
+        for row in self.rows(table):
+            rows[tuple(row[c] for c in NATURAL_KEYS.get(table) or row)].append(row)
+        return rows
+
+    def rows(self, table: str):
+        columns = [
+            c
+            for (c,) in self.conn.execute("select name from pragma_table_info(?)", [table])
+            if c not in VOLATILE_COLUMNS and not c.endswith("_at")
+        ]
+        for values in self.conn.execute(f"select {', '.join(columns)} from {table}"):
+            row = {c: self.normalise(c, v) for c, v in zip(columns, values)}
+            if not (table == "metrics" and row["key"].startswith("perf/")):
+                yield row
+
+    def normalise(self, column: str, value):
+        if value is None:
+            return None
+        if column == "episode_id":
+            return self.episodes[value]
+        if column == "checkpoint_id":
+            return self.checkpoints[value]
+        if column in ("stage", "name"):
+            return self.stage_name(value)
+        if column == "policy":  # a checkpoint id, or a name such as `base` or `train/0`
+            return self.checkpoints[int(value)] if value.isdigit() else value
+        if column == "path":
+            return self.relative(value)
+        if column == "result":
+            return json.dumps(self.result(json.loads(value)), sort_keys=True)
+        return value
+
+    def stage_name(self, name: str) -> str:
+        """`eval/ckpt-3@t0.8-k1` names a checkpoint by id: name it by the stage that wrote it."""
+        return re.sub(r"ckpt-(\d+)", lambda m: f"ckpt[{self.checkpoints[int(m[1])]}]", name)
+
+    def result(self, summary: dict) -> dict:
+        summary = {k: v for k, v in summary.items() if k not in VOLATILE_RESULT_FIELDS}
+        if "checkpoint_id" in summary:
+            summary["checkpoint_id"] = self.checkpoints[summary["checkpoint_id"]]
+        if "path" in summary:
+            summary["path"] = self.relative(summary["path"])
+        return summary
+
+    def relative(self, path: str) -> str:
+        """A checkpoint path relative to the runs dir, however it was stored (absolute, relative to
+        the runs dir, or relative to the directory the command ran in)."""
+        runs = self.runs.resolve()
+        for candidate in (Path(path), self.runs / path, self.runs.parent / path):
+            if candidate.is_absolute() and candidate.exists() and candidate.resolve().is_relative_to(runs):
+                return str(candidate.resolve().relative_to(runs))
+        raise AssertionError(f"checkpoint path {path!r} is not a folder inside {self.runs}")
+
+
+def differences(table: str, expected: dict[tuple, list[dict]], actual: dict[tuple, list[dict]]) -> list[str]:
+    found = []
+    for key in expected.keys() | actual.keys():
+        a, b = expected.get(key, []), actual.get(key, [])
+        if len(a) != len(b):
+            found.append(f"{table} {key}: {len(a)} row(s) uninterrupted, {len(b)} after the kills")
+        elif a != b:
+            columns = [c for c in a[0] if a[0][c] != b[0].get(c)] or ["(columns)"]
+            found += [
+                f"{table} {key}: {c} = {a[0].get(c)!r:.80} uninterrupted, {b[0].get(c)!r:.80} after the kills"
+                for c in columns
+            ]
+    return sorted(found)
+
+
+def assert_same_database(clean: Snapshot, fuzzed: Snapshot) -> None:
+    expected, actual = clean.tables, fuzzed.tables
+    assert expected.keys() == actual.keys()
+    problems = [line for table in expected for line in differences(table, expected[table], actual[table])]
+    assert not problems, "the fuzzed run differs from the uninterrupted one:\n" + "\n".join(problems[:40])
+
+
+def assert_same_files(clean: Snapshot, fuzzed: Snapshot) -> None:
+    """The same files under each runs dir (nothing left behind by a killed save), and the same
+    adapter weights in each checkpoint."""
+    assert fuzzed.files == clean.files
+    expected, actual = clean.checkpoint_folders, fuzzed.checkpoint_folders
+    assert expected.keys() == actual.keys()
+    for stage in expected:
+        a, b = (load_file(folder[stage] / "adapter_model.safetensors") for folder in (expected, actual))
+        assert a.keys() == b.keys(), stage
+        # Exact: the same float32 CPU computation on the same inputs (see VOLATILE_COLUMNS).
+        changed = [name for name in a if not torch.equal(a[name], b[name])]
+        assert not changed, f"checkpoint {stage}: tensors differ: {changed[:5]}"
+
+
+class Fuzzer:
+    """Seeded random kills of `rlcli run`, the delays spread over one invocation's duration."""
+
+    def __init__(self, recipe: Path, seed: int, duration: float):
+        self.recipe, self.seed, self.duration = recipe, seed, duration
+        self.rng = random.Random(seed)
+        self.kills = self.invocations = 0
+
+    def kill_and_resume(self, runs: Path, kills: int) -> int:
+        """Run the recipe in `runs`, killing it up to `kills` times and resuming after each kill,
+        then to the end. Returns the kills used: fewer when the run completed first, because an
+        invocation outran its kill (the machine got less loaded than when the duration was
+        measured) or was killed on its way out, after its last commit."""
+        used = 0
+        while used < kills:
+            delay = self.rng.uniform(0, self.duration)
+            moment = f"{delay:.2f} s of {self.duration:.2f} s (seed {self.seed})"
+            invocation = self.start(runs)
+            if invocation.finished_within(delay):
+                print(f"{runs.name}: complete before the kill at {moment}")
+                if used == 0:  # an uninterrupted run: a fresher measure of the duration
+                    self.duration = invocation.elapsed
+                return used
+            invocation.kill()
+            used += 1
+            self.kills += 1
+            print(f"{runs.name}: kill {self.kills} at {moment}, {what_was_killed(runs, invocation.proc.pid)}")
+            if run_status(runs) == "done":
+                break
+        # The rest of the run; after a kill on the way out, a rerun that must change nothing.
+        assert self.start(runs).finished_within(600)
+        return used
+
+    def start(self, runs: Path) -> Invocation:
+        self.invocations += 1
+        return Invocation(self.recipe, runs, runs.parent / f"invocation-{self.invocations}.log")
+
+
+@pytest.mark.parametrize(
+    "kills, seed",
+    [
+        pytest.param(3, 1, id="3-kills"),
+        pytest.param(20, 2, id="20-kills", marks=[pytest.mark.fuzz, pytest.mark.slow]),
+    ],
+)
+def test_killed_and_resumed_run_equals_an_uninterrupted_one(tmp_path, kills, seed):
+    recipe = tiny_recipe(tmp_path)
+    clean = tmp_path / "clean"
+    uninterrupted = Invocation(recipe, clean, tmp_path / "clean.log")
+    assert uninterrupted.finished_within(600)
+    expected, fuzzer = Snapshot(clean), Fuzzer(recipe, seed, uninterrupted.elapsed)
+
+    # Kills that a completed run did not use go to a fresh run, so that kills land in unfinished
+    # work; each fuzzed run is compared with the uninterrupted one.
+    kills_left, fuzzed_runs = kills, 0
+    while kills_left:
+        fuzzed_runs += 1
+        fuzzed = tmp_path / f"fuzzed-{fuzzed_runs}"
+        kills_left -= fuzzer.kill_and_resume(fuzzed, kills_left)
+        actual = Snapshot(fuzzed)
+        assert_same_database(expected, actual)
+        assert_same_files(expected, actual)
