@@ -12,6 +12,7 @@ from rlcli.engine.pipeline import run_all
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
 SMALL = [
     "model.name=tiny-random",
+    "model.device=auto",  # the GPU recipes name cuda devices; auto is the CPU here
     "model.max_length=1024",
     "sft.demos=4",
     "sft.batch_size=4",

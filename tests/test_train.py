@@ -414,3 +414,16 @@ def test_an_unreadable_newest_checkpoint_falls_back_to_the_previous_one(tmp_path
     for key, value in weights.items():
         assert torch.allclose(redone[key], value, atol=1e-6), key
     torch.load(state, weights_only=True)
+
+
+def test_episodes_of_a_resumed_iteration_name_the_policy_that_played_them(tmp_path):
+    """Found by the kill-fuzz: resuming at iteration 1 labelled rollout/1's episodes with the
+    resumed checkpoint's id instead of train/0, unlike an uninterrupted run."""
+    from rlcli.store.episodes import stage_episodes
+
+    recipe = _learnable_recipe(tmp_path, lora={"r": 4, "alpha": 8}, grpo={"iterations": 1})
+    runs = tmp_path / "runs"
+    run_grpo(make_ctx(recipe, runs))
+    ctx = make_ctx(recipe, runs, ["grpo.iterations=2"])  # a new process resumes from train/0's checkpoint
+    run_grpo(ctx)
+    assert {e.policy for e in stage_episodes(ctx.rundb, ctx.run, "rollout/1")} == {"train/0"}

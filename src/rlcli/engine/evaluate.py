@@ -12,7 +12,7 @@ from collections import defaultdict
 from typing import Any
 
 from rlcli.engine.context import RunContext
-from rlcli.engine.rollout import collect, reopen_for_retries, sampling_config
+from rlcli.engine.rollout import collect, make_sampler, reopen_for_retries, sampling_config
 from rlcli.store.checkpoints import resolve_checkpoint
 from rlcli.store.db import now
 from rlcli.store.episodes import stage_episodes
@@ -127,7 +127,7 @@ def run_eval(ctx: RunContext, checkpoints: list[str]) -> list[EvalResult]:
 def _evaluate(ctx: RunContext, stage: str, which: str, ckpt: Checkpoint | None, sampling) -> dict[str, Any]:
     recipe = ctx.recipe
     if which == "expert":
-        label, model, tokenizer = "expert", None, None
+        label, sampler, tokenizer = "expert", None, None
     else:
         from rlcli.models.loading import load_policy
 
@@ -135,13 +135,13 @@ def _evaluate(ctx: RunContext, stage: str, which: str, ckpt: Checkpoint | None, 
             recipe.model, recipe.lora, recipe.quantization, adapter=ckpt.path if ckpt else None, trainable=False
         )
         label = "base" if ckpt is None else str(ckpt.id)
+        sampler = make_sampler(recipe, model, tokenizer, sampling, base=ckpt is None)
     collect(
         ctx,
         stage=stage,
         policy_label=label,
-        model=model,
+        sampler=sampler,
         tokenizer=tokenizer,
-        sampling=sampling,
         task_indices=list(range(recipe.eval.tasks)),
         group_size=recipe.eval.k,
         split="eval",

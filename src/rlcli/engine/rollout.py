@@ -74,7 +74,6 @@ class LiveEpisode:
     env_return: float = 0.0
     success: bool | None = None
     template_consistent: bool = True
-    generator: Any = None
 
     @property
     def done(self) -> bool:
@@ -149,16 +148,13 @@ class RolloutLimits:
 
 
 class EpisodeRunner:
-    """Plays a chunk of episodes to the end with one policy (a model, or the env's expert)."""
+    """Plays a chunk of episodes to the end with one policy (a model's sampler, or the env's expert)."""
 
-    def __init__(
-        self, env_factory: Callable[[], Any], limits: RolloutLimits, model=None, tokenizer=None, sampling=None
-    ):
+    def __init__(self, env_factory: Callable[[], Any], limits: RolloutLimits, sampler=None, tokenizer=None):
         self.env_factory = env_factory
         self.limits = limits
-        self.model = model
+        self.sampler = sampler
         self.tokenizer = tokenizer
-        self.sampling = sampling
 
     def run(self, specs: list[EpisodeSpec], on_turns: Callable[[int], None] | None = None) -> list[LiveEpisode]:
         episodes = [LiveEpisode(spec) for spec in specs]
@@ -175,20 +171,14 @@ class EpisodeRunner:
                 raise
             except Exception as exc:  # the env factory itself
                 ep.finish(EndReason.ERROR, f"env could not be created: {type(exc).__name__}: {exc}")
-            if self.model is not None:
-                from rlcli.engine.sampling import make_generator
-
-                ep.generator = make_generator(self.model, ep.spec.sample_seed)
-        turn_cache = None
-        if self.model is not None:
-            from rlcli.engine.sampling import TurnCache
-
-            turn_cache = TurnCache()  # the chunk's KV cache, carried from turn to turn
+        if self.sampler is not None:
+            self.sampler.start([ep.spec.sample_seed for ep in episodes])
+        rows = {id(ep): row for row, ep in enumerate(episodes)}
         while True:
             live = [ep for ep in episodes if not ep.done]
             if not live:
                 break
-            actions = self._act(live, turn_cache)
+            actions = self._act(live, rows)
             for ep, action in zip(live, actions):
                 if ep.done:  # ended while building its prompt (context budget)
                     continue
@@ -199,8 +189,9 @@ class EpisodeRunner:
 
     # --- acting ---------------------------------------------------------------
 
-    def _act(self, live: list[LiveEpisode], turn_cache) -> list[Action]:
-        if self.model is None:
+    def _act(self, live: list[LiveEpisode], rows: dict[int, int]) -> list[Action]:
+        """One turn of every live episode; `rows` maps an episode (by id) to its row in the sampler."""
+        if self.sampler is None:
             out = []
             for ep in live:
                 start = time.perf_counter()
@@ -212,12 +203,10 @@ class EpisodeRunner:
                 out.append(Action(text, gen_time_s=time.perf_counter() - start))
             return out
 
-        from rlcli.engine.sampling import sample_batch
-
-        prompts, budgets, rows = [], [], []
+        prompts, budgets, asking = [], [], []
         for ep in live:
             prompt = self._prompt_ids(ep)
-            budget = min(self.sampling.max_new_tokens, self.limits.max_length - len(prompt))
+            budget = min(self.sampler.config.max_new_tokens, self.limits.max_length - len(prompt))
             if budget <= 0:
                 if ep.turns:
                     ep.finish(EndReason.CONTEXT)
@@ -230,16 +219,13 @@ class EpisodeRunner:
                 continue
             prompts.append(prompt)
             budgets.append(budget)
-            rows.append(ep)
+            asking.append(ep)
         results: dict[int, Action] = {}
-        if rows:
+        if asking:
             start = time.perf_counter()
-            turn_cache.align([id(ep) for ep in rows])
-            samples = sample_batch(
-                self.model, self.tokenizer, prompts, [ep.generator for ep in rows], self.sampling, budgets, turn_cache
-            )
-            elapsed = (time.perf_counter() - start) / len(rows)
-            for ep, prompt, sample in zip(rows, prompts, samples):
+            samples = self.sampler.sample([rows[id(ep)] for ep in asking], prompts, budgets)
+            elapsed = (time.perf_counter() - start) / len(asking)
+            for ep, prompt, sample in zip(asking, prompts, samples):
                 text = self.tokenizer.decode(sample.ids, skip_special_tokens=True)
                 results[id(ep)] = Action(text, sample.ids, sample.logprobs, prompt, elapsed, sample.finished)
         return [results.get(id(ep), Action("")) for ep in live]
@@ -265,7 +251,7 @@ class EpisodeRunner:
 
     def _step(self, ep: LiveEpisode, action: Action) -> None:
         ep.messages.append({"role": "assistant", "content": action.text})
-        if self.model is not None:
+        if self.sampler is not None:
             ep.ids = ep.ids + action.ids
             ep.text = ep.text + self.tokenizer.decode(
                 action.ids, skip_special_tokens=False, clean_up_tokenization_spaces=False
@@ -348,16 +334,18 @@ def collect(
     *,
     stage: str,
     policy_label: str,
-    model=None,
+    sampler=None,
     tokenizer=None,
-    sampling=None,
     task_indices: list[int],
     group_size: int,
     split: str,
     iteration: int | None = None,
     progress_label: str | None = None,
 ) -> dict[str, Any]:
-    """Roll out every missing episode of a stage and store it; return the stage's result."""
+    """Roll out every missing episode of a stage and store it; return the stage's result.
+
+    sampler: the policy's Sampler (see `make_sampler`); None plays the env's expert.
+    """
     from rlcli.envs.loading import load_env
 
     recipe = ctx.recipe
@@ -379,9 +367,7 @@ def collect(
         if missing:
             todo.append(missing)
     limits = RolloutLimits(recipe.env.max_turns, recipe.model.max_length, recipe.env.step_timeout_s)
-    runner = EpisodeRunner(env_factory, limits, model, tokenizer, sampling)
-    if model is not None:
-        model.eval()
+    runner = EpisodeRunner(env_factory, limits, sampler, tokenizer)
     with _progress(ctx, progress_label or stage, len(specs), len(specs) - sum(len(c) for c in todo)) as advance:
         for chunk in todo:
             episodes = runner.run(chunk, on_turns=lambda n: advance(0, n))
@@ -472,6 +458,36 @@ def sampling_config(rollout_cfg) -> Any:
     )
 
 
+def generation_engine(recipe) -> str:
+    """hf or vllm: rollout.engine, with auto resolved (see its description in the recipe)."""
+    cfg = recipe.rollout
+    if cfg.engine != "auto":
+        return cfg.engine
+    import importlib.util
+
+    from rlcli.models.loading import resolve_device
+
+    on_gpu = resolve_device(recipe.model.device).startswith("cuda")
+    untruncated = cfg.top_k == 0 and cfg.top_p == 1
+    # Weight sync into vLLM is verified for LoRA only (a full fine-tune's reload is not: see the README).
+    supported = on_gpu and untruncated and recipe.lora is not None
+    return "vllm" if supported and importlib.util.find_spec("vllm") is not None else "hf"
+
+
+def make_sampler(recipe, model, tokenizer, sampling, *, base: bool):
+    """The policy's Sampler on the recipe's engine; base: model is the recipe's model unchanged.
+
+    The vLLM engine is the process's shared one (see vllm_engine.policy_engine), given model's weights.
+    """
+    if generation_engine(recipe) == "hf":
+        from rlcli.engine.sampling import HfSampler
+
+        return HfSampler(model, tokenizer, sampling)
+    from rlcli.engine.vllm_engine import VllmSampler, policy_engine
+
+    return VllmSampler(policy_engine(recipe, model, base=base), sampling)
+
+
 def run_rollout_stage(ctx: RunContext, *, stage: str, policy: str, split: str) -> EpisodeSummary:
     """`rlcli rollout`: tasks x group size episodes with one policy, stored token by token."""
     if split not in ("train", "eval"):
@@ -484,13 +500,15 @@ def run_rollout_stage(ctx: RunContext, *, stage: str, policy: str, split: str) -
 
     def work() -> dict[str, Any]:
         label, model, tokenizer = load_rollout_policy(ctx, weights)
+        sampler = None
+        if model is not None:
+            sampler = make_sampler(recipe, model, tokenizer, sampling_config(recipe.rollout), base=label == "base")
         summary = collect(
             ctx,
             stage=stage,
             policy_label=label,
-            model=model,
+            sampler=sampler,
             tokenizer=tokenizer,
-            sampling=sampling_config(recipe.rollout),
             task_indices=list(range(recipe.rollout.tasks)),
             group_size=recipe.rollout.group_size,
             split=split,

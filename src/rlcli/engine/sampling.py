@@ -13,11 +13,15 @@ work, so reading per row and per token would serialise the loop.
 Multi-turn episodes keep their KV cache between turns (`TurnCache`): a turn's prompt is the previous
 prompt plus the sampled tokens plus the env's feedback, so only those new tokens are prefilled.
 Re-prefilling the whole conversation every turn made prefill most of a multi-turn rollout's time.
+
+Rollouts sample through the `Sampler` interface: `HfSampler` (this decode loop) or
+`vllm_engine.VllmSampler` (an in-process vLLM engine).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -41,6 +45,40 @@ class Sample:
     ids: list[int]
     logprobs: list[float]
     finished: bool  # ended on an eos token or a stop string (not on the token cap)
+
+
+class Sampler(Protocol):
+    """How rollouts generate: a chunk of episodes, each with its own sample seed, played turn by turn.
+
+    `start` begins a chunk; each `sample` call is one turn of the chunk's episodes named by `rows`
+    (indices into the seeds given to `start`). An episode's tokens depend on its seed and its
+    prompts only, never on which other episodes share the batch.
+    """
+
+    config: SamplingConfig
+
+    def start(self, seeds: list[int]) -> None: ...
+
+    def sample(self, rows: list[int], prompts: list[list[int]], budgets: list[int]) -> list[Sample]: ...
+
+
+class HfSampler:
+    """The Sampler over `sample_batch`: a generator per episode, and the chunk's KV cache across turns."""
+
+    def __init__(self, model, tokenizer, config: SamplingConfig) -> None:
+        self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.generators: list[torch.Generator] = []
+        self.turn_cache = TurnCache()
+
+    def start(self, seeds: list[int]) -> None:
+        self.model.eval()  # the trainer switches it to train mode between rollouts
+        self.generators = [make_generator(self.model, seed) for seed in seeds]
+        self.turn_cache = TurnCache()
+
+    def sample(self, rows: list[int], prompts: list[list[int]], budgets: list[int]) -> list[Sample]:
+        self.turn_cache.align(rows)
+        generators = [self.generators[row] for row in rows]
+        return sample_batch(self.model, self.tokenizer, prompts, generators, self.config, budgets, self.turn_cache)
 
 
 def _filter_logits(scores: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

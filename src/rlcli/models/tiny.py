@@ -13,8 +13,12 @@ TINY_SEED = 0
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 
 
-def build_tiny_random(out: Path) -> None:
-    """Write the model and its tokenizer into `out` as a `from_pretrained` folder."""
+def build_tiny_random(out: Path, head_dim: int = 16) -> None:
+    """Write the model and its tokenizer into `out` as a `from_pretrained` folder.
+
+    head_dim: 16 gives tiny-random (hidden 64, 4 heads); vLLM's CPU attention refuses 16 (it
+    takes 32, 64, 80, ...), so its tests build head_dim=64 (hidden 128, 2 heads), with the same tokenizer.
+    """
     import torch
     from tokenizers import (
         Tokenizer,
@@ -43,13 +47,15 @@ def build_tiny_random(out: Path) -> None:
         tokenizer_object=bpe, eos_token=IM_END, pad_token=IM_END, chat_template=CHATML_TOOLS_TEMPLATE
     )
     end = bpe.token_to_id(IM_END)
+    hidden = max(64, 2 * head_dim)
+    heads = hidden // head_dim
     config = LlamaConfig(
         vocab_size=bpe.get_vocab_size(),
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
         max_position_embeddings=4096,
         tie_word_embeddings=True,
         bos_token_id=None,

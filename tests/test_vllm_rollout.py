@@ -1,0 +1,199 @@
+"""Rollouts, GRPO and the recipe with `rollout.engine: vllm` (the engine seam, rlcli.engine.rollout).
+
+The vLLM tests share one engine per process with tests/test_vllm_engine.py (same tiny head_dim-64
+model, same options): see ENGINE_OPTIONS there. The recipe tests need no vllm.
+"""
+
+from __future__ import annotations
+
+import signal
+import sqlite3
+import subprocess
+import time
+
+import pytest
+
+from helpers import RLCLI, cli_env, make_ctx, run_cli, sequence_logprobs, write_recipe
+from rlcli.engine.rollout import generation_engine, load_rollout_policy, run_rollout_stage
+from rlcli.errors import UsageError
+from rlcli.recipe import load_recipe
+from rlcli.store.blobs import unpack_floats, unpack_ids
+from test_train import DIGITS, _learnable_recipe
+from test_vllm_engine import KV_CACHE_BYTES, needs_vllm, tiny64  # noqa: F401 (tiny64: a fixture)
+
+# Engine and trainer both compute in float32 on the CPU: what differs is summation order, ~1e-6.
+LOGPROB_TOLERANCE = 1e-4
+TURNS = (
+    "select e.task_index, e.sample_index, t.turn_index, t.completion_ids, t.logprobs from episodes e "
+    "join turns t on t.episode_id = e.id where e.stage = ? order by 1, 2, 3"
+)
+
+
+def vllm_recipe(tmp_path, model, **sections):
+    """A recipe on `model` (tiny64) that the session's shared engine serves."""
+    base = dict(
+        model={"name": str(model), "max_length": 1024, "dtype": "float32", "device": "cpu"},
+        env={"name": "guess_number", "max_turns": 2},  # two turns: the second extends the first's ids
+        rollout={
+            "tasks": 3,
+            "group_size": 2,
+            "max_new_tokens": 12,
+            "batch_size": 4,
+            "engine": "vllm",
+            "vllm_memory": KV_CACHE_BYTES,
+        },
+    )
+    for key, value in sections.items():
+        base[key] = {**base.get(key, {}), **value} if isinstance(value, dict) else value
+    return write_recipe(tmp_path / "r.yaml", **base)
+
+
+def stored_turns(runs_dir, stage="rollout"):
+    with sqlite3.connect(runs_dir / "rlcli.db") as conn:
+        return conn.execute(TURNS, [stage]).fetchall()
+
+
+# --- the recipe (no vllm needed) ------------------------------------------------------------------
+
+
+def test_vllm_refuses_truncated_sampling_and_auto_stays_on_hf_on_a_cpu(tmp_path):
+    recipe = write_recipe(tmp_path / "r.yaml", rollout={"engine": "vllm", "top_p": 0.9})
+    with pytest.raises(UsageError, match="truncated distribution"):
+        load_recipe(recipe)
+    cpu = load_recipe(write_recipe(tmp_path / "auto.yaml", model={"device": "cpu"}))
+    assert cpu.rollout.engine == "auto" and generation_engine(cpu) == "hf"
+    assert generation_engine(load_recipe(recipe, ["rollout.top_p=1"])) == "vllm"
+
+
+def test_sft_turns_activation_checkpointing_off_under_either_transformers_name():
+    from trl import SFTConfig
+
+    from rlcli.engine.sft import _checkpointing_field
+
+    config = SFTConfig(
+        output_dir="unused", report_to="none", use_cpu=True, bf16=False, **{_checkpointing_field(SFTConfig): False}
+    )
+    assert config.gradient_checkpointing is False
+
+
+# --- rollouts ------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_same_seeds_same_episodes_and_logprobs_the_trainer_recomputes(tmp_path, tiny64):  # noqa: F811
+    recipe = vllm_recipe(tmp_path, tiny64)
+    runs = [tmp_path / "a", tmp_path / "b"]
+    for runs_dir in runs:
+        run_rollout_stage(make_ctx(recipe, runs_dir), stage="rollout", policy="base", split="train")
+    first, again = (stored_turns(r) for r in runs)
+    assert first == again and len(first) >= 6
+    assert any(turn_index == 1 for _, _, turn_index, _, _ in first)  # a second turn went through the cache
+
+    ctx = make_ctx(recipe, runs[0])
+    _, model, _ = load_rollout_policy(ctx, "base")
+    for ep in ctx.rundb.db.query("select id from episodes where stage = 'rollout'"):
+        for t in ctx.rundb.db.query("select * from turns where episode_id = ?", [ep["id"]]):
+            check_logprobs(model, t)
+
+
+def check_logprobs(model, turn) -> None:
+    prompt, completion = unpack_ids(turn["prompt_ids"]), unpack_ids(turn["completion_ids"])
+    recomputed = sequence_logprobs(model, prompt + completion, len(prompt))  # temperature 1
+    assert recomputed.tolist() == pytest.approx(unpack_floats(turn["logprobs"]), abs=LOGPROB_TOLERANCE)
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_kill_during_a_vllm_rollout_resumes_without_duplicates(tmp_path, tiny64):  # noqa: F811
+    # batch_size 1: each episode is its own commit, so the kill lands mid-rollout.
+    recipe = vllm_recipe(tmp_path, tiny64, rollout={"tasks": 12, "batch_size": 1})
+    runs = tmp_path / "runs"
+    args = ["rollout", "-r", str(recipe), "--policy", "base"]
+    proc = subprocess.Popen(RLCLI + args, env=cli_env(runs), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline, stored = time.time() + 300, 0  # the engine starts first: 10-40 s
+    while time.time() < deadline and proc.poll() is None and stored < 4:
+        time.sleep(0.2)
+        try:
+            with sqlite3.connect(runs / "rlcli.db") as conn:
+                stored = conn.execute("select count(*) from episodes").fetchone()[0]
+        except sqlite3.Error:
+            continue
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert 0 < stored < 24, "the kill must land mid-rollout"
+    done = run_cli(args, runs)
+    assert done.returncode == 0, done.stderr
+
+    clean = tmp_path / "clean"  # uninterrupted, in this process (the shared engine)
+    run_rollout_stage(make_ctx(recipe, clean), stage="rollout", policy="base", split="train")
+    resumed = stored_turns(runs)
+    assert resumed == stored_turns(clean)
+    assert len({(task, sample) for task, sample, *_ in resumed}) == 24
+    with sqlite3.connect(runs / "rlcli.db") as conn:
+        assert conn.execute("select count(*) from episodes").fetchone()[0] == 24  # nothing duplicated
+
+
+# --- GRPO ----------------------------------------------------------------------------------------
+
+
+def metric(ctx, key):
+    return [r.value for r in ctx.rundb.metrics(ctx.run, key)]
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_after_an_update_the_engine_samples_the_trained_adapter(tmp_path, tiny64):  # noqa: F811
+    from rlcli.engine.train import run_grpo
+    from rlcli.store.checkpoints import checkpoints
+
+    (tmp_path / "digits.py").write_text(DIGITS)  # a reward that varies within a group: a gradient
+    recipe = vllm_recipe(
+        tmp_path,
+        tiny64,
+        lora={"r": 4, "alpha": 8},
+        env={"name": "arithmetic", "max_turns": 1},
+        rewards=[{"fn": f"{tmp_path / 'digits.py'}:digits"}],
+        grpo={"iterations": 2, "lr": 3e-2, "checkpoint_every": 1, "drop_zero_var_groups": False},
+    )
+    ctx = make_ctx(recipe, tmp_path / "runs")
+    run_grpo(ctx)
+    assert len(metric(ctx, "perf/time_sync_s")) == 2
+    first = checkpoints(ctx.rundb, ctx.run)[0]
+    _, trained, _ = load_rollout_policy(ctx, str(first.id))
+    _, base, _ = load_rollout_policy(ctx, "base")
+    turns = list(
+        ctx.rundb.db.query("select t.* from turns t join episodes e on e.id = t.episode_id where e.stage = 'rollout/1'")
+    )
+    assert turns
+    moved = 0.0
+    for t in turns:  # rollout/1 was sampled after train/0 and the sync that followed it
+        check_logprobs(trained, t)
+        prompt, completion = unpack_ids(t["prompt_ids"]), unpack_ids(t["completion_ids"])
+        before = sequence_logprobs(base, prompt + completion, len(prompt))
+        moved = max(moved, max(abs(a - b) for a, b in zip(before.tolist(), unpack_floats(t["logprobs"]))))
+    assert moved > 0.01  # the engine no longer serves the base weights
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_grpo_with_vllm_logs_the_sync_and_a_zero_logprob_gap(tmp_path, tiny64):  # noqa: F811
+    from rlcli.engine.train import run_grpo
+
+    digits = _learnable_recipe(tmp_path)  # the reward file and sections of test_train's learning test
+    recipe = vllm_recipe(
+        tmp_path,
+        tiny64,
+        **{k: v for k, v in load_recipe(digits).to_dict().items() if k in ("env", "rewards", "grpo")},
+        lora={"r": 8, "alpha": 16},
+        rollout={"tasks": 4, "group_size": 4, "max_new_tokens": 8, "batch_size": 16, "temperature": 1.0},
+    )
+    ctx = make_ctx(recipe, tmp_path / "runs")
+    run_grpo(ctx)
+    assert len(metric(ctx, "rollout/reward_mean")) == len(metric(ctx, "perf/time_sync_s")) == 12
+    gaps = metric(ctx, "train/engine_logprob_gap")
+    assert gaps and max(gaps) < LOGPROB_TOLERANCE, gaps  # every rollout came from the trained weights
+
+    with pytest.raises(UsageError, match="needs a lora"):
+        (tmp_path / "full").mkdir()
+        run_grpo(make_ctx(vllm_recipe(tmp_path / "full", tiny64, lora=None), tmp_path / "full" / "runs"))
