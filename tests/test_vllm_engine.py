@@ -155,6 +155,35 @@ def test_after_load_weights_the_engine_follows_the_merged_lora(engine, hf_model,
 
 @pytest.mark.slow
 @needs_vllm
+def test_after_load_weights_the_engine_follows_every_weight_of_a_plain_model(engine, hf_model, prompts, tiny64):
+    """Full fine-tuning changes the embedding, which the tied head shares (tie_word_embeddings).
+
+    vLLM's CPU build multiplies by a packed copy of the head, which its reload left stale: the
+    engine then sampled from the old head (vllm_engine.load_weights repacks it).
+    """
+    from transformers import AutoModelForCausalLM
+
+    assert hf_model.config.tie_word_embeddings
+    base = AutoModelForCausalLM.from_pretrained(tiny64, dtype=torch.float32)
+    with torch.random.fork_rng(), torch.no_grad():
+        torch.manual_seed(2)
+        for p in hf_model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    try:
+        engine.load_weights(merged_weights(hf_model))
+        after = engine.generate(prompts, [21, 22, 23], SAMPLED)
+    finally:
+        engine.load_weights(merged_weights(base))  # the other tests expect the base model
+    for prompt, sample in zip(prompts, after):
+        assert gap(hf_model, prompt, sample, SAMPLED.logprob_temperature) < LOGPROB_TOLERANCE
+        assert gap(base, prompt, sample, SAMPLED.logprob_temperature) > 0.01  # not the base any more
+    restored = engine.generate(prompts, [21, 22, 23], SAMPLED)
+    for prompt, sample in zip(prompts, restored):
+        assert gap(base, prompt, sample, SAMPLED.logprob_temperature) < LOGPROB_TOLERANCE
+
+
+@pytest.mark.slow
+@needs_vllm
 def test_finished_means_eos_or_a_stop_string_not_the_token_cap(engine, prompts, tokenizer):
     cap = 256
     # The random model's next token is close to uniform over 512 ids: within 256 tokens about a

