@@ -220,3 +220,25 @@ def test_full_fine_tuning_with_vllm_keeps_a_zero_logprob_gap(tmp_path, tiny64): 
     assert len(metric(ctx, "perf/time_sync_s")) == 4
     gaps = metric(ctx, "train/engine_logprob_gap")
     assert len(gaps) == 4 and max(gaps) < 1e-3, gaps
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_grpo_with_vllm_learns_the_digits_task(tmp_path, tiny64):  # noqa: F811
+    """test_train's test_reward_rises_over_iterations with the engine sampling: full fine-tuning, lr 3e-2."""
+    from rlcli.engine.train import run_grpo
+
+    sections = load_recipe(_learnable_recipe(tmp_path)).to_dict()
+    recipe = vllm_recipe(
+        tmp_path,
+        tiny64,
+        **{k: v for k, v in sections.items() if k in ("env", "rewards", "grpo")},
+        lora=None,
+        rollout={"tasks": 4, "group_size": 4, "max_new_tokens": 8, "batch_size": 16, "temperature": 1.0},
+    )
+    ctx = make_ctx(recipe, tmp_path / "runs")
+    run_grpo(ctx)
+    rewards = metric(ctx, "rollout/reward_mean")
+    assert len(rewards) == 12
+    first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
+    assert last > first + 0.1, rewards

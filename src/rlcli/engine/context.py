@@ -11,7 +11,7 @@ from rich.console import Console
 
 from rlcli.recipe import Recipe
 from rlcli.store.db import RunDB
-from rlcli.store.stages import NEW_STAGE_HINT, run_stage
+from rlcli.store.stages import run_stage
 
 
 @dataclass
@@ -31,15 +31,7 @@ class RunContext:
         return self.runs_dir / self.run
 
     def stage(
-        self,
-        name: str,
-        work: Callable[[], dict[str, Any] | None],
-        params: dict[str, Any] | None = None,
-        *,
-        identity: dict[str, Any] | None = None,
-        new_stage_hint: str = NEW_STAGE_HINT,
-        commit: Callable[[dict[str, Any]], None] | None = None,
+        self, name: str, work: Callable[[], dict[str, Any] | None], params: dict[str, Any] | None = None, **options: Any
     ) -> dict[str, Any]:
-        return run_stage(
-            self.rundb, self.run, name, work, params, identity=identity, new_stage_hint=new_stage_hint, commit=commit
-        )
+        """`run_stage` on this run; options are run_stage's keywords (identity, new_stage_hint, commit)."""
+        return run_stage(self.rundb, self.run, name, work, params, **options)

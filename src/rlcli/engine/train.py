@@ -178,7 +178,7 @@ def run_grpo(ctx: RunContext) -> None:
                     iteration=it,
                     progress_label=f"rollout {it}",
                 ),
-                {"iteration": it, "tasks": [tasks[0], tasks[-1]]},
+                params={"iteration": it, "tasks": [tasks[0], tasks[-1]]},
             )
             timings["perf/time_rollout_s"] = time.perf_counter() - t0
 
@@ -210,7 +210,7 @@ def run_grpo(ctx: RunContext) -> None:
             result = ctx.stage(
                 f"train/{it}",
                 lambda: train_iteration(ctx, model, tokenizer, optimizer, scheduler, schedule, it),
-                {"iteration": it},
+                params={"iteration": it},
                 commit=commit,
             )
             metrics = {**iteration_metrics(rollout_summary, result), **timings}
