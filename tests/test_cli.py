@@ -322,7 +322,12 @@ def test_runs_dir_reaches_stage_commands(capsys, monkeypatch, tmp_path, good):
 
 def test_shared_options_go_before_the_command(capsys, tmp_path):
     code, _, err = cli(capsys, "runs", "list", "--runs-dir", tmp_path)
-    assert code == 2 and "No such option" in err
+    assert code == 2 and "--runs-dir goes before the command" in one_line(err)
+    code, _, err = cli(capsys, "run", "-r", "x.yaml", "--debug")
+    assert code == 2 and "--debug goes before the command" in one_line(err) and "Traceback" not in err
+    # Before the command they are options; a value of --runs-dir is not mistaken for the command.
+    code, _, err = cli(capsys, "--runs-dir", tmp_path, "--debug", "runs", "list")
+    assert code == 0, err
 
 
 def test_runs_show_unknown_run_without_a_database(capsys, rlcli_home):

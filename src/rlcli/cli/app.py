@@ -52,11 +52,32 @@ def shared_options(
     options.debug = options.debug or debug  # main() may have turned it on from $RLCLI_DEBUG
 
 
+SHARED_OPTIONS = ("--debug", "--runs-dir")
+
+
+def misplaced_shared_option(args: list[str]) -> str | None:
+    """A shared option given after the command (`rlcli run -r x.yaml --debug`, as rlcli 0.1 took it)."""
+    command = next(
+        (i for i, arg in enumerate(args) if not arg.startswith("-") and (i == 0 or args[i - 1] != "--runs-dir")), None
+    )
+    if command is None:
+        return None
+    return next((arg.split("=")[0] for arg in args[command + 1 :] if arg.split("=")[0] in SHARED_OPTIONS), None)
+
+
 def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    misplaced = misplaced_shared_option(args)
+    if misplaced:
+        err_console.print(
+            f"[red]Error:[/red] {misplaced} goes before the command, e.g. rlcli {misplaced} ... run -r recipe.yaml.",
+            highlight=False,
+        )
+        sys.exit(2)
     # main() reads the options back after the app has finished, to decide how to report an error.
     options = SharedOptions(debug=bool(os.environ.get("RLCLI_DEBUG")))
     try:
-        app(args=sys.argv[1:] if argv is None else argv, prog_name="rlcli", obj=options)
+        app(args=args, prog_name="rlcli", obj=options)
     except RlcliError as exc:
         if options.debug:
             raise
