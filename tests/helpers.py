@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+import signal
+import sqlite3
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import yaml
@@ -72,3 +75,21 @@ def sequence_logprobs(model, ids: list[int], start: int):
         logits = model(input_ids=inp).logits[0, start - 1 : len(ids) - 1].float()
     target = inp[0, start:]
     return torch.log_softmax(logits, -1).gather(-1, target[:, None])[:, 0]
+
+
+def kill_when(args: list[str], runs, sql: str, at_least: int, timeout: float = 180) -> int:
+    """Start `rlcli ARGS`, SIGKILL it as soon as `sql` counts at least `at_least`; return that count."""
+    proc = subprocess.Popen(RLCLI + args, env=cli_env(runs), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline, count = time.time() + timeout, 0
+    while time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+        try:
+            with sqlite3.connect(runs / "rlcli.db") as conn:
+                count = conn.execute(sql).fetchone()[0]
+        except sqlite3.Error:  # not created yet, or busy
+            continue
+        if count >= at_least:
+            break
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    return count

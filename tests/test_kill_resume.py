@@ -3,30 +3,9 @@ duplicated or lost. (Rollout, SFT and GRPO have theirs in their own test files.)
 
 from __future__ import annotations
 
-import signal
 import sqlite3
-import subprocess
-import time
 
-from helpers import RLCLI, cli_env, run_cli, write_recipe
-
-
-def kill_when(args: list[str], runs, sql: str, at_least: int, timeout: float = 180) -> int:
-    """Start `rlcli ARGS`, SIGKILL it as soon as `sql` counts at least `at_least`; return that count."""
-    proc = subprocess.Popen(RLCLI + args, env=cli_env(runs), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline, count = time.time() + timeout, 0
-    while time.time() < deadline and proc.poll() is None:
-        time.sleep(0.05)
-        try:
-            with sqlite3.connect(runs / "rlcli.db") as conn:
-                count = conn.execute(sql).fetchone()[0]
-        except sqlite3.Error:  # not created yet, or busy
-            continue
-        if count >= at_least:
-            break
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    return count
+from helpers import kill_when, run_cli, write_recipe
 
 
 def query(runs, sql: str) -> list[tuple]:

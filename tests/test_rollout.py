@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
-import time
+import sqlite3
 
 import pytest
 import torch
 
-from helpers import RLCLI, cli_env, make_ctx, run_cli, sequence_logprobs, write_env_file, write_recipe
+from helpers import kill_when, make_ctx, run_cli, sequence_logprobs, write_env_file, write_recipe
 from rlcli.engine.rollout import derive_seed, load_rollout_policy, run_rollout_stage
 from rlcli.envs.loading import load_env
 from rlcli.store.blobs import unpack_floats, unpack_ids
@@ -178,27 +176,7 @@ def test_kill_during_rollout_resumes_without_duplicates(tmp_path):
         # batch_size 1: 24 chunks, each its own commit, so the kill lands mid-rollout even on a fast machine.
         rollout={"tasks": 12, "group_size": 2, "max_new_tokens": 12, "batch_size": 1},
     )
-    proc = subprocess.Popen(
-        RLCLI + ["rollout", "-r", str(recipe), "--policy", "base"],
-        env=cli_env(runs),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    import sqlite3
-
-    deadline = time.time() + 120
-    stored = 0
-    while time.time() < deadline and proc.poll() is None:
-        time.sleep(0.2)
-        try:
-            with sqlite3.connect(runs / "rlcli.db") as conn:
-                stored = conn.execute("select count(*) from episodes").fetchone()[0]
-        except sqlite3.Error:
-            continue
-        if stored >= 4:
-            break
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    stored = kill_when(["rollout", "-r", str(recipe), "--policy", "base"], runs, "select count(*) from episodes", 4)
     assert 0 < stored < 24, "the kill must land mid-rollout"
     done = run_cli(["rollout", "-r", str(recipe), "--policy", "base"], runs)
     assert done.returncode == 0, done.stderr

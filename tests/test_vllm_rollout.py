@@ -6,14 +6,11 @@ model, same options): see ENGINE_OPTIONS there. The recipe tests need no vllm.
 
 from __future__ import annotations
 
-import signal
 import sqlite3
-import subprocess
-import time
 
 import pytest
 
-from helpers import RLCLI, cli_env, make_ctx, run_cli, sequence_logprobs, write_recipe
+from helpers import kill_when, make_ctx, run_cli, sequence_logprobs, write_recipe
 from rlcli.engine.rollout import generation_engine, load_rollout_policy, run_rollout_stage
 from rlcli.errors import UsageError
 from rlcli.recipe import load_recipe
@@ -110,17 +107,8 @@ def test_kill_during_a_vllm_rollout_resumes_without_duplicates(tmp_path, tiny64)
     recipe = vllm_recipe(tmp_path, tiny64, rollout={"tasks": 12, "batch_size": 1})
     runs = tmp_path / "runs"
     args = ["rollout", "-r", str(recipe), "--policy", "base"]
-    proc = subprocess.Popen(RLCLI + args, env=cli_env(runs), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline, stored = time.time() + 300, 0  # the engine starts first: 10-40 s
-    while time.time() < deadline and proc.poll() is None and stored < 4:
-        time.sleep(0.2)
-        try:
-            with sqlite3.connect(runs / "rlcli.db") as conn:
-                stored = conn.execute("select count(*) from episodes").fetchone()[0]
-        except sqlite3.Error:
-            continue
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    # The engine starts first: 10-40 s.
+    stored = kill_when(args, runs, "select count(*) from episodes", 4, timeout=300)
     assert 0 < stored < 24, "the kill must land mid-rollout"
     done = run_cli(args, runs)
     assert done.returncode == 0, done.stderr
