@@ -479,7 +479,9 @@ def test_smollm2_held_out_success_rises_after_sft_on_expert_demos(tmp_path, smol
 
     recipe = REPO / "recipes" / "quickstart.yaml"
     ctx = make_ctx(
-        recipe, tmp_path / "runs", ["sft.demos=48", "grpo.iterations=0", "eval.tasks=16", "eval.temperature=0"]
+        recipe,
+        tmp_path / "runs",
+        ["sft.demos=48", "grpo.iterations=0", "eval.tasks=16", "eval.temperature=0", "rollout.engine=hf"],
     )
     run_sft(ctx)
     base, sft = run_eval(ctx, ["base", "sft"])

@@ -210,6 +210,15 @@ def test_per_request_token_budgets(engine, prompts):
         assert len(sample.ids) == budget or (sample.finished and len(sample.ids) < budget)
 
 
+@needs_vllm
+def test_auto_knows_the_head_sizes_of_vllms_cpu_attention():
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    from rlcli.engine.rollout import VLLM_CPU_HEAD_SIZES
+
+    assert tuple(CPUAttentionBackend.get_supported_head_sizes()) == VLLM_CPU_HEAD_SIZES
+
+
 def test_the_engine_refuses_devices_it_cannot_run_on():
     _check_device("auto", "cpu")
     _check_device("cuda:0", "cuda")

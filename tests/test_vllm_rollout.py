@@ -53,13 +53,34 @@ def stored_turns(runs_dir, stage="rollout"):
 # --- the recipe (no vllm needed) ------------------------------------------------------------------
 
 
-def test_vllm_refuses_truncated_sampling_and_auto_stays_on_hf_on_a_cpu(tmp_path):
+def test_vllm_refuses_truncated_sampling(tmp_path):
     recipe = write_recipe(tmp_path / "r.yaml", rollout={"engine": "vllm", "top_p": 0.9})
     with pytest.raises(UsageError, match="truncated distribution"):
         load_recipe(recipe)
-    cpu = load_recipe(write_recipe(tmp_path / "auto.yaml", model={"device": "cpu"}))
-    assert cpu.rollout.engine == "auto" and generation_engine(cpu) == "hf"
     assert generation_engine(load_recipe(recipe, ["rollout.top_p=1"])) == "vllm"
+
+
+def test_auto_picks_vllm_on_a_cpu_for_head_sizes_its_kernels_take(tmp_path, monkeypatch):
+    import importlib.util
+    import json
+
+    def model_with_heads(head_dim: int):
+        folder = tmp_path / f"model-{head_dim}"
+        folder.mkdir(exist_ok=True)
+        (folder / "config.json").write_text(json.dumps({"hidden_size": 4 * head_dim, "num_attention_heads": 4}))
+        return str(folder)
+
+    def engine(model: str, *overrides: str) -> str:
+        recipe = write_recipe(tmp_path / "auto.yaml", model={"name": model, "device": "cpu"})
+        return generation_engine(load_recipe(recipe, list(overrides)))
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else None)
+    assert engine(model_with_heads(64)) == "vllm"
+    assert engine(model_with_heads(16)) == "hf"  # the tiny test model's: vLLM's CPU attention refuses it
+    assert engine(model_with_heads(64), "rollout.top_p=0.9") == "hf"
+    assert engine(model_with_heads(64), "rollout.engine=hf") == "hf"
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    assert engine(model_with_heads(64)) == "hf"  # vllm not installed
 
 
 def test_sft_turns_activation_checkpointing_off_under_either_transformers_name():

@@ -146,7 +146,13 @@ def shared_engine(model_path: str, **options: Any) -> VllmEngine:
     global _shared
     key = {"model_path": str(model_path), **options}
     if _shared is None or _shared[0] != key:
+        from rlcli.models.loading import console
+
         _shared = None  # vLLM cannot hold two engines' memory at once: drop the old one first
+        # Say so: `auto` may have picked vLLM, and its start takes seconds.
+        console.print(
+            f"vLLM engine: starting on {options.get('device', 'the default device')} (rollout.engine=hf avoids it)"
+        )
         _shared = (key, VllmEngine(model_path, **options))
     return _shared[1]
 
