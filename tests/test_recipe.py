@@ -279,6 +279,17 @@ def test_changed_fields_sees_lists_and_removed_sections():
     ]
 
 
+def test_fields_added_since_a_run_started_count_as_their_defaults():
+    """A run stored by an older rlcli lacks the fields added since; they ran as their defaults, so a
+    resume with the defaults is no change, and one that sets them otherwise is."""
+    old = Recipe().to_dict()
+    del old["grpo"]["eval_every"], old["grpo"]["keep_best"], old["grpo"]["importance"]
+    assert changed_fields(old, Recipe().to_dict()) == []
+    assert changed_fields(old, load_recipe(None, ["grpo.importance=sequence"]).to_dict()) == ["grpo.importance"]
+    no_lora = load_recipe(None, ["lora=null"]).to_dict()
+    assert changed_fields(no_lora, no_lora) == []
+
+
 def test_sha256_stable_and_content_sensitive(tmp_path):
     a = load_recipe(write(tmp_path, "grpo:\n  lr: 1.0e-5\nrun:\n  seed: 1\n", "a.yaml"))
     # Same content, other key order and spelling: same hash.

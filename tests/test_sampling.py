@@ -50,6 +50,32 @@ def test_samples_depend_only_on_the_seed_not_on_the_batch(policy, cfg):
         assert other_seed[0].ids != alone[0].ids
 
 
+@pytest.mark.parametrize("cfg", CONFIGS[:2], ids=["plain", "top-k-p"])
+def test_a_shared_first_prompt_is_prefilled_once_and_samples_as_if_alone(policy, cfg, monkeypatch):
+    """A group's episodes start from the same prompt: it is prefilled once and its cache copied to
+    each of them; each still samples what it samples alone with its seed, and the next turn goes on
+    from its own copy."""
+    model, tokenizer = policy
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[0], PROMPTS[0]]
+    alone = [sample_batch(model, tokenizer, [p], generators([s]), cfg)[0] for p, s in zip(prompts, [1, 2, 3, 4])]
+    rows = []
+    forward = model.forward
+    monkeypatch.setattr(model, "forward", lambda *a, **k: rows.append(k["input_ids"].shape[0]) or forward(*a, **k))
+    cache = TurnCache()
+    cache.align(["a", "b", "c", "d"])
+    together = sample_batch(model, tokenizer, prompts, generators([1, 2, 3, 4]), cfg, turn_cache=cache)
+    monkeypatch.undo()
+    assert rows[0] == 2 and set(rows[1:]) == {4}
+    assert [s.ids for s in together] == [s.ids for s in alone]
+    for s, a in zip(together, alone):
+        assert s.logprobs == pytest.approx(a.logprobs, abs=1e-4)
+    assert cache.ids == [p + s.ids[:-1] for p, s in zip(prompts, together)]
+    second = [ids + [20, 21] for ids in cache.ids]
+    continued = sample_batch(model, tokenizer, second, generators([5, 6, 7, 8]), cfg, turn_cache=cache)
+    fresh = sample_batch(model, tokenizer, second, generators([5, 6, 7, 8]), cfg)
+    assert [s.ids for s in continued] == [s.ids for s in fresh]
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_a_draw_is_the_one_torch_multinomial_makes(seed):
     """The sampler's draw reproduces torch.multinomial's for the same generator state, so recorded

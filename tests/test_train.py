@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from helpers import RLCLI, cli_env, make_ctx, run_cli, write_recipe
-from rlcli.engine import train
+from rlcli.engine import train, update
 from rlcli.engine.train import run_grpo
 from rlcli.store.checkpoints import checkpoints
 from rlcli.store.db import RunDB
@@ -103,6 +103,7 @@ def test_objective_variants_run_and_change_the_adapter(tmp_path, options):
     lora_b = [v for k, v in weights.items() if "lora_B" in k]
     assert lora_b and any(v.abs().sum() > 0 for v in lora_b), "LoRA B starts at zero and must have moved"
     assert _metric(ctx, "train/loss")
+    assert 0.0 <= _metric(ctx, "perf/pad_frac")[0] < 1.0
 
 
 def test_mask_truncated_leaves_out_episodes_cut_by_the_token_cap(tmp_path):
@@ -175,50 +176,246 @@ def test_kill_and_resume_ends_identical_to_an_uninterrupted_run(tmp_path):
         assert va == pytest.approx(vb, abs=1e-6), key
 
 
-def test_shared_prefix_forward_gives_the_same_loss_and_gradients(monkeypatch):
-    """The update forwards a micro-batch's common prefix once; loss and LoRA gradients equal those
-    of forwarding every full sequence (rows of different lengths, left padding included)."""
-    from rlcli.engine import grpo, train
+def _tiny_policy(lora=True, dtype="float32"):
     from rlcli.models.loading import load_policy
     from rlcli.recipe import LoraSection, ModelSection, QuantizationSection
 
     torch.manual_seed(0)
     model, _ = load_policy(
-        ModelSection(name="tiny-random"), LoraSection(r=4, alpha=8, dropout=0.0), QuantizationSection(), trainable=True
+        ModelSection(name="tiny-random", dtype=dtype),
+        LoraSection(r=4, alpha=8, dropout=0.0) if lora else None,
+        QuantizationSection(),
+        trainable=True,
     )
     model.train()
-    prompt = list(range(3, 23))  # 20 shared tokens
-    tails = [[30, 31, 32, 33, 34], [40, 41, 42], [50, 51, 52, 53, 54, 55, 56]]
+    return model
+
+
+def _multi_turn_sequences():
+    """Three conversations sharing a 20-token prompt: one of two assistant turns with an observation
+    between them, two of one turn; different lengths, so the micro-batch is padded."""
+    prompt = list(range(3, 23))
+    turns = [
+        [(list(range(30, 36)), 1.0), (list(range(60, 64)), 0.0), (list(range(36, 41)), 1.0)],
+        [(list(range(40, 43)), 1.0)],
+        [(list(range(50, 59)), 1.0)],
+    ]
     seqs = []
-    for i, tail in enumerate(tails):
-        ids = prompt + tail
-        mask = [0.0] * (len(prompt) + 1) + [1.0] * (len(tail) - 1)
+    for i, parts in enumerate(turns):
+        ids, mask = list(prompt), [0.0] * len(prompt)
+        for tokens, trainable in parts:
+            ids += tokens
+            mask += [trainable] * len(tokens)
         seqs.append(
-            train.TrainSequence(
+            update.TrainSequence(
                 i, 0, ids, mask, [0.0] * len(ids), [0] * len(ids), advantage=[float(i) - 1.0] * len(ids)
             )
         )
-    assert train._shared_prefix(seqs) == 20
+    return seqs
+
+
+def _reference_logprobs(model, batch, temperature):
+    """rlcli's update before chunking: the model's forward builds [B, keep, V] float32 logits, then a
+    full log_softmax and entropy over them."""
+    cache = None
+    if batch["prefix_ids"] is not None:
+        cache = model(input_ids=batch["prefix_ids"], use_cache=True, logits_to_keep=1).past_key_values
+        cache.batch_repeat_interleave(batch["input_ids"].shape[0])
+    out = model(
+        input_ids=batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        position_ids=batch["position_ids"],
+        past_key_values=cache,
+        logits_to_keep=batch["keep"] + 1,
+        use_cache=cache is not None,
+    )
+    logp_all = (out.logits[:, :-1, :].float() / temperature).log_softmax(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1).detach()
+    return logp_all.gather(-1, batch["targets"].unsqueeze(-1)).squeeze(-1), entropy
+
+
+def _loss_and_grads(model, batch, logprobs):
+    from rlcli.engine import grpo
+
+    model.zero_grad(set_to_none=True)
+    loss, _ = grpo.policy_loss(
+        logprobs, logprobs.detach() - 0.1, batch["advantages"], batch["mask"], clip_low=0.2, clip_high=0.2
+    )
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _rel(a, b) -> float:
+    return float((a - b).detach().norm() / b.detach().norm().clamp(min=1e-30))
+
+
+@pytest.mark.parametrize(
+    "lora,checkpointing,share_prefix",
+    [(True, False, True), (True, False, False), (True, True, False), (False, False, True)],
+)
+def test_chunked_logprobs_entropy_and_gradients_equal_the_full_logits(monkeypatch, lora, checkpointing, share_prefix):
+    """Chunked logprobs (a chunk of 2 positions here) equal full-vocabulary logits within 1e-5
+    relative, and so do the loss's gradients: LoRA or every weight (the LM head's included),
+    with gradient checkpointing, with and without the shared-prefix forward."""
+    monkeypatch.setattr(update, "LOGIT_CHUNK_VALUES", 2 * 512)  # tiny-random's vocabulary is 512
+    model = _tiny_policy(lora)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    seqs = _multi_turn_sequences()
+    batch = update._collate(seqs, model, share_prefix=share_prefix)
+    assert (batch["prefix_ids"] is not None) == share_prefix
+    live = batch["mask"] > 0
+    update.check_output_head(model, seqs[0].ids)
+
+    logprobs, entropy = update.token_logprobs(model, batch, 0.7, entropy=True)
+    loss, grads = _loss_and_grads(model, batch, logprobs)
+    ref_logprobs, ref_entropy = _reference_logprobs(model, batch, 0.7)
+    ref_loss, ref_grads = _loss_and_grads(model, batch, ref_logprobs)
+
+    assert _rel(logprobs[live], ref_logprobs[live]) < 1e-5
+    assert _rel(entropy[live], ref_entropy[live]) < 1e-5
+    assert bool((logprobs[~live] == 0).all())
+    assert float(loss) == pytest.approx(float(ref_loss), rel=1e-5)
+    # Without LoRA the embeddings train, and tiny-random ties them to the LM head: its gradient is in theirs.
+    assert grads.keys() == ref_grads.keys() and ("model.embed_tokens.weight" in grads) == (not lora)
+    for name, grad in ref_grads.items():
+        assert _rel(grads[name], grad) < 1e-5, name
+
+
+def test_the_backward_keeps_no_logits(monkeypatch):
+    """What autograd saves for the backward: hidden states, no [positions, vocab] logits."""
+    monkeypatch.setattr(update, "LOGIT_CHUNK_VALUES", 2 * 512)
+    model = _tiny_policy()
+    seqs = _multi_turn_sequences()
+    batch = update._collate(seqs, model)
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = []
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in weights:  # the LM head's weight is saved, and is no logit
+            saved.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        update.token_logprobs(model, batch, 1.0, entropy=True)
+    assert saved  # the hook sees what the backward keeps
+    # No logits at all: each chunk's are recomputed when its gradient is needed.
+    assert all(s[-1] != 512 for s in saved), saved
+    assert int((batch["mask"] > 0).sum()) > 2  # so the full micro-batch would have been more
+
+
+def test_micro_batches_by_length_cover_the_minibatch_with_less_padding():
+    """Rows of similar length go together: the same minibatch (so the same gradient), less padding
+    than the shuffled order's split, and the same split every time."""
+    lengths = [20, 80, 25, 75, 30, 70, 22, 78]
+    seqs = [
+        update.TrainSequence(i, 0, list(range(3, 3 + n)), [0.0] * (n - 5) + [1.0] * 5, [0.0] * n, [0] * n)
+        for i, n in enumerate(lengths)
+    ]
+    shuffled = [5, 0, 3, 6, 1, 2, 7, 4]
+    plan = update.micro_batches(seqs, shuffled, 2)
+    assert sorted(i for micro in plan for i in micro) == sorted(shuffled)
+    assert plan == update.micro_batches(seqs, shuffled, 2) == [[1, 7], [3, 5], [4, 2], [6, 0]]
+
+    def pad_frac(micro_batches):
+        counts = [update.padding([seqs[i] for i in m], 0) for m in micro_batches]
+        return sum(pad for _, pad in counts) / sum(pos for pos, _ in counts)
+
+    unsorted = [shuffled[k : k + 2] for k in range(0, 8, 2)]
+    assert pad_frac(plan) < 0.05 < 0.3 < pad_frac(unsorted)
+
+
+def test_bfloat16_weights_train_a_float32_adapter_within_stated_tolerances():
+    """model.dtype bfloat16 with LoRA: the frozen weights are bf16, the adapter (and so AdamW's state)
+    stays float32 (peft upcasts it). Against the same model in float32, on tiny-random: token logprobs
+    within 1e-2 (measured 1.8e-3), the loss within 1e-2 relative (1e-3), the adapter's gradients within
+    5e-2 relative (1.2e-2). The error is bf16's rounding of hidden states and logits (8 mantissa bits);
+    models with larger logits than this random one round more coarsely."""
+    from rlcli.engine import grpo
+
+    results = {}
+    old = None
+    for dtype in ("float32", "bfloat16"):
+        model = _tiny_policy(dtype=dtype)
+        trained = {p.dtype for p in model.parameters() if p.requires_grad}
+        frozen = {p.dtype for p in model.parameters() if not p.requires_grad}
+        assert trained == {torch.float32} and frozen == {getattr(torch, dtype)}
+        batch = update._collate(_multi_turn_sequences(), model)
+        logprobs, _ = update.token_logprobs(model, batch, 1.0)
+        if old is None:  # the same pi_old for both, a little away from the policy so ratios vary
+            old = logprobs.detach() + 0.05 * torch.randn(logprobs.shape, generator=torch.Generator().manual_seed(0))
+        loss, _ = grpo.policy_loss(logprobs, old, batch["advantages"], batch["mask"], clip_low=0.2, clip_high=0.2)
+        loss.backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+        results[dtype] = logprobs.detach()[batch["mask"] > 0], loss.detach(), grads
+    (lp32, loss32, grads32), (lp16, loss16, grads16) = results["float32"], results["bfloat16"]
+    assert float((lp32 - lp16).abs().max()) < 1e-2
+    assert float(loss16) == pytest.approx(float(loss32), rel=1e-2)
+    for name, grad in grads32.items():
+        if grad.norm() > 0:  # LoRA A starts with a zero gradient (B is 0)
+            assert _rel(grads16[name], grad) < 5e-2, name
+
+
+def test_grpo_trains_in_bfloat16_with_gradient_checkpointing(tmp_path):
+    from safetensors.torch import load_file
+
+    recipe = _learnable_recipe(
+        tmp_path,
+        model={"dtype": "bfloat16"},
+        lora={"r": 4, "alpha": 8},
+        grpo={"iterations": 1, "gradient_checkpointing": True},
+    )
+    ctx = make_ctx(recipe, tmp_path / "runs")
+    run_grpo(ctx)
+    weights = load_file(f"{checkpoints(ctx.rundb, ctx.run)[-1].path}/adapter_model.safetensors")
+    assert {v.dtype for v in weights.values()} == {torch.float32}
+    assert any(v.abs().sum() > 0 for k, v in weights.items() if "lora_B" in k)
+
+
+def test_shared_prefix_forward_gives_the_same_loss_and_gradients(monkeypatch):
+    """The update forwards a micro-batch's common prefix once; loss and LoRA gradients equal those
+    of forwarding every full sequence (rows of different lengths, left padding included)."""
+    model = _tiny_policy()
+    seqs = _multi_turn_sequences()
+    assert update._shared_prefix(seqs) == 19  # stops before the last prompt token, whose logit is trained
 
     def loss_and_grads():
-        model.zero_grad(set_to_none=True)
-        batch = train._collate(seqs, model)
-        logprobs = grpo.selective_log_softmax(train._forward(model, batch), batch["targets"])
-        loss, _ = grpo.policy_loss(
-            logprobs, logprobs.detach() - 0.1, batch["advantages"], batch["mask"], clip_low=0.2, clip_high=0.2
-        )
-        loss.backward()
-        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
-        return batch, loss.detach(), grads
+        batch = update._collate(seqs, model)
+        logprobs, _ = update.token_logprobs(model, batch, 1.0)
+        return (batch, *_loss_and_grads(model, batch, logprobs))
 
     shared_batch, shared_loss, shared_grads = loss_and_grads()
-    assert shared_batch["prefix_ids"].shape == (1, 20)
-    monkeypatch.setattr(train, "_shared_prefix", lambda micro: 0)
+    assert shared_batch["prefix_ids"].shape == (1, 19)
+    monkeypatch.setattr(update, "_shared_prefix", lambda micro: 0)
     full_batch, full_loss, full_grads = loss_and_grads()
     assert full_batch["prefix_ids"] is None
     assert torch.allclose(shared_loss, full_loss, atol=1e-5)
     for name, grad in full_grads.items():
         assert torch.allclose(shared_grads[name], grad, atol=1e-5, rtol=1e-3), name
+
+
+def test_the_tokenizer_is_serialised_once_and_every_checkpoint_loads_it_alone(tmp_path, monkeypatch):
+    from transformers import AutoTokenizer
+
+    from rlcli.models.loading import load_policy, save_checkpoint
+    from rlcli.recipe import LoraSection, ModelSection, QuantizationSection
+
+    model, tokenizer = load_policy(ModelSection(name="tiny-random"), LoraSection(r=4), QuantizationSection())
+    calls = []
+    original = tokenizer.save_pretrained
+    monkeypatch.setattr(
+        tokenizer, "save_pretrained", lambda folder, **kw: calls.append(folder) or original(folder, **kw)
+    )
+    for i in range(3):
+        save_checkpoint(model, tokenizer, tmp_path / f"iter-{i}")
+    assert len(calls) == 1
+    shutil.rmtree(tmp_path / "iter-0")  # the folders share nothing that removing one would break
+    text = "<|im_start|>user\nwhat is 12 + 30?<|im_end|>"
+    for i in (1, 2):
+        loaded = AutoTokenizer.from_pretrained(tmp_path / f"iter-{i}")
+        assert loaded.encode(text) == tokenizer.encode(text)
+        assert loaded.chat_template == tokenizer.chat_template
 
 
 # --- what training leaves out: one meaning of "truncated" -------------------------------------

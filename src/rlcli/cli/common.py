@@ -56,7 +56,10 @@ def stage_run(
     cli_ctx: typer.Context, recipe_path: Path | None, run: str | None, overrides: list[str] | None, force: bool
 ) -> Iterator[RunContext]:
     """What a stage command runs in: its run opened under the lock, and a status that follows the command."""
+    from rlcli.engine.threads import set_threads
+
     with open_run(recipe_path, run, shared(cli_ctx).runs_dir, overrides, force) as ctx, tracked(ctx):
+        set_threads(ctx.recipe.run.threads, lambda text: err_console.print(text, highlight=False))
         yield ctx
 
 

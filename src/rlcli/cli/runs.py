@@ -155,6 +155,30 @@ def runs_episodes(
         tables.print_episodes(console, episodes)
 
 
+@app.command("tasks")
+def runs_tasks(
+    cli_ctx: typer.Context,
+    run: RunArg,
+    limit: Annotated[
+        int, typer.Option("--limit", "-n", min=0, help="Rows of the table, by task index; 0 shows every task.")
+    ] = 30,
+    as_json: JsonOpt = False,
+) -> None:
+    """Training tasks by difficulty: attempts, success rate, mean reward and last iteration of each, and a histogram."""
+    from rlcli.engine.labelling import GRPO_LABEL_SET
+    from rlcli.report.tasks import print_tasks, tasks_view
+
+    rundb = open_existing(cli_ctx, f"No run named {run!r}")
+    try:
+        view = tasks_view(rundb, run, GRPO_LABEL_SET)
+    finally:
+        rundb.close()
+    if as_json:
+        print(json.dumps(view, indent=2))
+    else:
+        print_tasks(console, view, limit)
+
+
 @app.command("export")
 def runs_export(
     cli_ctx: typer.Context,

@@ -1,4 +1,4 @@
-"""The stage commands: run, sft, rollout, label, train grpo, eval.
+"""The stage commands: run, sft, rollout, label, train grpo, train dpo, eval.
 
 Each one opens its run and calls one engine stage; the engine module is imported inside the
 command, so that `rlcli --help` never imports torch.
@@ -12,6 +12,7 @@ from typing import Annotated
 import typer
 
 from rlcli.cli.common import ForceOpt, JsonOpt, Overrides, RecipeOpt, RunOpt, stage_run
+from rlcli.errors import UsageError
 
 app = typer.Typer()
 train_app = typer.Typer(help="Online training algorithms.", no_args_is_help=True)
@@ -57,7 +58,7 @@ def rollout_cmd(
     recipe: RecipeOpt = None,
     run: RunOpt = None,
     policy: Annotated[
-        str | None, typer.Option(help="base, latest, expert or a checkpoint id (default: rollout.policy).")
+        str | None, typer.Option(help="base, latest, best, expert or a checkpoint id (default: rollout.policy).")
     ] = None,
     stage: Annotated[str, typer.Option(help="Stage name the episodes are recorded under.")] = "rollout",
     split: Annotated[str, typer.Option(help="Task split: train or eval.")] = "train",
@@ -104,6 +105,34 @@ def train_grpo_cmd(
         run_grpo(ctx)
 
 
+@train_app.command("dpo")
+def train_dpo_cmd(
+    cli_ctx: typer.Context,
+    overrides: Overrides = None,
+    recipe: RecipeOpt = None,
+    run: RunOpt = None,
+    stage: Annotated[
+        str,
+        typer.Option(help="Stage name: dpo, or dpo/<n> for another DPO stage of the run (new pairs, a new start)."),
+    ] = "dpo",
+    as_json: JsonOpt = False,
+    force: ForceOpt = False,
+) -> None:
+    """DPO on preference pairs mined from the run's labelled groups (best vs worst episode by reward)."""
+    if stage != "dpo" and not (stage.startswith("dpo/") and stage[4:] and "/" not in stage[4:]):
+        raise UsageError(f"--stage {stage!r}: expected dpo or dpo/<name>, e.g. dpo/2.")
+    with stage_run(cli_ctx, recipe, run, overrides, force) as ctx:
+        from dataclasses import asdict
+
+        from rlcli.engine.dpo import run_dpo
+        from rlcli.report.tables import stage_summary_table
+
+        summary = run_dpo(ctx, stage)
+        ctx.console.print(stage_summary_table(summary))
+    if as_json:
+        print(json.dumps(asdict(summary), indent=2))
+
+
 @app.command("eval")
 def eval_cmd(
     cli_ctx: typer.Context,
@@ -113,7 +142,10 @@ def eval_cmd(
     checkpoint: Annotated[
         list[str] | None,
         typer.Option(
-            "--checkpoint", "-c", help="base, sft, latest or a checkpoint id; repeatable (default: eval.checkpoints)."
+            "--checkpoint",
+            "-c",
+            help="base, sft, latest, best (the best held-out success so far) or a checkpoint id; repeatable "
+            "(default: eval.checkpoints).",
         ),
     ] = None,
     as_json: JsonOpt = False,

@@ -2,7 +2,8 @@
 
 Eval tasks use the env's eval seeds (disjoint from training seeds by construction). Each
 checkpoint's episodes are a stage of the run (`eval/base`, `eval/ckpt-7`), so an interrupted
-evaluation resumes and a finished one is never repeated.
+evaluation resumes and a finished one is never repeated. With grpo.eval_every, train grpo runs the
+same stages as it trains (TrainingEvals).
 """
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ from typing import Any
 
 from rlcli.engine.context import RunContext
 from rlcli.engine.rollout import collect, make_sampler, reopen_for_retries, sampling_config
-from rlcli.store.checkpoints import resolve_checkpoint
+from rlcli.store.checkpoints import checkpoint_note, resolve_checkpoint
 from rlcli.store.db import now
 from rlcli.store.episodes import stage_episodes
-from rlcli.store.evals import eval_result, replace_eval
+from rlcli.store.evals import eval_decoding, eval_result, eval_stage_name, leading_tasks_success, replace_eval
 from rlcli.store.records import Checkpoint, Episode, EvalResult
 
 
@@ -88,61 +89,76 @@ def eval_metrics(episodes: list[Episode], k: int) -> dict[str, Any]:
 
 
 def run_eval(ctx: RunContext, checkpoints: list[str]) -> list[EvalResult]:
-    """Evaluate each checkpoint (base, sft, latest, expert or an id) once; return their results."""
-    recipe = ctx.recipe
-    sampling = sampling_config(recipe.rollout)
-    temperature = recipe.eval.temperature
-    if temperature is None:
-        temperature = 0.0 if recipe.eval.k == 1 else recipe.rollout.temperature
-    sampling.temperature = temperature
-
+    """Evaluate each checkpoint (base, sft, latest, best, expert or an id) once; return their results."""
     results, seen = [], set()
     for which in checkpoints:
         ckpt = resolve_checkpoint(ctx.rundb, ctx.run, which) if which != "expert" else None
-        if which == "latest" and ckpt is None:
+        note = checkpoint_note(ctx.rundb, ctx.run, which)
+        if note:
+            ctx.console.print(f"eval: {note}", highlight=False)
+        elif which == "latest" and ckpt is None:
             ctx.console.print("eval: the run has no checkpoint yet; 'latest' is the base model.")
         key = "expert" if which == "expert" else ("base" if ckpt is None else f"ckpt-{ckpt.id}")
         if key in seen:
             continue
         seen.add(key)
-        # Another decoding (temperature, k) is another measurement, stored beside the first.
-        stage = (
-            f"eval/{key}"
-            if (temperature, recipe.eval.k) == (0.0, 1)
-            else f"eval/{key}@t{temperature:g}-k{recipe.eval.k}"
-        )
-        done = ctx.rundb.stage(ctx.run, stage)
-        if done and done.done and done.params.get("tasks", 0) < recipe.eval.tasks:
-            ctx.rundb.mark_stage(ctx.run, stage, "pending")  # more tasks asked for: add the missing ones
-        reopen_for_retries(ctx, stage)
-        ctx.stage(
-            stage,
-            lambda: _evaluate(ctx, stage, which, ckpt, sampling),
-            {"checkpoint": which, "tasks": recipe.eval.tasks, "k": recipe.eval.k, "temperature": temperature},
-        )
-        results.append(eval_result(ctx.rundb, ctx.run, stage))
+        results.append(evaluate_checkpoint(ctx, which, ckpt, ctx.recipe.eval.tasks))
     return results
 
 
-def _evaluate(ctx: RunContext, stage: str, which: str, ckpt: Checkpoint | None, sampling) -> dict[str, Any]:
+def evaluate_checkpoint(
+    ctx: RunContext, which: str, ckpt: Checkpoint | None, tasks: int, policy: tuple[Any, Any] | None = None
+) -> EvalResult:
+    """One checkpoint's eval stage on the first `tasks` held-out tasks, with the recipe's eval decoding.
+
+    policy: (model, tokenizer) already holding the checkpoint's weights (GRPO's model in memory),
+    used instead of loading it from disk. A stage done with at least `tasks` tasks is reused; one
+    done with fewer gets the missing ones, and an interrupted one finishes the tasks it was begun with.
+    """
+    temperature, k = eval_decoding(ctx.recipe)
+    key = "expert" if which == "expert" else ("base" if ckpt is None else f"ckpt-{ckpt.id}")
+    stage = eval_stage_name(key, temperature, k)
+    row = ctx.rundb.stage(ctx.run, stage)
+    if row is not None and not row.done:
+        tasks = max(tasks, row.params.get("tasks", 0))
+    if row is not None and row.done and row.params.get("tasks", 0) < tasks:
+        ctx.rundb.mark_stage(ctx.run, stage, "pending")  # more tasks asked for: add the missing ones
+    reopen_for_retries(ctx, stage)
+    ctx.stage(
+        stage,
+        lambda: _evaluate(ctx, stage, which, ckpt, tasks, policy),
+        {"checkpoint": which, "tasks": tasks, "k": k, "temperature": temperature},
+    )
+    return eval_result(ctx.rundb, ctx.run, stage)
+
+
+def _evaluate(
+    ctx: RunContext, stage: str, which: str, ckpt: Checkpoint | None, tasks: int, policy: tuple[Any, Any] | None
+) -> dict[str, Any]:
     recipe = ctx.recipe
+    sampling = sampling_config(recipe.rollout)
+    sampling.temperature = eval_decoding(recipe)[0]
     if which == "expert":
         label, sampler, tokenizer = "expert", None, None
     else:
-        from rlcli.models.loading import load_policy
+        if policy is not None:
+            model, tokenizer = policy
+        else:
+            from rlcli.models.loading import load_policy
 
-        model, tokenizer = load_policy(
-            recipe.model, recipe.lora, recipe.quantization, adapter=ckpt.path if ckpt else None, trainable=False
-        )
+            model, tokenizer = load_policy(
+                recipe.model, recipe.lora, recipe.quantization, adapter=ckpt.path if ckpt else None, trainable=False
+            )
         label = "base" if ckpt is None else str(ckpt.id)
-        sampler = make_sampler(recipe, model, tokenizer, sampling, base=ckpt is None)
+        # A model in memory carries GRPO's adapter: even at the base model's weights, vLLM gets them synced.
+        sampler = make_sampler(recipe, model, tokenizer, sampling, base=ckpt is None and policy is None)
     collect(
         ctx,
         stage=stage,
         policy_label=label,
         sampler=sampler,
         tokenizer=tokenizer,
-        task_indices=list(range(recipe.eval.tasks)),
+        task_indices=list(range(tasks)),
         group_size=recipe.eval.k,
         split="eval",
         progress_label=f"eval {which}",
@@ -162,3 +178,33 @@ def _evaluate(ctx: RunContext, stage: str, which: str, ckpt: Checkpoint | None, 
         ),
     )
     return {k: v for k, v in metrics.items() if k != "details"}
+
+
+HELDOUT_KEY = "eval/success_rate"
+
+
+class TrainingEvals:
+    """grpo.eval_every: held-out evals of GRPO's starting point and checkpoints, from train grpo.
+
+    Each is the eval stage `rlcli eval -c <id>` would run (eval/base, eval/ckpt-<id>), so either
+    command reuses the other's. Its success over the first grpo.eval_tasks tasks is logged as the
+    metric eval/success_rate at the checkpoint's iteration (-1: the starting point), once the stage
+    is done; logging it again is harmless, so a resume simply logs what a kill may have cut off.
+    """
+
+    def __init__(self, ctx: RunContext, model: Any, tokenizer: Any, metrics_stage: str) -> None:
+        self.ctx, self.model, self.tokenizer, self.metrics_stage = ctx, model, tokenizer, metrics_stage
+        self.tasks = ctx.recipe.grpo.eval_tasks or ctx.recipe.eval.tasks
+
+    def evaluate(self, ckpt: Checkpoint | None, step: int, in_memory: bool) -> dict[str, float]:
+        """Evaluate `ckpt` (None: the base model) with the trainer's model when `in_memory` says it
+        holds those weights (and there is one), else loaded from disk; return the metrics logged for `step`."""
+        which = "base" if ckpt is None else ("sft" if ckpt.stage == "sft" else str(ckpt.id))
+        policy = (self.model, self.tokenizer) if in_memory and self.model is not None else None
+        result = evaluate_checkpoint(self.ctx, which, ckpt, self.tasks, policy)
+        rate = leading_tasks_success(self.ctx.rundb, self.ctx.run, result.stage, self.tasks)
+        metrics = {HELDOUT_KEY: rate} if rate is not None else {}
+        if step < 0 and rate is not None:  # no iteration line shows it
+            self.ctx.console.print(f"eval: the starting point ({which}) has held-out success {rate:.2f}")
+        self.ctx.rundb.log_metrics(self.ctx.run, self.metrics_stage, step, metrics)
+        return metrics

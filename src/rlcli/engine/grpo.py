@@ -14,10 +14,9 @@ Conventions:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from rlcli.errors import RlcliError
 
@@ -145,33 +144,58 @@ def turn_advantages(
 # --- log-probs and entropy ------------------------------------------------------------------
 
 
-def selective_log_softmax(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-    """log softmax(logits)[token_ids] for [B, T, V] logits and [B, T] ids, without a full [B, T, V] log_softmax.
+def chunked_token_logprobs(
+    hidden: torch.Tensor,
+    head: Callable[[torch.Tensor], torch.Tensor],
+    token_ids: torch.Tensor,
+    *,
+    chunk_size: int,
+    temperature: float = 1.0,
+    entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log softmax(head(hidden) / temperature)[token_ids] for [N, H] hidden states and [N] ids, and, if asked,
+    the entropy in nats of each position's distribution (detached: it is a statistic, not a loss term).
 
-    As TRL's helper: in float32/64, gathered logit minus a row-by-row logsumexp; in bf16/fp16 that
-    difference is too inexact, so each row gets its own log_softmax (one row's [T, V] at a time).
+    Only `chunk_size` positions' logits ([chunk_size, V] in float32) exist at any time, in the forward and in
+    the backward: with autograd on, each chunk runs under activation checkpointing, which keeps the chunk's
+    hidden states and recomputes its logits when the gradient reaches it. So a 150k-token vocabulary costs
+    one chunk's logits, not every position's. In float32 at least (bf16 logits are upcast), as TRL's
+    selective_log_softmax: gathered logit minus the row's logsumexp. Tokens with probability 0 (logit -inf)
+    add 0 to the entropy, not NaN.
     """
-    ids = token_ids.unsqueeze(-1)
-    if logits.dtype in (torch.float32, torch.float64):
-        lse = torch.stack([torch.logsumexp(row, dim=-1) for row in logits])
-        return logits.gather(-1, ids).squeeze(-1) - lse
-    return torch.stack(
-        [F.log_softmax(row, dim=-1).gather(-1, row_ids).squeeze(-1) for row, row_ids in zip(logits, ids)]
-    )
+    from torch.utils.checkpoint import checkpoint
+
+    logps, entropies = [], []
+    for h, ids in zip(hidden.split(chunk_size), token_ids.split(chunk_size)):
+        if torch.is_grad_enabled():
+            logp, ent = checkpoint(_chunk_logprobs, h, ids, head, temperature, entropy, use_reentrant=False)
+        else:
+            logp, ent = _chunk_logprobs(h, ids, head, temperature, entropy)
+        logps.append(logp)
+        entropies.append(ent)
+    empty = hidden.new_zeros((0,), dtype=torch.float32)
+    logp = torch.cat(logps) if logps else empty
+    return logp, ((torch.cat(entropies) if entropies else empty) if entropy else None)
 
 
-def entropy_from_logits(logits: torch.Tensor, chunk_size: int = 128) -> torch.Tensor:
-    """Entropy in nats of each position's distribution ([..., V] -> [...]), in chunks of rows to bound memory.
-
-    From log_softmax (stable for large logits); tokens with probability 0 (logit -inf) add 0, not NaN.
-    """
-    flat = logits.reshape(-1, logits.shape[-1])
-    parts = []
-    for chunk in flat.split(chunk_size):
-        logp = F.log_softmax(chunk, dim=-1)
-        p = logp.exp()
-        parts.append(-(p * torch.where(p > 0, logp, torch.zeros_like(logp))).sum(-1))
-    return torch.cat(parts).reshape(logits.shape[:-1])
+def _chunk_logprobs(
+    hidden: torch.Tensor,
+    token_ids: torch.Tensor,
+    head: Callable[[torch.Tensor], torch.Tensor],
+    temperature: float,
+    entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    logits = head(hidden)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
+    lse = torch.logsumexp(logits, dim=-1)
+    logp = logits.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1) - lse
+    ent = None
+    if entropy:
+        with torch.no_grad():
+            # sum of -p log p (entr is 0 at p = 0), not lse - sum p z: no cancellation at large logits.
+            # In place where possible: a chunk's [positions, vocab] temporaries are the update's peak.
+            ent = torch.special.entr((logits - lse.unsqueeze(-1)).exp_()).sum(-1)
+    return logp, ent
 
 
 def check_finite(name: str, tensor: torch.Tensor) -> None:

@@ -15,6 +15,7 @@ from rlcli.rewards.episodes import message_text
 from rlcli.store.episodes import stage_episodes, stages_with_episodes, store_rewards
 from rlcli.store.records import Episode, RewardRow
 from rlcli.store.stages import check_user_name
+from rlcli.store.tasks import refresh_task_stats
 
 GRPO_LABEL_SET = "grpo"  # the labels `train grpo` trains on; no `rlcli label` may replace them
 
@@ -83,6 +84,9 @@ def label_stage_episodes(ctx: RunContext, rollout_stage: str, label_set: str, fn
             for component, value in values.items()
         ],
     )
+    if label_set == GRPO_LABEL_SET:
+        # Inside the stage's work: a kill before the stage is marked done redoes the refresh too.
+        refresh_task_stats(ctx.rundb, ctx.run, rollout_stage, label_set)
     totals = [v["total"] for v in labels]
     summary = {"episodes": len(episodes), "label_set": label_set, "reward_mean": sum(totals) / len(totals)}
     for component in labels[0]:

@@ -6,29 +6,49 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from rlcli.engine.context import RunContext
+from rlcli.store.checkpoints import BestAndLatest, best_and_latest
 
 if TYPE_CHECKING:  # the stages import torch: load them only when the recipe runs them
+    from rlcli.engine.dpo import DpoSummary
     from rlcli.engine.sft import SftSummary
     from rlcli.store.records import EvalResult
 
-    StageSummary = SftSummary | list[EvalResult]
+    StageSummary = SftSummary | DpoSummary | list[EvalResult] | BestAndLatest
 
 
-def run_all(ctx: RunContext, on_summary: Callable[[StageSummary], None] | None = None) -> None:
-    """Run the recipe's stages; `on_summary` receives each stage's summary as soon as it is done
-    (the CLI renders it), the SFT summary and then the eval results."""
+def run_all(ctx: RunContext, on_summary: Callable[[StageSummary], None] | None = None) -> BestAndLatest:
+    """Run the recipe's stages (run.stages, in its order); `on_summary` receives each stage's summary
+    as soon as it is done (the CLI renders it): the SFT and DPO summaries, the eval results, and last
+    the run's best and latest checkpoints, which are also returned."""
     show = on_summary or (lambda summary: None)
     recipe = ctx.recipe
-    if recipe.sft.source != "none":
-        from rlcli.engine.sft import run_sft
+    for stage in planned_stages(recipe):
+        if stage == "sft":
+            from rlcli.engine.sft import run_sft
 
-        show(run_sft(ctx))
-    if recipe.grpo.iterations > 0:
-        from rlcli.engine.train import run_grpo
+            show(run_sft(ctx))
+        elif stage == "grpo":
+            from rlcli.engine.train import run_grpo
 
-        run_grpo(ctx)
-    if recipe.eval.tasks > 0:
-        from rlcli.engine.evaluate import run_eval
+            run_grpo(ctx)
+        elif stage == "dpo":
+            from rlcli.engine.dpo import run_dpo
 
-        wanted = [c for c in recipe.eval.checkpoints if c != "sft" or recipe.sft.source != "none"]
-        show(run_eval(ctx, wanted))
+            show(run_dpo(ctx))
+        else:
+            from rlcli.engine.evaluate import run_eval
+
+            wanted = [c for c in recipe.eval.checkpoints if c != "sft" or recipe.sft.source != "none"]
+            show(run_eval(ctx, wanted))
+    ending = best_and_latest(ctx.rundb, ctx.run)
+    if ending.latest is not None or ending.best is not None:
+        show(ending)
+    return ending
+
+
+def planned_stages(recipe) -> list[str]:
+    """run.stages, or by default the stages the recipe's settings ask for."""
+    if recipe.run.stages is not None:
+        return list(recipe.run.stages)
+    asked = {"sft": recipe.sft.source != "none", "grpo": recipe.grpo.iterations > 0, "eval": recipe.eval.tasks > 0}
+    return [stage for stage, wanted in asked.items() if wanted]

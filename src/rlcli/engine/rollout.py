@@ -1,4 +1,8 @@
-"""Multi-turn rollouts: every live episode advances one turn per batched sampling call.
+"""Multi-turn rollouts: live episodes advance one turn per batched sampling call.
+
+Where the envs run: in this process (env.workers 0), or in worker processes (envs/workers.py),
+where a hung or crashing env is killed without taking the stage down, and the main process samples
+the next turn of the episodes whose env has answered while the others are still stepping.
 
 Token exactness: each turn's prompt is the previous turn's prompt plus the tokens sampled
 plus the tokenised *suffix* that the chat template adds (end of turn, env feedback, next
@@ -12,10 +16,11 @@ are committed in one transaction when the chunk finishes. A resumed stage skips 
 and replays the first missing one with the same composition and seeds, so resumed results are
 identical to uninterrupted ones.
 
-Transient failures: an episode whose env call timed out failed for a reason that need not recur
-(a loaded machine), so running its stage again plays it again with the same seeds, up to
-MAX_ATTEMPTS times in all; the new row replaces the failed one and counts its attempts. An episode
-whose env raised stays failed.
+Transient failures: an episode whose env call timed out (end_reason env_timeout), or whose env was
+lost with a worker killed for another episode, failed for a reason that need not recur (a loaded
+machine), so running its stage again plays it again with the same seeds, up to MAX_ATTEMPTS times
+in all; the new row replaces the failed one and counts its attempts. An episode whose env raised or
+whose worker crashed during its own call stays failed.
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from rlcli.engine.context import RunContext
-from rlcli.envs.protocol import EnvFailure, EnvTimeout, as_messages, call_with_timeout
+from rlcli.envs.protocol import EnvFailure, EnvTimeout, as_messages
+from rlcli.envs.workers import EnvHost, EnvLost, EnvReply, EnvWorkerPool, InProcessEnvs
 from rlcli.errors import UsageError
 from rlcli.store.checkpoints import resolve_checkpoint
 from rlcli.store.db import now
@@ -39,6 +45,7 @@ from rlcli.store.stages import check_user_name
 
 EXPERT = "expert"
 MAX_ATTEMPTS = 3  # plays of an episode that keeps failing transiently, the first one included
+LINGER = 0.1  # share of the last sampling call's time spent waiting for more envs to answer
 
 
 def derive_seed(*parts: Any) -> int:
@@ -61,7 +68,6 @@ class LiveEpisode:
     """An episode being played: the env, the transcript so far, and the tokens the model has seen."""
 
     spec: EpisodeSpec
-    env: Any = None
     messages: list[dict] = field(default_factory=list)
     tools: list[dict] | None = None
     task: dict = field(default_factory=dict)
@@ -86,8 +92,10 @@ class LiveEpisode:
             self.status, self.error = "failed", error
 
     def env_failed(self, what: str, exc: EnvFailure) -> None:
-        self.finish(EndReason.ERROR, f"{what} failed: {exc}")
-        self.transient = isinstance(exc, EnvTimeout)
+        reason = EndReason.ENV_TIMEOUT if isinstance(exc, EnvTimeout) else EndReason.ERROR
+        self.finish(reason, f"{what} failed: {exc}")
+        # A timeout, or an env lost with a worker that another episode's call killed, need not recur.
+        self.transient = isinstance(exc, (EnvTimeout, EnvLost))
 
     def to_record(self, run: str, stage: str, iteration: int | None, split: str, policy: str) -> Episode:
         success = self.success if self.success is not None else self.env_return > 0
@@ -149,61 +157,101 @@ class RolloutLimits:
 
 
 class EpisodeRunner:
-    """Plays a chunk of episodes to the end with one policy (a model's sampler, or the env's expert)."""
+    """Plays a chunk of episodes to the end with one policy (a model's sampler, or the env's expert).
 
-    def __init__(self, env_factory: Callable[[], Any], limits: RolloutLimits, sampler=None, tokenizer=None):
-        self.env_factory = env_factory
+    The envs live in `envs` (see envs/workers.py): in this process, or in worker processes that
+    answer as they finish. Each sampling call takes the episodes whose env has answered since the
+    last one, so with workers a slow env holds up only its own episode (continuous batching of
+    turns); in this process every env answers at once and every live episode shares each call.
+    An episode's tokens depend on its seeds and prompts only (the Sampler contract), so which
+    episodes share a call changes nothing in what is sampled.
+    """
+
+    def __init__(self, envs: EnvHost, limits: RolloutLimits, sampler=None, tokenizer=None):
+        self.envs = envs
         self.limits = limits
         self.sampler = sampler
         self.tokenizer = tokenizer
 
     def run(self, specs: list[EpisodeSpec], on_turns: Callable[[int], None] | None = None) -> list[LiveEpisode]:
         episodes = [LiveEpisode(spec) for spec in specs]
-        for ep in episodes:
-            try:
-                ep.env = self.env_factory()
-                obs, info = call_with_timeout(ep.env.reset, self.limits.step_timeout_s, ep.spec.env_seed)
-                ep.messages = as_messages(obs)
-                ep.task = dict((info or {}).get("task", {}))
-                ep.tools = getattr(ep.env, "tools", None) or None
-            except EnvFailure as exc:
-                ep.env_failed("env reset", exc)
-            except UsageError:  # a recipe mistake (a game id, a kwarg): stop the stage with one sentence
-                raise
-            except Exception as exc:  # the env factory itself
-                ep.finish(EndReason.ERROR, f"env could not be created: {type(exc).__name__}: {exc}")
+        by_key = {self.envs.reset(ep.spec.env_seed): ep for ep in episodes}
+        key_of = {id(ep): key for key, ep in by_key.items()}
         if self.sampler is not None:
             self.sampler.start([ep.spec.sample_seed for ep in episodes])
         rows = {id(ep): row for row, ep in enumerate(episodes)}
-        while True:
-            live = [ep for ep in episodes if not ep.done]
-            if not live:
-                break
-            actions = self._act(live, rows)
-            for ep, action in zip(live, actions):
+        acted: dict[int, Action] = {}  # key -> the action its env is stepping on
+        in_env, last_sample_s = len(episodes), 0.0
+        while in_env:
+            replies = self._gather(in_env, LINGER * last_sample_s)
+            in_env -= len(replies)
+            ready = []
+            for reply in replies:
+                ep = by_key[reply.key]
+                if reply.op == "reset":
+                    self._begin(ep, reply)
+                else:
+                    self._step(ep, acted.pop(reply.key, None), reply)
+                if ep.done:
+                    self.envs.release(reply.key)
+                else:
+                    ready.append(ep)
+            if not ready:
+                continue
+            batch = sorted(ready, key=lambda ep: rows[id(ep)])
+            if self.sampler is None:  # the expert acts inside the env's host, right before its step
+                for ep in batch:
+                    self.envs.expert_step(key_of[id(ep)])
+                in_env += len(batch)
+                continue
+            start = time.perf_counter()
+            actions = self._act(batch, rows)
+            last_sample_s = time.perf_counter() - start
+            for ep, action in zip(batch, actions):
+                key = key_of[id(ep)]
                 if ep.done:  # ended while building its prompt (context budget)
+                    self.envs.release(key)
                     continue
-                self._step(ep, action)
+                acted[key] = action
+                self.envs.step(key, action.text)
+                in_env += 1
             if on_turns:
                 on_turns(sum(len(a.ids) for a in actions))
         return episodes
 
+    def _gather(self, waiting: int, linger_s: float) -> list[EnvReply]:
+        """Replies to some of the `waiting` calls: wait for a first one, then up to linger_s for more,
+        so that envs answering together share the next sampling call instead of splitting it."""
+        replies = self.envs.replies()
+        until = time.perf_counter() + linger_s
+        while len(replies) < waiting and (left := until - time.perf_counter()) > 0:
+            more = self.envs.replies(left)
+            if not more:
+                break
+            replies += more
+        return replies
+
+    def _begin(self, ep: LiveEpisode, reply: EnvReply) -> None:
+        if reply.failure is not None:
+            if reply.failed_in == "create":
+                ep.finish(EndReason.ERROR, f"env could not be created: {reply.failure}")
+            else:
+                ep.env_failed("env reset", reply.failure)
+            return
+        try:
+            (obs, info), tools = reply.value
+            ep.messages = as_messages(obs)
+            ep.task = dict((info or {}).get("task", {}))
+            ep.tools = tools or None
+        except EnvFailure as exc:
+            ep.env_failed("env reset", exc)
+        except Exception as exc:  # reset returned something that is not (observation, info)
+            ep.finish(EndReason.ERROR, f"env could not be created: {type(exc).__name__}: {exc}")
+
     # --- acting ---------------------------------------------------------------
 
     def _act(self, live: list[LiveEpisode], rows: dict[int, int]) -> list[Action]:
-        """One turn of every live episode; `rows` maps an episode (by id) to its row in the sampler."""
-        if self.sampler is None:
-            out = []
-            for ep in live:
-                start = time.perf_counter()
-                try:
-                    text = ep.env.expert_action()
-                except Exception as exc:
-                    ep.finish(EndReason.ERROR, f"expert_action failed: {type(exc).__name__}: {exc}")
-                    text = ""
-                out.append(Action(text, gen_time_s=time.perf_counter() - start))
-            return out
-
+        """One turn of these episodes from the sampler; `rows` maps an episode (by id) to its row in it."""
         prompts, budgets, asking = [], [], []
         for ep in live:
             prompt = self._prompt_ids(ep)
@@ -248,20 +296,25 @@ class EpisodeRunner:
         ep.ids, ep.text = ids, rendered
         return ids
 
-    # --- stepping the env -------------------------------------------------------
+    # --- the env's answer to a step ---------------------------------------------
 
-    def _step(self, ep: LiveEpisode, action: Action) -> None:
+    def _step(self, ep: LiveEpisode, action: Action | None, reply: EnvReply) -> None:
+        """Record one turn: the action taken (the expert's comes with the reply) and the env's answer."""
+        if reply.op == "expert_step":
+            if reply.failed_in == "expert":
+                ep.finish(EndReason.ERROR, f"expert_action failed: {reply.failure}")
+                return
+            action = Action(reply.action, gen_time_s=reply.expert_time_s)
         ep.messages.append({"role": "assistant", "content": action.text})
         if self.sampler is not None:
             ep.ids = ep.ids + action.ids
             ep.text = ep.text + self.tokenizer.decode(
                 action.ids, skip_special_tokens=False, clean_up_tokenization_spaces=False
             )
-        start = time.perf_counter()
         try:
-            obs, reward, terminated, truncated, info = call_with_timeout(
-                ep.env.step, self.limits.step_timeout_s, action.text
-            )
+            if reply.failure is not None:
+                raise reply.failure
+            obs, reward, terminated, truncated, info = reply.value
             feedback = as_messages(obs) if obs else []
             reward = float(reward)
         except EnvFailure as exc:
@@ -274,7 +327,6 @@ class EpisodeRunner:
                 "(observation, reward, terminated, truncated, info)",
             )
             feedback, reward, terminated, truncated, info = [], 0.0, False, False, {}
-        env_time = time.perf_counter() - start
         info = info or {}
         ep.turns.append(
             Turn(
@@ -289,7 +341,7 @@ class EpisodeRunner:
                 truncated=bool(truncated),
                 info=json.dumps(info, default=str),
                 gen_time_s=action.gen_time_s,
-                env_time_s=env_time,
+                env_time_s=reply.env_time_s,
             )
         )
         ep.env_return += reward
@@ -308,6 +360,20 @@ class EpisodeRunner:
                 ep.finish(EndReason.TRUNCATED)
             else:
                 ep.finish(EndReason.MAX_TURNS)
+
+
+def env_host(env_cfg, factory: Callable[[], Any]) -> EnvHost:
+    """Where the recipe's envs run: this process (env.workers 0) or a pool of worker processes."""
+    if env_cfg.workers == 0:
+        return InProcessEnvs(factory, env_cfg.step_timeout_s)
+    return EnvWorkerPool(
+        env_cfg.name,
+        env_cfg.kwargs,
+        env_cfg.workers,
+        env_cfg.step_timeout_s,
+        memory_mb=env_cfg.worker_memory_mb,
+        cpu_s=env_cfg.worker_cpu_s,
+    )
 
 
 # --- the stage: which episodes, in which chunks, stored how ------------------------
@@ -368,12 +434,16 @@ def collect(
         if missing:
             todo.append(missing)
     limits = RolloutLimits(recipe.env.max_turns, recipe.model.max_length, recipe.env.step_timeout_s)
-    runner = EpisodeRunner(env_factory, limits, sampler, tokenizer)
-    with _progress(ctx, progress_label or stage, len(specs), len(specs) - sum(len(c) for c in todo)) as advance:
-        for chunk in todo:
-            episodes = runner.run(chunk, on_turns=lambda n: advance(0, n))
-            store_episodes(ctx.rundb, [ep.to_record(ctx.run, stage, iteration, split, policy_label) for ep in episodes])
-            advance(len(chunk), 0)
+    done_before = len(specs) - sum(len(c) for c in todo)
+    with _progress(ctx, progress_label or stage, len(specs), done_before) as advance:
+        if todo:
+            with env_host(recipe.env, env_factory) as envs:
+                runner = EpisodeRunner(envs, limits, sampler, tokenizer)
+                for chunk in todo:
+                    episodes = runner.run(chunk, on_turns=lambda n: advance(0, n))
+                    records = [ep.to_record(ctx.run, stage, iteration, split, policy_label) for ep in episodes]
+                    store_episodes(ctx.rundb, records)
+                    advance(len(chunk), 0)
     return asdict(episode_summary(ctx.rundb, ctx.run, stage))
 
 

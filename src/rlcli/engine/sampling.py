@@ -175,18 +175,18 @@ def sample_batch(
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos_ids = _eos_ids(model, tokenizer)
     fresh = turn_cache.new_tokens(prompts) if turn_cache is not None else None
+    copies = None  # for each row, the prefilled row it copies (a group's episodes share their first prompt)
     if fresh is None:
-        fresh, cache, cached_attention, cached_len = (
-            prompts,
-            None,
-            torch.zeros((batch, 0), dtype=torch.long, device=device),
-            [0] * batch,
-        )
+        first: dict[tuple[int, ...], int] = {}
+        copies = [first.setdefault(tuple(p), len(first)) for p in prompts]
+        fresh = [list(p) for p in first]
+        cache, cached_len = None, [0] * len(fresh)
+        cached_attention = torch.zeros((len(fresh), 0), dtype=torch.long, device=device)
     else:
         cache, cached_attention, cached_len = (turn_cache.kv, turn_cache.attention, [len(c) for c in turn_cache.ids])
     width = max(len(p) for p in fresh)
-    input_ids = torch.full((batch, width), pad_id, dtype=torch.long)
-    new_attention = torch.zeros((batch, width), dtype=torch.long)
+    input_ids = torch.full((len(fresh), width), pad_id, dtype=torch.long)
+    new_attention = torch.zeros((len(fresh), width), dtype=torch.long)
     for i, p in enumerate(fresh):  # left padding keeps every row's next token in the last column
         input_ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
         new_attention[i, width - len(p) :] = 1
@@ -205,6 +205,10 @@ def sample_batch(
         logits_to_keep=1,
     )
     cache, logits = out.past_key_values, out.logits[:, -1, :]
+    if len(fresh) < batch:  # each distinct prompt was prefilled once: give every row its copy
+        rows = torch.tensor(copies, device=device)
+        cache.batch_select_indices(rows)
+        logits, positions, attention = logits[rows], positions[rows], attention[rows]
     next_pos = positions[:, -1:] + 1
 
     ids: list[list[int]] = [[] for _ in range(batch)]
@@ -214,12 +218,15 @@ def sample_batch(
     finished = [False] * batch
     for _ in range(max(budgets)):
         scores = logits.float() / cfg.logprob_temperature
+        logprobs_all = torch.log_softmax(scores, dim=-1)
         if cfg.temperature > 0:
-            probs = _filter_logits(scores, cfg.top_k, cfg.top_p).softmax(-1)
+            filtered = 0 < cfg.top_k < scores.shape[-1] or cfg.top_p < 1.0
+            # Unfiltered, the sampling distribution is the logprobs': no second pass over the vocabulary.
+            probs = _filter_logits(scores, cfg.top_k, cfg.top_p).softmax(-1) if filtered else logprobs_all.exp()
             chosen = _draw(probs, generators, [not d for d in done])
         else:
             chosen = logits.argmax(-1)
-        step_logprobs.append(torch.log_softmax(scores, dim=-1).gather(-1, chosen[:, None])[:, 0])
+        step_logprobs.append(logprobs_all.gather(-1, chosen[:, None])[:, 0])
         for i, tok in enumerate(chosen.tolist()):  # the step's one read from the device
             if done[i]:
                 continue

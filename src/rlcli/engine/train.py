@@ -5,13 +5,17 @@ Per iteration i, three stages of the run:
   label/i    the recipe's reward functions applied to them (label set "grpo")
   train/i    advantages -> K epochs of clipped-ratio updates -> checkpoint -> metrics
 
-Exact resume: the tasks of iteration i are fixed by i (the data cursor), every episode's sampling
-seed is derived from (run seed, stage, task, sample), the shuffling and dropout seeds from
-(run seed, iteration), and a checkpoint holds the adapter, the optimizer and the learning-rate
+Exact resume: the tasks of iteration i are fixed by i (engine/curriculum.py) and recorded with rollout/i,
+every episode's sampling seed is derived from (run seed, stage, task, sample), the shuffling and
+dropout seeds from (run seed, iteration), and a checkpoint holds the adapter, the optimizer and the learning-rate
 schedule. A resumed run reloads the newest readable checkpoint and redoes any later `train/i` from
 stored rollouts, so it ends with the same weights and metrics as a run that was never interrupted.
 An iteration's checkpoint row, metrics and `done` mark are committed together, once its checkpoint
 folder is on disk (fsynced).
+
+grpo.eval_every adds eval stages (engine/evaluate.py, TrainingEvals): the starting point's first,
+then eval/ckpt-<id> after train/i for every n-th iteration's checkpoint and the last one, each
+with the model in memory; eval/success_rate joins that iteration's metrics once it is done.
 
 With rollout.engine vllm, the engine gets the policy's weights (LoRA merged in) before every
 iteration's rollout, perf/time_sync_s. train/engine_logprob_gap is the mean |rollout logprob -
@@ -28,13 +32,14 @@ from __future__ import annotations
 import math
 import shutil
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 # Heavy (torch), but this module is only imported by the commands that train.
-from rlcli.engine import grpo
+from rlcli.engine import grpo, guardrails
 from rlcli.engine.context import RunContext
+from rlcli.engine.curriculum import iteration_tasks
 from rlcli.engine.labelling import GRPO_LABEL_SET
 from rlcli.engine.rollout import (
     collect,
@@ -44,7 +49,8 @@ from rlcli.engine.rollout import (
     reopen_for_retries,
     sampling_config,
 )
-from rlcli.errors import RlcliError
+from rlcli.engine.update import TrainSequence, minibatches_per_epoch, update
+from rlcli.errors import RlcliError, UsageError
 from rlcli.models.loading import fsync_folder
 from rlcli.store.checkpoints import add_checkpoint, checkpoints, require_folder, train_checkpoints
 from rlcli.store.episodes import episodes_for_training
@@ -54,20 +60,6 @@ from rlcli.store.stages import stage_done
 LABEL_SET = GRPO_LABEL_SET
 METRICS_STAGE = "grpo"
 TRAINER_STATE = "trainer_state.pt"
-
-
-@dataclass
-class TrainSequence:
-    """One training sequence: token ids, which of them are trainable, and their rollout logprobs."""
-
-    episode_id: int
-    group: int
-    ids: list[int]
-    mask: list[float]
-    rollout_logprobs: list[float]
-    turn_of_token: list[int]
-    advantage: list[float] = field(default_factory=list)  # per token
-    truncated: bool = False
 
 
 # --- building sequences from stored episodes ----------------------------------------------
@@ -104,7 +96,7 @@ def run_grpo(ctx: RunContext) -> None:
 
     from rlcli.engine.labelling import label_stage_episodes
     from rlcli.engine.trackers import open_trackers
-    from rlcli.models.loading import check_reference_possible, load_policy
+    from rlcli.models.loading import attach_reference, check_reference_possible, load_policy
     from rlcli.rewards.scoring import build_reward_fns
 
     recipe, cfg = ctx.recipe, ctx.recipe.grpo
@@ -116,6 +108,10 @@ def run_grpo(ctx: RunContext) -> None:
     start_iter = resume.iteration + 1 if resume else 0
     if start_iter >= cfg.iterations:
         ctx.console.print(f"train grpo: all {cfg.iterations} iterations are done.")
+        if cfg.eval_every:  # a kill may have cut off the last eval: it loads its checkpoint from disk
+            from rlcli.engine.evaluate import TrainingEvals
+
+            evals_before(ctx, TrainingEvals(ctx, None, None, METRICS_STAGE), start_iter, resume)
         return
     if resume:
         adapter = resume.path
@@ -123,14 +119,17 @@ def run_grpo(ctx: RunContext) -> None:
         sft = [c for c in checkpoints(ctx.rundb, ctx.run) if c.stage == "sft"]
         adapter = sft[-1].path if sft else None
     torch.manual_seed(derive_seed(recipe.run.seed, "init"))  # a fresh LoRA adapter's random init
+    reference = reference_checkpoint(ctx, state)  # before minutes of loading: a refused one stops here
     model, tokenizer = load_policy(recipe.model, recipe.lora, recipe.quantization, adapter=adapter, trainable=True)
+    if cfg.beta > 0 and reference is not None:
+        attach_reference(model, require_folder(reference))
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if hasattr(model, "enable_input_require_grads"):
             model.enable_input_require_grads()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    schedule = planned_schedule(cfg, cfg.epochs * _minibatches_per_epoch(recipe) * cfg.iterations, state)
+    schedule = planned_schedule(cfg, cfg.epochs * minibatches_per_epoch(recipe) * cfg.iterations, state)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule.factor)
     if state:
         optimizer.load_state_dict(state["optimizer"])
@@ -144,11 +143,18 @@ def run_grpo(ctx: RunContext) -> None:
     sampler = make_sampler(recipe, model, tokenizer, sampling, base=True)
     view = MetricsView(ctx.console)
     start_label = f"checkpoint {resume.id}" if resume else ("sft" if adapter else "base")
-    ctx.console.print(f"train grpo: iterations {start_iter}..{cfg.iterations - 1}, starting from {start_label}")
+    anchor = f", KL to {'sft' if reference else 'base'} (beta {cfg.beta:g})" if cfg.beta > 0 else ""
+    ctx.console.print(f"train grpo: iterations {start_iter}..{cfg.iterations - 1}, starting from {start_label}{anchor}")
     with open_trackers(recipe.run.trackers, ctx.run, recipe.to_dict(), log_dir=ctx.run_dir) as tracker:
+        evals = None
+        if cfg.eval_every:
+            from rlcli.engine.evaluate import TrainingEvals
+
+            evals = TrainingEvals(ctx, model, tokenizer, METRICS_STAGE)
+            evals_before(ctx, evals, start_iter, resume)
         for it in range(start_iter, cfg.iterations):
             timings: dict[str, float] = {}
-            tasks = list(range(it * recipe.rollout.tasks, (it + 1) * recipe.rollout.tasks))
+            tasks = iteration_tasks(ctx, it)  # grpo.sampling; a resumed iteration reuses its recorded draw
             fresh_rollout = not stage_done(ctx.rundb, ctx.run, f"rollout/{it}")
             # Episodes that timed out are played again, and labelled, before this iteration trains.
             if reopen_for_retries(ctx, f"rollout/{it}"):
@@ -178,7 +184,7 @@ def run_grpo(ctx: RunContext) -> None:
                     iteration=it,
                     progress_label=f"rollout {it}",
                 ),
-                params={"iteration": it, "tasks": [tasks[0], tasks[-1]]},
+                params={"iteration": it, "tasks": tasks},
             )
             timings["perf/time_rollout_s"] = time.perf_counter() - t0
 
@@ -209,13 +215,18 @@ def run_grpo(ctx: RunContext) -> None:
 
             result = ctx.stage(
                 f"train/{it}",
-                lambda: train_iteration(ctx, model, tokenizer, optimizer, scheduler, schedule, it),
+                lambda: train_iteration(ctx, model, tokenizer, optimizer, scheduler, schedule, it, reference),
                 params={"iteration": it},
                 commit=commit,
             )
             metrics = {**iteration_metrics(rollout_summary, result), **timings}
+            if evals is not None and evaluates_after(cfg, it):
+                saved = [c for c in train_checkpoints(ctx.rundb, ctx.run) if c.stage == f"train/{it}"]
+                metrics.update(evals.evaluate(saved[-1], it, in_memory=True))
             tracker.log(metrics, step=it)
             view.show(it, metrics)
+            for warning in guardrails.check(ctx, it):  # once its metrics and held-out eval are stored
+                ctx.console.print(f"warning: {warning.message}", style="yellow", highlight=False)
 
 
 def iteration_metrics(rollout_summary: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
@@ -227,14 +238,15 @@ def iteration_metrics(rollout_summary: dict[str, Any], result: dict[str, Any]) -
         "rollout/return_mean": rollout_summary.get("return_mean"),
         "rollout/turns_mean": rollout_summary.get("turns_mean"),
         "rollout/failed": rollout_summary.get("failed"),
-        **{k: v for k, v in result.items() if k.startswith("train/")},
+        **{k: v for k, v in result.items() if k.startswith(("train/", "perf/"))},
     }
 
 
 def train_iteration(
-    ctx: RunContext, model, tokenizer, optimizer, scheduler, schedule: LrSchedule, it: int
+    ctx: RunContext, model, tokenizer, optimizer, scheduler, schedule: LrSchedule, it: int, reference: Checkpoint | None
 ) -> dict[str, Any]:
-    """Advantages and K epochs of updates on iteration `it`'s stored rollouts; save a checkpoint."""
+    """Advantages and K epochs of updates on iteration `it`'s stored rollouts; save a checkpoint
+    (which records `reference`, the KL anchor: an SFT checkpoint, or None for the base model)."""
     import torch
 
     recipe, cfg = ctx.recipe, ctx.recipe.grpo
@@ -279,13 +291,13 @@ def train_iteration(
     if sequences:
         torch.manual_seed(derive_seed(recipe.run.seed, "dropout", it))  # dropout, if any, replays exactly
         model.train()
-        update_stats = _update(ctx, model, optimizer, scheduler, sequences, it)
+        update_stats = update(ctx, model, optimizer, scheduler, sequences, it)
         stats.update(update_stats)
     else:  # every group had equal rewards, or every episode was masked: nothing to learn from
         stats["train/skipped"] = 1.0
 
     if saves_checkpoint(cfg, it):
-        save_train_checkpoint(ctx, model, tokenizer, optimizer, scheduler, schedule, it)
+        save_train_checkpoint(ctx, model, tokenizer, optimizer, scheduler, schedule, it, reference)
     return stats
 
 
@@ -297,219 +309,28 @@ def _turn_rewards(labelled: LabelledEpisode) -> list[float]:
     return rewards
 
 
-def _update(ctx: RunContext, model, optimizer, scheduler, sequences: list[TrainSequence], it: int) -> dict[str, float]:
-    import torch
-
-    recipe, cfg = ctx.recipe, ctx.recipe.grpo
-    temperature = sampling_config(recipe.rollout).logprob_temperature
-    n_mb = _minibatches_per_epoch(recipe)
-    needs_old = cfg.epochs > 1 or n_mb > 1
-    old_logprobs = (
-        _old_logprobs(model, sequences, cfg.micro_batch_size, temperature, not cfg.gradient_checkpointing)
-        if needs_old
-        else None
-    )
-    max_len_norm = recipe.rollout.max_new_tokens * recipe.env.max_turns
-    totals: dict[str, float] = {}
-    weight_sum = 0.0
-    gap_sum = 0.0  # |rollout logprob - the trainer's|, over the first epoch's trainable tokens
-    grad_norms = []
-    for epoch in range(cfg.epochs):
-        gen = torch.Generator().manual_seed(derive_seed(recipe.run.seed, "shuffle", it, epoch))
-        order = torch.randperm(len(sequences), generator=gen).tolist()
-        size = math.ceil(len(order) / n_mb)
-        for mb_start in range(0, len(order), size):
-            mb = order[mb_start : mb_start + size]
-            mb_tokens = sum(sum(sequences[i].mask) for i in mb)
-            mb_seqs = sum(1 for i in mb if any(sequences[i].mask))
-            optimizer.zero_grad(set_to_none=True)
-            for mc_start in range(0, len(mb), cfg.micro_batch_size):
-                micro_idx = mb[mc_start : mc_start + cfg.micro_batch_size]
-                micro = [sequences[i] for i in micro_idx]
-                batch = _collate(micro, model, share_prefix=not cfg.gradient_checkpointing)
-                logits = _forward(model, batch)
-                logprobs = grpo.selective_log_softmax(logits / temperature, batch["targets"])
-                with torch.no_grad():
-                    entropy = grpo.entropy_from_logits(logits.detach() / temperature)
-                old = (
-                    _collate_values([old_logprobs[i] for i in micro_idx], batch)
-                    if old_logprobs is not None
-                    else logprobs.detach()
-                )
-                if epoch == 0:  # `old` is the trainer's logprob under the weights that sampled the rollout
-                    gap_sum += float(((old - batch["rollout_logprobs"]).abs() * batch["mask"]).sum())
-                ref = None
-                if cfg.beta > 0:
-                    from rlcli.models.loading import reference_context
-
-                    with torch.no_grad(), reference_context(model):
-                        ref = grpo.selective_log_softmax(_forward(model, batch) / temperature, batch["targets"])
-                loss, st = grpo.policy_loss(
-                    logprobs,
-                    old,
-                    batch["advantages"],
-                    batch["mask"],
-                    clip_low=cfg.clip_low,
-                    clip_high=cfg.clip_high,
-                    importance=cfg.importance,
-                    aggregation=cfg.aggregation,
-                    ref_logprobs=ref,
-                    beta=cfg.beta,
-                    rollout_logprobs=batch["rollout_logprobs"],
-                    tis_cap=cfg.tis_cap,
-                    entropy=entropy,
-                    entropy_top_frac=cfg.entropy_top_frac,
-                    max_len_norm=max_len_norm,
-                )
-                grpo.check_finite("the loss", loss)
-                # Scale so that accumulated micro-batch gradients equal the minibatch's gradient.
-                if cfg.aggregation == "token_mean":
-                    share = float(batch["mask"].sum()) / max(mb_tokens, 1.0)
-                else:
-                    share = sum(1 for s in micro if any(s.mask)) / max(mb_seqs, 1)
-                (loss * share).backward()
-                w = float(batch["mask"].sum())
-                weight_sum += w
-                for k, v in st.items():
-                    totals[k] = totals.get(k, 0.0) + float(v) * w
-            grad_norm = torch.nn.utils.clip_grad_norm_(
-                [p for p in model.parameters() if p.requires_grad], cfg.max_grad_norm
-            )
-            if not torch.isfinite(grad_norm):
-                optimizer.zero_grad(set_to_none=True)
-                raise RlcliError(
-                    f"Iteration {it}: the gradient norm is {float(grad_norm)}; the update was stopped before the "
-                    "optimizer step (try a lower grpo.lr or float32)."
-                )
-            grad_norms.append(float(grad_norm))
-            optimizer.step()
-            scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
-    out = {f"train/{k}": v / max(weight_sum, 1.0) for k, v in totals.items() if k != "tokens"}
-    out["train/tokens"] = sum(sum(s.mask) for s in sequences)
-    out["train/engine_logprob_gap"] = gap_sum / max(out["train/tokens"], 1)
-    out["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
-    return out
-
-
-def _collate(micro: list[TrainSequence], model, share_prefix: bool = True) -> dict[str, Any]:
-    """A micro-batch as one shared prefix (forwarded once) plus left-padded suffixes; only the
-    positions that end in trainable tokens are kept. share_prefix=False (gradient checkpointing,
-    which cannot return a KV cache) forwards every row whole."""
-    import torch
-
-    device = next(model.parameters()).device
-    prefix = _shared_prefix(micro) if share_prefix else 0
-    width = max(len(s.ids) for s in micro) - prefix
-    # The first trainable token over the batch, measured from the right: logits before it are not needed.
-    keep = (
-        max(len(s.ids) - next(i for i, m in enumerate(s.mask) if m) for s in micro if any(s.mask))
-        if any(any(s.mask) for s in micro)
-        else 1
-    )
-    B = len(micro)
-    ids = torch.zeros((B, width), dtype=torch.long)
-    attn = torch.zeros((B, width), dtype=torch.long)
-    mask = torch.zeros((B, keep))
-    adv = torch.zeros((B, keep))
-    roll = torch.zeros((B, keep))
-    for b, s in enumerate(micro):
-        n = len(s.ids) - prefix
-        ids[b, width - n :] = torch.tensor(s.ids[prefix:])
-        attn[b, width - n :] = 1
-        tail = slice(max(len(s.ids) - keep, 0), len(s.ids))
-        k = tail.stop - tail.start
-        mask[b, keep - k :] = torch.tensor(s.mask[tail])
-        adv[b, keep - k :] = torch.tensor(s.advantage[tail])
-        roll[b, keep - k :] = torch.tensor(s.rollout_logprobs[tail])
-    # Padding sits between the prefix and each suffix; the mask hides it and positions skip it.
-    pos = prefix + (attn.cumsum(-1) - 1).clamp(min=0)
-    attn = torch.cat([torch.ones((B, prefix), dtype=torch.long), attn], dim=-1)
-    return {
-        "prefix_ids": torch.tensor([micro[0].ids[:prefix]], device=device) if prefix else None,
-        "input_ids": ids.to(device),
-        "attention_mask": attn.to(device),
-        "position_ids": pos.to(device),
-        "keep": keep,
-        "targets": ids[:, width - keep :].to(device),
-        "mask": mask.to(device),
-        "advantages": adv.to(device),
-        "rollout_logprobs": roll.to(device),
-    }
-
-
-def _shared_prefix(micro: list[TrainSequence], minimum: int = 16) -> int:
-    """How many leading tokens every sequence shares (the group's prompt, often the system prompt
-    of every task), stopping two tokens before the first trainable one so that every logit the
-    loss needs comes from the per-row forward. 0 when sharing is not worth a separate forward."""
-    if len(micro) < 2:
-        return 0
-    limit = min(next((i for i, m in enumerate(s.mask) if m), len(s.ids)) for s in micro) - 1
-    first = micro[0].ids
-    n = 0
-    while n < limit and all(len(s.ids) > n and s.ids[n] == first[n] for s in micro):
-        n += 1
-    return n if n >= minimum else 0
-
-
-def _collate_values(values: list, batch: dict[str, Any]):
-    import torch
-
-    keep = batch["keep"]
-    out = torch.zeros((len(values), keep), device=batch["mask"].device)
-    for b, v in enumerate(values):
-        tail = v[-keep:]
-        out[b, keep - len(tail) :] = tail
-    return out
-
-
-def _forward(model, batch: dict[str, Any]):
-    """Logits predicting the last `keep` tokens of each row ([B, keep, V]). A shared prefix is
-    forwarded once and its KV cache repeated for every row; gradients flow through it to all rows."""
-    cache = None
-    if batch["prefix_ids"] is not None:
-        cache = model(input_ids=batch["prefix_ids"], use_cache=True, logits_to_keep=1).past_key_values
-        cache.batch_repeat_interleave(batch["input_ids"].shape[0])
-    out = model(
-        input_ids=batch["input_ids"],
-        attention_mask=batch["attention_mask"],
-        position_ids=batch["position_ids"],
-        past_key_values=cache,
-        logits_to_keep=batch["keep"] + 1,
-        use_cache=cache is not None,
-    )
-    return out.logits[:, :-1, :].float()
-
-
-def _old_logprobs(
-    model, sequences: list[TrainSequence], micro_batch_size: int, temperature: float, share_prefix: bool
-) -> list:
-    """Logprobs of every sequence under the weights at the start of the iteration (PPO's pi_old)."""
-    import torch
-
-    out = []
-    with torch.no_grad():
-        for start in range(0, len(sequences), micro_batch_size):
-            micro = sequences[start : start + micro_batch_size]
-            batch = _collate(micro, model, share_prefix)
-            lp = grpo.selective_log_softmax(_forward(model, batch) / temperature, batch["targets"])
-            for b, s in enumerate(micro):
-                n = min(len(s.ids), batch["keep"])
-                out.append(lp[b, batch["keep"] - n :].cpu())
-    return out
-
-
 # --- schedule, checkpoints ------------------------------------------------------------
-
-
-def _minibatches_per_epoch(recipe) -> int:
-    episodes = recipe.rollout.tasks * recipe.rollout.group_size
-    size = recipe.grpo.minibatch_size or episodes
-    return max(1, math.ceil(episodes / size))
 
 
 def saves_checkpoint(cfg, it: int) -> bool:
     return (it + 1) % cfg.checkpoint_every == 0 or it + 1 == cfg.iterations
+
+
+def evals_before(ctx: RunContext, evals, start_iter: int, resume: Checkpoint | None) -> None:
+    """The starting point's eval (SFT, else base), then those of checkpoints saved before start_iter
+    that a kill cut off or that predate eval_every. The model in memory holds `resume`'s weights,
+    else the starting point's; every other one is loaded from disk."""
+    sft = [c for c in checkpoints(ctx.rundb, ctx.run) if c.stage == "sft"]
+    evals.evaluate(sft[-1] if sft else None, -1, in_memory=resume is None)
+    for ckpt in train_checkpoints(ctx.rundb, ctx.run):
+        if ckpt.iteration < start_iter and evaluates_after(ctx.recipe.grpo, ckpt.iteration):
+            evals.evaluate(ckpt, ckpt.iteration, in_memory=resume is not None and ckpt.id == resume.id)
+
+
+def evaluates_after(cfg, it: int) -> bool:
+    """grpo.eval_every: iteration it's checkpoint gets a held-out eval (every n iterations, and the last)."""
+    due = (it + 1) % cfg.eval_every == 0 or it + 1 == cfg.iterations if cfg.eval_every else False
+    return due and saves_checkpoint(cfg, it)
 
 
 def checkpoint_folder(ctx: RunContext, it: int) -> Path:
@@ -594,8 +415,46 @@ def resume_point(ctx: RunContext) -> tuple[Checkpoint | None, dict[str, Any] | N
     return None, None
 
 
+def reference_checkpoint(ctx: RunContext, state: dict[str, Any] | None) -> Checkpoint | None:
+    """The KL anchor that grpo.reference names: the run's SFT checkpoint, or None for the base model
+    (auto: sft when the run has one). A resumed run keeps the anchor its checkpoint recorded, so the
+    KL term means the same thing throughout (checkpoints from before rlcli recorded it anchored to the
+    base); a recipe that now names the other one is refused."""
+    choice = ctx.recipe.grpo.reference
+    run_checkpoints = checkpoints(ctx.rundb, ctx.run)
+    if state is not None:
+        recorded = state.get("reference")
+        found = next((c for c in run_checkpoints if c.id == recorded), None)
+        if recorded is not None and found is None:
+            raise UsageError(
+                f"Run {ctx.run!r}: GRPO anchored its KL term to checkpoint {recorded}, which is no longer recorded; "
+                "restore it, or start a new run."
+            )
+        was = "base" if found is None else "sft"
+        if choice not in ("auto", was):
+            raise UsageError(
+                f"grpo.reference: run {ctx.run!r} started GRPO with the {was} policy as its reference and a resumed "
+                f"run keeps it; set grpo.reference: {was} (or auto), or start a new run."
+            )
+        return found
+    sft = [c for c in run_checkpoints if c.stage == "sft"]
+    if choice == "sft" and not sft:
+        raise UsageError(
+            f"grpo.reference is sft, but run {ctx.run!r} has no SFT checkpoint; run `rlcli sft` first "
+            "or set grpo.reference: base (or auto)."
+        )
+    return sft[-1] if sft and choice != "base" else None
+
+
 def save_train_checkpoint(
-    ctx: RunContext, model, tokenizer, optimizer, scheduler, schedule: LrSchedule, it: int
+    ctx: RunContext,
+    model,
+    tokenizer,
+    optimizer,
+    scheduler,
+    schedule: LrSchedule,
+    it: int,
+    reference: Checkpoint | None,
 ) -> None:
     """Write to a temporary folder, fsync it, rename it into place: a crash leaves either the old
     folder or the complete new one. Its row is written when the iteration commits."""
@@ -613,6 +472,7 @@ def save_train_checkpoint(
             "scheduler": scheduler.state_dict(),
             "schedule": asdict(schedule),
             "iteration": it,
+            "reference": reference.id if reference is not None else None,  # the KL anchor a resume keeps
         },
         tmp / TRAINER_STATE,
     )
@@ -632,6 +492,7 @@ class MetricsView:
         ("iter", None),
         ("reward", "rollout/reward_mean"),
         ("success", "rollout/success_rate"),
+        ("held-out", "eval/success_rate"),
         ("loss", "train/loss"),
         ("kl", "train/kl"),
         ("entropy", "train/entropy"),

@@ -11,7 +11,9 @@ import contextlib
 import os
 import re
 import shutil
+import tempfile
 import warnings
+import weakref
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -255,24 +257,80 @@ def _check_checkpoint(path: str | Path) -> Path:
 # --- the reference policy for KL ---------------------------------------------------
 
 
+REFERENCE_ADAPTER = "reference"  # the name of the frozen SFT adapter that grpo.reference: sft loads
+
+
 def check_reference_possible(lora_cfg: LoraSection | None, beta: float) -> None:
-    """A KL penalty needs the reference policy, which rlcli gets by disabling the LoRA adapter."""
+    """A KL penalty needs the reference policy, which rlcli computes on the policy's own base
+    weights: the LoRA adapter switched off (the base model) or swapped for a frozen SFT adapter."""
     if beta > 0 and lora_cfg is None:
         raise UsageError(
-            "grpo.beta > 0 needs a reference model, which rlcli gets by switching the LoRA adapter off; "
-            "add a lora: section or set grpo.beta: 0."
+            "grpo.beta > 0 needs a reference model, which rlcli gets by switching the LoRA adapter off "
+            "(or swapping in the SFT adapter); add a lora: section or set grpo.beta: 0."
         )
 
 
-def reference_context(model: Any) -> AbstractContextManager[Any]:
-    """`with reference_context(model):` the model computes the base (reference) policy, no second copy."""
+def attach_reference(model: Any, checkpoint: str | Path) -> None:
+    """Load the LoRA adapter at `checkpoint` (the run's SFT checkpoint) beside the trainable one as
+    a second, frozen adapter, so that reference_context computes the SFT policy instead of the base.
+
+    It costs one more adapter's weights, not a second model. peft's load_adapter leaves the new
+    adapter frozen and inactive, and the trainable adapter active and trainable; both are checked.
+    """
+    from peft import PeftModel
+
+    if not isinstance(model, PeftModel):
+        raise UsageError(
+            "grpo.reference sft needs a LoRA policy (the SFT adapter is swapped in for the reference); "
+            "add a lora: section, or set grpo.beta: 0."
+        )
+    folder = _check_checkpoint(checkpoint)
+    if not (folder / "adapter_config.json").is_file():
+        raise UsageError(f"grpo.reference sft: checkpoint {folder} is not a LoRA adapter (no adapter_config.json).")
+    active = model.active_adapter
+    with _quiet_peft():
+        model.load_adapter(str(folder), adapter_name=REFERENCE_ADAPTER, is_trainable=False)
+    reference_params = [p for n, p in model.named_parameters() if f".{REFERENCE_ADAPTER}." in n]
+    if model.active_adapter != active or not reference_params or any(p.requires_grad for p in reference_params):
+        raise RuntimeError("peft left the reference adapter active or trainable; the KL anchor would move.")
+
+
+def reference_context(model: Any) -> AbstractContextManager[None]:
+    """`with reference_context(model):` the model computes the reference policy, no second copy:
+    the frozen SFT adapter when attach_reference loaded one, else the base model (adapter disabled).
+
+    The reference is a fixed policy, so it is computed in eval mode (no dropout); the model's
+    training mode and its trainable adapter come back on exit. Call it under torch.no_grad().
+    """
     from peft import PeftModel
 
     if not isinstance(model, PeftModel):
         raise UsageError(
             "The reference policy needs a LoRA adapter to switch off; add a lora: section or set grpo.beta: 0."
         )
-    return model.disable_adapter()
+    return _as_reference(model)
+
+
+@contextlib.contextmanager
+def _as_reference(model: Any) -> Iterator[None]:
+    training = model.training
+    model.eval()
+    try:
+        if REFERENCE_ADAPTER in model.peft_config:
+            active = model.active_adapter
+            # peft's set_adapter also sets requires_grad: inference_mode=True freezes every adapter,
+            # and switching back makes the trainable one trainable again (and the reference frozen)
+            # before the backward pass that needs its gradients.
+            model.set_adapter(REFERENCE_ADAPTER, inference_mode=True)
+            try:
+                yield
+            finally:
+                model.set_adapter(active)
+        else:
+            with model.disable_adapter():
+                yield
+    finally:
+        model.train(training)
 
 
 # --- checkpoints and export -----------------------------------------------------------
@@ -335,16 +393,40 @@ def export_merged(
 
 
 def _save_folder(model: Any, tokenizer: Any, path: Path) -> Path:
+    from peft import PeftModel
+
     tmp = path.with_name(path.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
+    if isinstance(model, PeftModel):
+        # Only the trainable adapter: a frozen reference adapter beside it (attach_reference) is not the policy.
+        model.save_pretrained(tmp, selected_adapters=[model.active_adapter])
+    else:
+        model.save_pretrained(tmp)
+    _save_tokenizer(tokenizer, tmp)
     fsync_folder(tmp)
     if path.exists():
         shutil.rmtree(path)
     tmp.rename(path)
     fsync_folder(path.parent, files=False)
     return path
+
+
+# Per tokenizer object, its saved files' contents (a few MB), for the next checkpoint.
+_tokenizer_files: weakref.WeakKeyDictionary[Any, dict[str, bytes]] = weakref.WeakKeyDictionary()
+
+
+def _save_tokenizer(tokenizer: Any, folder: Path) -> None:
+    """The tokenizer's files into `folder`, so that every checkpoint loads on its own. It is serialised
+    once per process (tens of ms per checkpoint otherwise, more for a 150k vocabulary; it does not
+    change while training) and its files' bytes are written into each folder after that."""
+    files = _tokenizer_files.get(tokenizer)
+    if files is None:
+        with tempfile.TemporaryDirectory(prefix="rlcli-tokenizer-") as tmp:
+            tokenizer.save_pretrained(tmp)
+            files = {path.name: path.read_bytes() for path in Path(tmp).iterdir() if path.is_file()}
+        _tokenizer_files[tokenizer] = files
+    for name, data in files.items():
+        (folder / name).write_bytes(data)
 
 
 def fsync_folder(folder: Path, *, files: bool = True) -> None:

@@ -7,15 +7,17 @@ from pathlib import Path
 from typing import Any
 
 from rlcli.errors import UsageError
-from rlcli.report.views import REWARD_KEY, SUCCESS_KEY, metric_series
+from rlcli.report.views import HELDOUT_KEY, REWARD_KEY, SUCCESS_KEY, metric_series
 from rlcli.store.db import RunDB
 from rlcli.store.evals import eval_results
 from rlcli.store.records import EvalResult
 
 # Default panels: (title, metric keys drawn in it). A panel whose keys are all missing is skipped.
+# Held-out success (grpo.eval_every) shares the success panel: train success rising while held-out
+# success falls is the reward hacking to catch.
 DEFAULT_PANELS = (
     ("Reward (mean ± std)", (REWARD_KEY,)),
-    ("Success rate", (SUCCESS_KEY,)),
+    ("Success rate: train rollouts and held-out", (SUCCESS_KEY, HELDOUT_KEY)),
     ("Policy loss", ("train/loss",)),
     ("KL to reference", ("train/kl",)),
     ("Entropy", ("train/entropy",)),
@@ -61,7 +63,7 @@ def plot_run(rundb: RunDB, name: str, out: Path, metrics: list[str] | None = Non
             _plot_series(ax, key, series[key], std=series.get("rollout/reward_std") if key == REWARD_KEY else None)
         ax.set_title(title)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        if SUCCESS_KEY in keys:
+        if SUCCESS_KEY in keys or HELDOUT_KEY in keys:
             ax.set_ylim(-0.02, 1.02)
             ax.yaxis.set_major_formatter(PercentFormatter(1.0))
         if len(present) > 1:
@@ -78,7 +80,9 @@ def plot_run(rundb: RunDB, name: str, out: Path, metrics: list[str] | None = Non
 
 def _plot_series(ax: Any, key: str, entry: dict[str, Any], std: dict[str, Any] | None) -> None:
     steps, values = entry["steps"], entry["values"]
-    ax.plot(steps, values, marker="o", markersize=3, label=key)
+    # Held-out evals come every eval_every iterations, from step -1 (the starting point): larger markers.
+    held_out = key == HELDOUT_KEY
+    ax.plot(steps, values, marker="s" if held_out else "o", markersize=5 if held_out else 3, label=key)
     if std is not None:
         by_step = dict(zip(std["steps"], std["values"]))
         pairs = [(s, v, by_step[s]) for s, v in zip(steps, values) if s in by_step]

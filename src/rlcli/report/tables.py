@@ -18,8 +18,9 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from rlcli.report.views import COMPARE_METRICS, KEY_METRICS, eval_view
+from rlcli.report.views import COMPARE_METRICS, KEY_METRICS, ending_view, eval_view
 from rlcli.rewards.episodes import message_text
+from rlcli.store.checkpoints import BestAndLatest
 from rlcli.store.records import EpisodeSummary
 
 
@@ -66,11 +67,13 @@ def print_run(console: Console, data: dict[str, Any], series: dict[str, dict[str
     parts: list[Any] = [header]
     if data["stages"]:
         parts.append(stages_table(data["stages"]))
-    for title, curve in (("reward", data["reward_curve"]), ("success", data["success_curve"])):
+    curves = (("reward", data["reward_curve"]), ("success", data["success_curve"]), ("held-out", data["heldout_curve"]))
+    for title, curve in curves:
         if curve:
+            per = "per eval     " if title == "held-out" else "per iteration"
             parts.append(
                 Text(
-                    f"{title:<8} per iteration  {sparkline(curve, 60)}  "
+                    f"{title:<8} {per}  {sparkline(curve, 60)}  "
                     f"{fmt(curve[0])} → {fmt(curve[-1])}  (min {fmt(min(curve))}, max {fmt(max(curve))})"
                 )
             )
@@ -80,7 +83,22 @@ def print_run(console: Console, data: dict[str, Any], series: dict[str, dict[str
         parts.append(checkpoints_table(data["checkpoints"]))
     if data["evals"]:
         parts.append(evals_table(data["evals"]))
+    if data["ending"]["best"] is not None:
+        parts.append(best_latest_table(data["ending"]))
+    if data.get("events"):
+        parts.append(events_table(data["events"]))
     console.print(Group(*parts))
+
+
+def events_table(events: list[dict[str, Any]]) -> Table:
+    """The warnings raised while the run trained (engine/guardrails.py), in order."""
+    table = Table(title="Warnings", expand=False, show_lines=True)
+    table.add_column("iter", justify="right")
+    table.add_column("kind")
+    table.add_column("message", style="yellow", overflow="fold")
+    for event in events:
+        table.add_row(str(event["iteration"]), event["kind"], event["message"])
+    return table
 
 
 # A stage row's colour: the first of these statuses among its members.
@@ -307,6 +325,31 @@ def sft_table(summary: Any) -> Table:
     return table
 
 
+def dpo_table(summary: Any) -> Table:
+    """A DPO stage's summary (engine.dpo.DpoSummary)."""
+    table = Table(title=summary.stage, show_header=False)
+    table.add_column(style="bold")
+    table.add_column(justify="right")
+    rows = [
+        ("started from", "base" if summary.start == "base" else f"checkpoint {summary.start}"),
+        ("preference pairs", summary.pairs),
+        ("steps", summary.steps),
+        ("resumed from step", summary.resumed_from_step or None),
+        ("loss (mean / final)", f"{fmt(summary.train_loss)} / {fmt(summary.final_loss)}"),
+        ("reward margin (final)", fmt(summary.final_reward_margin)),
+        (
+            "checkpoint",
+            f"{summary.stage} (id {summary.checkpoint_id}): {summary.path}"
+            if summary.checkpoint_id is not None
+            else "none: no pairs, the policy is unchanged",
+        ),
+    ]
+    for name, value in rows:
+        if value is not None:
+            table.add_row(name, str(value))
+    return table
+
+
 # --- shared ----------------------------------------------------------------------------------
 
 
@@ -339,7 +382,35 @@ def _fmt_duration(seconds: float) -> str:
 
 
 def stage_summary_table(summary: Any) -> Table:
-    """What `rlcli run` prints as a stage finishes: the eval results, or the SFT summary."""
+    """What `rlcli run` prints as a stage finishes: the eval results, the SFT summary, or last the
+    run's best and latest checkpoints."""
     if isinstance(summary, list):
         return evals_table([eval_view(r) for r in summary])
+    if isinstance(summary, BestAndLatest):
+        return best_latest_table(ending_view(summary))
+    if hasattr(summary, "pairs"):  # engine.dpo.DpoSummary (not imported: it imports torch)
+        return dpo_table(summary)
     return sft_table(summary)
+
+
+def best_latest_table(ending: dict[str, Any]) -> Table:
+    """The run's best checkpoint by held-out success and its newest one (views.ending_view)."""
+    table = Table(title="Checkpoints: best and latest")
+    for col in ("", "checkpoint", "stage", "iteration", "held-out success"):
+        table.add_column(col, justify="right" if col in ("iteration", "held-out success") else "left")
+    for role in ("best", "latest"):
+        row = ending[role]
+        if row is None:
+            table.add_row(role, "–", "", "", "not evaluated" if role == "best" else "")
+            continue
+        success = "–" if row["success_rate"] is None else f"{row['success_rate']:.1%} ({row['tasks']} tasks)"
+        table.add_row(
+            role,
+            row["name"],
+            row["stage"] or "",
+            fmt(row["iteration"]),
+            success,
+        )
+    if ending["keep_best"] and ending["best"] is not None:
+        table.caption = "grpo.keep_best: `latest` (export, eval) means the best one"
+    return table

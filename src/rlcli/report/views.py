@@ -9,11 +9,12 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
-from rlcli.store.checkpoints import checkpoints
+from rlcli.store.checkpoints import BestAndLatest, best_and_latest, checkpoints
 from rlcli.store.db import RunDB
 from rlcli.store.episodes import episode_counts, labelled_episodes
 from rlcli.store.evals import eval_results
-from rlcli.store.records import EvalResult, LabelledEpisode, Run
+from rlcli.store.events import list_events
+from rlcli.store.records import Checkpoint, EvalResult, LabelledEpisode, Run
 from rlcli.store.stages import displayed_status
 
 KEY_METRICS = ("rollout/reward_mean", "rollout/success_rate", "train/loss")
@@ -27,6 +28,7 @@ COMPARE_METRICS = (
 )
 REWARD_KEY = "rollout/reward_mean"
 SUCCESS_KEY = "rollout/success_rate"
+HELDOUT_KEY = "eval/success_rate"  # grpo.eval_every; step -1 is the starting point
 
 
 def runs_summary(rundb: RunDB) -> list[dict[str, Any]]:
@@ -74,8 +76,11 @@ def run_details(rundb: RunDB, name: str) -> dict[str, Any]:
         "latest_metrics": rundb.latest_metrics(name),
         "reward_curve": _curve(rundb, name, REWARD_KEY),
         "success_curve": _curve(rundb, name, SUCCESS_KEY),
+        "heldout_curve": _curve(rundb, name, HELDOUT_KEY),
         "checkpoints": [asdict(c) for c in checkpoints(rundb, name)],
         "evals": [eval_view(r) for r in eval_results(rundb, name)],
+        "ending": ending_view(best_and_latest(rundb, name)),
+        "events": [asdict(e) for e in list_events(rundb, name)],  # warnings raised while it trained
         "recipe_history": [
             {"created_at": h.created_at, "reason": h.reason, "recipe_sha256": h.recipe_sha256, "code": h.code}
             for h in rundb.recipe_history(name)
@@ -85,6 +90,27 @@ def run_details(rundb: RunDB, name: str) -> dict[str, Any]:
 
 def _status(rundb: RunDB, run: Run) -> str:
     return displayed_status(rundb.path.parent, run)
+
+
+def ending_view(ending: BestAndLatest) -> dict[str, Any]:
+    """The best checkpoint by held-out success and the newest one; `name` is what -c takes."""
+
+    def row(ckpt: Checkpoint | None, name: str, success: float | None) -> dict[str, Any]:
+        return {
+            "name": name,
+            "id": ckpt.id if ckpt else None,
+            "stage": ckpt.stage if ckpt else None,
+            "iteration": ckpt.iteration if ckpt else None,
+            "success_rate": success,
+            "tasks": ending.tasks if success is not None else None,
+        }
+
+    best, latest = ending.best, ending.latest
+    return {
+        "best": row(best.checkpoint, best.name, best.success_rate) if best else None,
+        "latest": row(latest, str(latest.id), ending.latest_success) if latest else None,
+        "keep_best": ending.keep_best,
+    }
 
 
 def eval_view(result: EvalResult) -> dict[str, Any]:

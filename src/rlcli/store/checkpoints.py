@@ -8,10 +8,12 @@ hold a path relative to the working directory of the time, or an absolute one: b
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from rlcli.errors import UsageError
 from rlcli.store.db import RunDB, now
+from rlcli.store.evals import eval_decoding, eval_results, eval_stage_name, leading_tasks_success
 from rlcli.store.records import Checkpoint
 
 
@@ -38,11 +40,25 @@ def checkpoints(rundb: RunDB, run: str) -> list[Checkpoint]:
 
 
 def resolve_checkpoint(rundb: RunDB, run: str, which: str) -> Checkpoint | None:
-    """base -> None (the base model); sft / latest / a numeric id -> that checkpoint."""
+    """base -> None (the base model); sft / latest / best / a numeric id -> that checkpoint.
+
+    best: the best held-out success (see best_checkpoint), which may be None (the base model).
+    latest: the newest checkpoint, or with grpo.keep_best the best one once evals exist.
+    """
     if which == "base":
         return None
     rows = checkpoints(rundb, run)
+    if which == "best":
+        best = best_checkpoint(rundb, run)
+        if best is None:
+            raise UsageError(
+                f"Run {run!r} has no held-out eval results to pick the best checkpoint from; "
+                "run with grpo.eval_every or rlcli eval first."
+            )
+        return best.checkpoint
     if which == "latest":
+        if rundb.run_recipe(run).grpo.keep_best and (best := best_checkpoint(rundb, run)) is not None:
+            return best.checkpoint
         return rows[-1] if rows else None
     if which == "sft":
         sft_rows = [r for r in rows if r.stage == "sft"]
@@ -54,7 +70,106 @@ def resolve_checkpoint(rundb: RunDB, run: str, which: str) -> Checkpoint | None:
             if row.id == int(which):
                 return row
         raise UsageError(f"Run {run!r} has no checkpoint with id {which}; `rlcli runs show {run}` lists them.")
-    raise UsageError(f"Unknown checkpoint {which!r}: expected base, sft, latest or a checkpoint id.")
+    raise UsageError(f"Unknown checkpoint {which!r}: expected base, sft, latest, best or a checkpoint id.")
+
+
+@dataclass(frozen=True)
+class RankedCheckpoint:
+    """A checkpoint (None: the base model) with its held-out success, as `best` compares them."""
+
+    checkpoint: Checkpoint | None
+    success_rate: float  # over the first `tasks` eval tasks, with the recipe's eval decoding
+    tasks: int
+    stage: str  # the eval stage the rate comes from
+
+    @property
+    def name(self) -> str:
+        """What -c takes to name it again: base or the checkpoint id."""
+        return "base" if self.checkpoint is None else str(self.checkpoint.id)
+
+    def describe(self) -> str:
+        """e.g. "checkpoint 7 (iteration 11, held-out 0.41)"."""
+        if self.checkpoint is None:
+            return f"the base model (held-out {self.success_rate:.2f})"
+        c = self.checkpoint
+        where = "sft" if c.stage == "sft" else f"iteration {c.iteration}"
+        return f"checkpoint {c.id} ({where}, held-out {self.success_rate:.2f})"
+
+
+def ranked_checkpoints(rundb: RunDB, run: str) -> list[RankedCheckpoint]:
+    """The base model and checkpoints with comparable held-out evals, in training order (base,
+    then by checkpoint id).
+
+    Comparable: evaluated with the recipe's eval decoding (temperature, k) on at least the tasks
+    that grpo.eval_tasks (default eval.tasks) names, compared on those first tasks; when no eval
+    reached that many, on as many as the largest eval has. An eval of more tasks (a later `rlcli
+    eval` with a larger eval.tasks) still compares: its first tasks are the same episodes.
+    """
+    recipe = rundb.run_recipe(run)
+    temperature, k = eval_decoding(recipe)
+    by_id = {c.id: c for c in checkpoints(rundb, run)}
+    found: list[tuple[Checkpoint | None, int, str]] = []
+    for result in eval_results(rundb, run):
+        ckpt = by_id.get(result.checkpoint_id) if result.checkpoint_id is not None else None
+        key = "base" if result.checkpoint_id is None else f"ckpt-{result.checkpoint_id}"
+        if result.checkpoint_id is not None and ckpt is None:
+            continue  # a checkpoint row that is gone
+        if result.stage == eval_stage_name(key, temperature, k):  # this leaves out expert and other decodings
+            found.append((ckpt, result.tasks, result.stage))
+    if not found:
+        return []
+    most = max(have for _, have, _ in found)
+    tasks = min(recipe.grpo.eval_tasks or recipe.eval.tasks or most, most)
+    ranked = []
+    for ckpt, have, stage in found:
+        rate = leading_tasks_success(rundb, run, stage, tasks) if have >= tasks else None
+        if rate is not None:
+            ranked.append(RankedCheckpoint(ckpt, rate, tasks, stage))
+    return sorted(ranked, key=lambda r: -1 if r.checkpoint is None else r.checkpoint.id)
+
+
+def best_checkpoint(rundb: RunDB, run: str) -> RankedCheckpoint | None:
+    """The best held-out success among comparable evals; a tie goes to the later checkpoint (the
+    base model counts as the earliest). None when nothing has been evaluated comparably."""
+    return _best(ranked_checkpoints(rundb, run))
+
+
+def _best(ranked: list[RankedCheckpoint]) -> RankedCheckpoint | None:
+    # Ranked in training order: among equal rates, the larger position (the later one) wins.
+    return max(enumerate(ranked), key=lambda pair: (pair[1].success_rate, pair[0]))[1] if ranked else None
+
+
+def checkpoint_note(rundb: RunDB, run: str, which: str) -> str | None:
+    """What `best`, or `latest` under grpo.keep_best, meant this time; None when it names itself."""
+    if which == "best" or (which == "latest" and rundb.run_recipe(run).grpo.keep_best):
+        best = best_checkpoint(rundb, run)
+        if best is not None:
+            return f"{'latest = best' if which == 'latest' else 'best'} = {best.describe()}"
+    return None
+
+
+@dataclass(frozen=True)
+class BestAndLatest:
+    """How a run ended: its best checkpoint by held-out success and its newest one (either may be None)."""
+
+    best: RankedCheckpoint | None
+    latest: Checkpoint | None
+    latest_success: float | None  # the latest's held-out success, compared like best's; None if not evaluated
+    tasks: int | None  # how many eval tasks the comparison is over; None with nothing evaluated
+    keep_best: bool  # grpo.keep_best: `latest` means best
+
+
+def best_and_latest(rundb: RunDB, run: str) -> BestAndLatest:
+    rows, ranked = checkpoints(rundb, run), ranked_checkpoints(rundb, run)
+    latest = rows[-1] if rows else None
+    latest_rank = next((r for r in ranked if latest is not None and r.name == str(latest.id)), None)
+    return BestAndLatest(
+        _best(ranked),
+        latest,
+        latest_rank.success_rate if latest_rank else None,
+        ranked[0].tasks if ranked else None,
+        rundb.run_recipe(run).grpo.keep_best,
+    )
 
 
 def train_checkpoints(rundb: RunDB, run: str) -> list[Checkpoint]:

@@ -4,10 +4,30 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlcli.store.db import RunDB
 from rlcli.store.records import EvalResult
+
+if TYPE_CHECKING:
+    from rlcli.recipe import Recipe
+
+
+def eval_decoding(recipe: Recipe) -> tuple[float, int]:
+    """The temperature and samples per task (k) of the recipe's held-out evals: greedy when k is 1,
+    else the rollout temperature, unless eval.temperature says otherwise."""
+    temperature = recipe.eval.temperature
+    if temperature is None:
+        temperature = 0.0 if recipe.eval.k == 1 else recipe.rollout.temperature
+    return temperature, recipe.eval.k
+
+
+def eval_stage_name(key: str, temperature: float, k: int) -> str:
+    """The stage of one checkpoint's eval (key: base, expert, ckpt-<id>) with one decoding.
+
+    Another decoding (temperature, k) is another measurement, stored beside the first.
+    """
+    return f"eval/{key}" if (temperature, k) == (0.0, 1) else f"eval/{key}@t{temperature:g}-k{k}"
 
 
 def replace_eval(rundb: RunDB, result: EvalResult) -> None:
@@ -26,6 +46,21 @@ def eval_result(rundb: RunDB, run: str, stage: str) -> EvalResult | None:
 
 def eval_results(rundb: RunDB, run: str) -> list[EvalResult]:
     return [_eval(row) for row in rundb.db["evals"].rows_where("run = ?", [run], order_by="id")]
+
+
+def leading_tasks_success(rundb: RunDB, run: str, stage: str, tasks: int) -> float | None:
+    """The success rate of an eval stage over its first `tasks` tasks (None when none of their
+    episodes ran).
+
+    An episode's task and sampling seed depend on its stage, task and sample only, so these are
+    the very episodes an eval of `tasks` tasks plays: evals run on more tasks compare with it.
+    Like eval_metrics, the rate is over the episodes that ran (a failed env says nothing).
+    """
+    n, successes = rundb.db.execute(
+        "select count(*), sum(success) from episodes where run = ? and stage = ? and status = 'ok' and task_index < ?",
+        [run, stage, tasks],
+    ).fetchone()
+    return successes / n if n else None
 
 
 def _eval(row: dict[str, Any]) -> EvalResult:

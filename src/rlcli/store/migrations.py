@@ -181,3 +181,76 @@ def run_recipes(db: Database) -> None:
         "insert into run_recipes (run, recipe, recipe_sha256, code, reason, created_at) "
         "select name, recipe, recipe_sha256, '{}', 'recorded before recipe history', updated_at from runs"
     )
+
+
+@migrations(name="004_run_events")
+def run_events(db: Database) -> None:
+    # Warnings raised while a run trains (engine/guardrails.py), kept so that `runs show` lists them
+    # after the fact. One per (run, kind, iteration): a resumed iteration does not repeat them.
+    db["run_events"].create(
+        {
+            "id": int,
+            "run": str,
+            "stage": str,  # the stage that was running, e.g. train/7
+            "iteration": int,  # the GRPO iteration it concerns
+            "kind": str,  # e.g. entropy_collapse, no_signal (see docs/reporting.md)
+            "message": str,
+            "details": str,  # JSON: the numbers behind the warning
+            "created_at": str,
+        },
+        pk="id",
+        not_null={"run", "iteration", "kind"},
+        foreign_keys=[("run", "runs", "name")],
+    )
+    db["run_events"].create_index(["run", "kind", "iteration"], unique=True)
+
+
+@migrations(name="005_task_stats")
+def task_stats(db: Database) -> None:
+    # Per-task statistics of a run's training tasks (store/tasks.py), recomputed from the episodes
+    # and their labels after every labelled GRPO rollout; the curriculum and `runs tasks` read them.
+    db["task_stats"].create(
+        {
+            "run": str,
+            "label_set": str,  # the labels the rewards come from (grpo: GRPO's own)
+            "task_index": int,  # the training task, which is its env seed
+            "attempts": int,  # finished, labelled episodes of the task
+            "successes": int,
+            "reward_mean": float,  # mean total reward under the label set
+            "last_iteration": int,  # the last GRPO iteration that played it
+            "updated_at": str,
+        },
+        pk=("run", "label_set", "task_index"),
+        foreign_keys=[("run", "runs", "name")],
+    )
+
+
+@migrations(name="006_dpo_pairs")
+def dpo_pairs(db: Database) -> None:
+    # The preference pairs a DPO stage mined from a run's labelled groups (engine/pairs.py) and
+    # trained on: which episodes, from which turn on, and their rewards.
+    db["dpo_pairs"].create(
+        {
+            "id": int,
+            "run": str,
+            "stage": str,  # the DPO stage that trains on the pair (dpo)
+            "source_stage": str,  # the rollout stage of the group, e.g. rollout/3
+            "task_index": int,
+            "chosen_episode_id": int,
+            "rejected_episode_id": int,
+            "turn_index": int,  # the first turn at which the two differ: the shared prompt ends there
+            "chosen_reward": float,
+            "rejected_reward": float,
+            "prompt_tokens": int,
+            "chosen_tokens": int,  # tokens of the continuation, env tokens in it included
+            "rejected_tokens": int,
+            "created_at": str,
+        },
+        pk="id",
+        foreign_keys=[
+            ("run", "runs", "name"),
+            ("chosen_episode_id", "episodes", "id"),
+            ("rejected_episode_id", "episodes", "id"),
+        ],
+    )
+    db["dpo_pairs"].create_index(["run", "stage", "chosen_episode_id", "rejected_episode_id"], unique=True)

@@ -21,6 +21,7 @@ class EndReason(str, Enum):
     CONTEXT = "context"  # the next prompt would not fit in model.max_length
     LENGTH = "length"  # the last reply was cut by rollout.max_new_tokens
     ERROR = "error"  # the env failed; the episode carries the error
+    ENV_TIMEOUT = "env_timeout"  # an env call outlasted env.step_timeout_s; the episode carries the error
 
     @property
     def hit_a_cap(self) -> bool:

@@ -7,11 +7,15 @@ Box/MultiDiscrete/MultiBinary vectors as lists of numbers, Tuple and Dict of tho
 (sum, dealer card, usable ace)), Text passed through. Each step's feedback adds the step's reward.
 Actions: Discrete actions accept an index or, for the envs listed in KNOWN, an action name ("left");
 the last one in the reply counts. Text actions pass the reply through. A reply that names no valid
-action gets feedback listing the valid ones, without stepping the env.
+action gets feedback listing the valid ones, without stepping the env, and the reward
+`invalid_action_reward` (an adapter option in env.kwargs, default -1). At 0, junk would beat playing
+wherever a step costs (Taxi, CliffWalking, MountainCar: -1 a step) or the expected return is
+negative (Blackjack): replying junk until env.max_turns would avoid every cost.
 Rewards and episode ends are the env's own (its time limit truncates). `info["success"]` at the end
 follows the env's notion of success where KNOWN gives one (reaching the goal, surviving to the time
 limit), and otherwise means: the env terminated with a positive last reward.
-env.kwargs go to gymnasium.make (e.g. {is_slippery: false, map_name: 8x8} for FrozenLake-v1).
+env.kwargs other than invalid_action_reward go to gymnasium.make (e.g. {is_slippery: false,
+map_name: 8x8} for FrozenLake-v1).
 
 Limits: image observations (Box with 2 or more dimensions), large vectors and continuous (Box)
 actions cannot be expressed as text and are refused. No expert. Envs whose dependencies are not
@@ -130,8 +134,8 @@ def is_text_representable(space: spaces.Space) -> bool:
 
 
 class GymnasiumEnv:
-    def __init__(self, env_id: str, env: gymnasium.Env):
-        self.env_id, self.env = env_id, env
+    def __init__(self, env_id: str, env: gymnasium.Env, invalid_action_reward: float = -1.0):
+        self.env_id, self.env, self.invalid_action_reward = env_id, env, float(invalid_action_reward)
         self.known = KNOWN.get(env.spec.name if env.spec else "")
         space = env.action_space
         if isinstance(space, spaces.Discrete):
@@ -156,8 +160,9 @@ class GymnasiumEnv:
     def step(self, action: str):
         chosen = self._parse(action)
         if chosen is None:
-            feedback = f"Invalid action. {self.how_to_act}\n{self._show(self.last_obs)}"
-            return feedback, 0.0, False, False, {"valid": False}
+            reward = self.invalid_action_reward
+            feedback = f"Invalid action. {self.how_to_act}\n{self._show(self.last_obs)}\nReward: {reward:g}"
+            return feedback, reward, False, False, {"valid": False}
         obs, reward, terminated, truncated, _ = self.env.step(chosen)
         reward = float(reward)
         text = f"{self._show(obs)}\nReward: {reward:g}"
@@ -194,7 +199,9 @@ class GymnasiumEnv:
         return terminated and reward > 0
 
 
-def make_env(name: str, **kwargs: Any) -> GymnasiumEnv:
+def make_env(name: str, invalid_action_reward: float = -1.0, **kwargs: Any) -> GymnasiumEnv:
+    if isinstance(invalid_action_reward, bool) or not isinstance(invalid_action_reward, (int, float)):
+        raise UsageError(f"env.kwargs.invalid_action_reward: expected a number, got {invalid_action_reward!r}.")
     try:
         spec = gymnasium.spec(name)
         if "render_mode" not in kwargs and "ansi" in _render_modes(spec):
@@ -217,7 +224,7 @@ def make_env(name: str, **kwargs: Any) -> GymnasiumEnv:
             f"gymnasium:{name} actions are {env.action_space}; only Discrete (an index or a name) "
             "and Text actions can be chosen by a text reply."
         )
-    return GymnasiumEnv(name, env)
+    return GymnasiumEnv(name, env, invalid_action_reward)
 
 
 def _render_modes(spec: gymnasium.envs.registration.EnvSpec) -> list[str]:

@@ -6,6 +6,10 @@ not echoed back, since the chat already holds them. Actions: the reply goes to t
 TextArena's default wrappers, so a reply without square brackets is wrapped in them ("5" -> "[5]").
 Rewards: TextArena scores a game once, when it ends: 1 for a win, often a partial-progress fraction
 otherwise. That score is the reward of the last step (0 before it), and success means a score of 1.
+Most games also give that fraction to a game they end for an invalid move (a second one in a row),
+so a policy could stop playing, or never learn the move format, and keep partial credit: a game
+that ends on an invalid move scores at most `invalid_move_score` (an adapter option in env.kwargs,
+default 0; null keeps the game's own score).
 The game's own rules end it (a turn limit, or a second invalid move in a row); rlcli's
 env.max_turns can end it sooner. env.kwargs override the game's constructor arguments
 (e.g. {max_number: 50, max_turns: 8} for GuessTheNumber-v0).
@@ -50,8 +54,8 @@ def _no_downloads() -> Iterator[None]:
 
 
 class TextArenaEnv:
-    def __init__(self, game_id: str, game_kwargs: dict[str, Any]):
-        self.game_id = game_id
+    def __init__(self, game_id: str, game_kwargs: dict[str, Any], invalid_move_score: float | None = 0.0):
+        self.game_id, self.invalid_move_score = game_id, invalid_move_score
         self.game = _build(game_id, game_kwargs)
         self.inner = self.game
         # Observations come from the unwrapped game (new messages only); actions go through the
@@ -92,9 +96,14 @@ class TextArenaEnv:
             return text, 0.0, False, False, {}
         rewards, game_info = self.game.close()
         score = float((rewards or {}).get(0, 0.0))
-        reason = (game_info or {}).get(0, {}).get("reason", "")
+        player_info = (game_info or {}).get(0, {})
+        reason = player_info.get("reason", "")
+        invalid = bool(player_info.get("invalid_move"))
+        if invalid and self.invalid_move_score is not None:
+            score = min(score, self.invalid_move_score)
         text = "\n".join(part for part in (text, f"Game over. {reason}".strip(), f"Score: {score:g}") if part)
-        return text, score, True, False, {"success": score >= FULL_SCORE, "score": score, "reason": reason}
+        info = {"success": score >= FULL_SCORE, "score": score, "reason": reason, "invalid_move": invalid}
+        return text, score, True, False, info
 
     def _new_messages(self) -> str:
         _, messages = self.inner.get_observation()
@@ -134,12 +143,16 @@ def _cannot_play(game_id: str, exc: Exception) -> UsageError:
     return UsageError(f"textarena:{game_id} cannot be played here: {type(exc).__name__}: {exc}")
 
 
-def make_env(name: str, **kwargs: Any) -> TextArenaEnv:
+def make_env(name: str, invalid_move_score: float | None = 0.0, **kwargs: Any) -> TextArenaEnv:
     if name not in ENV_REGISTRY:
         close = difflib.get_close_matches(name, ENV_REGISTRY, n=3)
         hint = f" Did you mean {', '.join(close)}?" if close else " See textarena.envs.registration.ENV_REGISTRY."
         raise UsageError(f"TextArena has no game {name!r}.{hint}")
-    env = TextArenaEnv(name, kwargs)
+    if invalid_move_score is not None and (
+        isinstance(invalid_move_score, bool) or not isinstance(invalid_move_score, (int, float))
+    ):
+        raise UsageError(f"env.kwargs.invalid_move_score: expected a number or null, got {invalid_move_score!r}.")
+    env = TextArenaEnv(name, kwargs, invalid_move_score)
     # Multi-player games reject one player only when reset; check once per game here, so a recipe
     # fails at once with a clear sentence instead of failing every episode.
     if name not in _single_player_checked:

@@ -1,0 +1,72 @@
+"""Which training tasks a GRPO iteration plays (grpo.sampling over env.tasks).
+
+sequential: the tasks in order, it * rollout.tasks onwards (cycling through env.tasks when set).
+uniform: rollout.tasks distinct tasks drawn from env.tasks with a seed derived from (run seed, iteration).
+curriculum: the same seeded draw, weighted by how informative each task is. A group whose samples all
+  succeed or all fail has zero reward variance and teaches GRPO nothing, so the weight is the
+  Bernoulli variance of the task's success, scaled to at most 1: 4 p (1 - p), where p is the success
+  rate with half a success and half a failure added (a Jeffreys prior), so that an unseen task
+  counts as p = 0.5 (the highest weight) and a few lucky samples do not pin a task at 0 or 1. No
+  weight falls below grpo.curriculum_floor: solved and hopeless tasks are still revisited now and then.
+
+A draw depends on the run seed, the iteration and the task statistics of the iterations before it
+only (engine/labelling.py keeps them in the store), and the iteration's rollout stage records the
+tasks it drew: a resumed run reuses that record rather than drawing again.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from rlcli.engine.context import RunContext
+from rlcli.engine.labelling import GRPO_LABEL_SET
+from rlcli.engine.rollout import derive_seed
+from rlcli.store.tasks import TaskStats, compute_task_stats
+
+PRIOR = 0.5  # pseudo-successes and pseudo-failures added to every task's record
+
+
+def iteration_tasks(ctx: RunContext, it: int) -> list[int]:
+    """The tasks of iteration `it`: those its rollout stage recorded, else a fresh choice."""
+    row = ctx.rundb.stage(ctx.run, f"rollout/{it}")
+    recorded = row.params.get("tasks") if row is not None else None
+    # Before rlcli recorded the list, a rollout stage kept [first, last] of a sequential range.
+    if isinstance(recorded, list) and len(recorded) == ctx.recipe.rollout.tasks:
+        return [int(t) for t in recorded]
+    return choose_tasks(ctx, it)
+
+
+def choose_tasks(ctx: RunContext, it: int) -> list[int]:
+    recipe = ctx.recipe
+    n, pool, sampling = recipe.rollout.tasks, recipe.env.tasks, recipe.grpo.sampling
+    if sampling == "sequential":
+        if pool is None:
+            return list(range(it * n, (it + 1) * n))
+        start, stop = pool
+        return [start + (it * n + i) % (stop - start) for i in range(n)]
+    start, stop = pool
+    weights = np.ones(stop - start)
+    if sampling == "curriculum":
+        stats = compute_task_stats(ctx.rundb, ctx.run, GRPO_LABEL_SET, before_iteration=it)
+        weights = curriculum_weights(stats, start, stop, recipe.grpo.curriculum_floor)
+    return weighted_draw(weights, n, derive_seed(recipe.run.seed, "tasks", it), start)
+
+
+def curriculum_weights(stats: list[TaskStats], start: int, stop: int, floor: float) -> np.ndarray:
+    """Weights of the pool's tasks start..stop-1 from their statistics (module docstring)."""
+    attempts, successes = np.zeros(stop - start), np.zeros(stop - start)
+    for s in stats:
+        if start <= s.task_index < stop:
+            attempts[s.task_index - start] = s.attempts
+            successes[s.task_index - start] = s.successes
+    p = (successes + PRIOR) / (attempts + 2 * PRIOR)
+    return np.maximum(4 * p * (1 - p), floor)
+
+
+def weighted_draw(weights: np.ndarray, n: int, seed: int, offset: int) -> list[int]:
+    """n distinct indices (+ offset) drawn without replacement, each with probability in proportion
+    to its weight among those left (Efraimidis-Spirakis keys u^(1/w)); in drawing order."""
+    rng = np.random.default_rng(seed)
+    keys = np.log(rng.random(len(weights))) / weights  # log of u^(1/w): same order, no underflow
+    chosen = np.argsort(-keys, kind="stable")[:n]
+    return [int(i) + offset for i in chosen]

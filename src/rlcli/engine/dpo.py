@@ -1,0 +1,301 @@
+"""`rlcli train dpo`: DPO on preference pairs mined from the run's stored, labelled groups.
+
+The stage reads top to bottom: the starting policy (the run's newest checkpoint from before this
+stage, else the base model), the pairs (mined once by engine/pairs.py and recorded in `dpo_pairs`,
+so a resumed stage trains on exactly the same ones even if more episodes were stored meanwhile),
+TRL's DPOTrainer on the stored token ids, and the trained policy saved as the stage's checkpoint,
+which `eval -c latest` then names.
+
+The reference is the starting policy: with LoRA, TRL keeps a frozen copy of the starting adapter
+beside the trained one (a fresh adapter starts as the base model, so then it is the base); without
+LoRA, a second copy of the starting model. With quantization: 4bit the base weights stay 4-bit.
+
+Resuming: the Trainer checkpoints into <run>/<stage>/checkpoint-N every dpo.save_steps steps; a
+killed stage restarts from the newest complete one, as `rlcli sft` does.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from transformers import TrainerCallback
+from trl import DPOTrainer
+from trl.trainer.dpo_trainer import DataCollatorForPreference
+
+from rlcli.engine.context import RunContext
+from rlcli.engine.pairs import PreferenceExample, mine_pairs, preference_example, source_stages
+from rlcli.engine.sft import RecipeLearningRate, _checkpointing_field, _training_dtype, resume_point
+from rlcli.errors import RlcliError, UsageError
+from rlcli.store.checkpoints import add_checkpoint, checkpoints, require_folder
+from rlcli.store.pairs import PairRecord, episodes_with_turns, record_pairs, stage_pairs
+from rlcli.store.records import Checkpoint
+
+# Trainer log keys -> metric keys in the run database (metrics stage: the DPO stage's name).
+LOGGED = {
+    "loss": "dpo/loss",
+    "rewards/margins": "dpo/reward_margin",
+    "rewards/accuracies": "dpo/reward_accuracy",
+    "learning_rate": "dpo/lr",
+    "grad_norm": "dpo/grad_norm",
+}
+
+
+@dataclass(frozen=True)
+class DpoSummary:
+    """What a DPO stage did; stored as the stage's result."""
+
+    stage: str
+    start: str  # base, or the id of the checkpoint it started from
+    pairs: int
+    steps: int
+    resumed_from_step: int
+    train_loss: float | None  # mean over every step
+    final_loss: float | None
+    final_reward_margin: float | None  # beta * (chosen - rejected log-ratio), at the last logged step
+    checkpoint_id: int | None  # None: there were no pairs, and the policy is unchanged
+    path: str | None
+
+
+def run_dpo(ctx: RunContext, stage: str = "dpo") -> DpoSummary:
+    """`rlcli train dpo`: mine pairs (once), train on them, record the result as a checkpoint."""
+    cfg = ctx.recipe.dpo
+    if cfg.batch_size % cfg.micro_batch_size:
+        raise UsageError(
+            f"dpo.batch_size ({cfg.batch_size}) must be a multiple of dpo.micro_batch_size ({cfg.micro_batch_size})."
+        )
+    start = starting_checkpoint(ctx, stage)
+    # What the pairs are and where training starts define the stage; optimiser settings do not.
+    identity = {
+        "start": "base" if start is None else start.id,
+        **{k: getattr(cfg, k) for k in ("source", "label_set", "margin", "max_pairs")},
+    }
+    return DpoSummary(
+        **ctx.stage(
+            stage,
+            lambda: asdict(train_dpo(ctx, stage, start)),
+            cfg.model_dump(mode="json"),
+            identity=identity,
+            new_stage_hint="run `rlcli train dpo --stage dpo/2` (any new name) to train on new pairs or a new start",
+        )
+    )
+
+
+def starting_checkpoint(ctx: RunContext, stage: str) -> Checkpoint | None:
+    """The run's newest checkpoint that this stage did not write (a kill between writing its own
+    row and marking the stage done must not make a resumed stage start from itself)."""
+    earlier = [c for c in checkpoints(ctx.rundb, ctx.run) if c.stage != stage]
+    return earlier[-1] if earlier else None
+
+
+def train_dpo(ctx: RunContext, stage: str, start: Checkpoint | None) -> DpoSummary:
+    from transformers import set_seed
+
+    from rlcli.models.loading import load_policy, save_checkpoint
+
+    recipe = ctx.recipe
+    pairs = stored_or_mined_pairs(ctx, stage)
+    if not pairs:
+        # Like a GRPO iteration whose groups all have equal rewards: nothing to learn, not an error,
+        # so that a recipe's sft -> grpo -> dpo -> eval goes on.
+        return DpoSummary(stage, "base" if start is None else str(start.id), 0, 0, 0, None, None, None, None, None)
+    examples = pair_examples(ctx, pairs)
+    where = "the base model" if start is None else f"checkpoint {start.id} ({start.stage})"
+    ctx.console.print(f"{stage}: training on {len(pairs)} preference pairs, starting from {where}")
+
+    set_seed(recipe.run.seed)  # a fresh LoRA adapter's random init
+    adapter = require_folder(start) if start is not None else None
+    model, tokenizer = load_policy(recipe.model, recipe.lora, recipe.quantization, adapter=adapter, trainable=True)
+    reference = None
+    if recipe.lora is None:  # TRL would load the reference from the base's path, not from this start
+        reference, _ = load_policy(recipe.model, None, recipe.quantization, adapter=adapter, trainable=False)
+
+    output_dir = ctx.run_dir / stage.replace("/", "-")
+    progress = DpoProgress(ctx, stage)
+    trainer = TokenDPOTrainer(
+        model=model,
+        ref_model=reference,
+        args=dpo_args(ctx, output_dir),
+        data_collator=MaskedPreferenceCollator(pad_token_id=tokenizer.pad_token_id, max_length=recipe.model.max_length),
+        train_dataset=_dataset([asdict(e) for e in examples]),
+        processing_class=tokenizer,
+        callbacks=[progress, RecipeLearningRate()],
+    )
+    from transformers import PrinterCallback
+
+    trainer.remove_callback(PrinterCallback)  # raw log dicts; the progress line replaces them
+    resume = resume_point(output_dir)
+    if resume is not None:
+        ctx.console.print(f"{stage}: resuming from {resume}")
+    try:
+        trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    finally:
+        progress.close()
+
+    folder = ctx.run_dir / "checkpoints" / stage.replace("/", "-")
+    path = save_checkpoint(trainer.model, tokenizer, folder)  # the trained adapter only, not the reference
+    history = trainer.state.log_history
+    losses = [h["loss"] for h in history if "loss" in h]
+    margins = [h["rewards/margins"] for h in history if "rewards/margins" in h]
+    return DpoSummary(
+        stage=stage,
+        start="base" if start is None else str(start.id),
+        pairs=len(pairs),
+        steps=trainer.state.global_step,
+        resumed_from_step=int(resume.name.removeprefix("checkpoint-")) if resume else 0,
+        train_loss=sum(losses) / len(losses) if losses else None,
+        final_loss=losses[-1] if losses else None,
+        final_reward_margin=margins[-1] if margins else None,
+        # A crash between this row and the stage's "done" mark re-runs the stage, which reuses the row.
+        checkpoint_id=add_checkpoint(ctx.rundb, ctx.run, stage, 0, path, "lora" if recipe.lora is not None else "full"),
+        path=str(path),
+    )
+
+
+def stored_or_mined_pairs(ctx: RunContext, stage: str) -> list[PairRecord]:
+    """The pairs the stage recorded when it first ran, else mined now and recorded."""
+    cfg = ctx.recipe.dpo
+    pairs = stage_pairs(ctx.rundb, ctx.run, stage)
+    if pairs:  # a resumed stage: the same pairs, whatever was stored since
+        return pairs
+    stages = source_stages(ctx.rundb, ctx.run, cfg.source)
+    report = mine_pairs(ctx.rundb, ctx.run, stages, cfg.label_set, cfg.margin, cfg.max_pairs)
+    record_pairs(ctx.rundb, ctx.run, stage, report.pairs)
+    ctx.console.print(
+        f"{stage}: mined {len(report.pairs)} pairs from {report.groups} labelled groups in {', '.join(stages)} "
+        f"(label set {cfg.label_set!r}; {report.below_margin} with best and worst rewards closer than dpo.margin "
+        f"{cfg.margin:g}, {report.no_shared_prompt} that never act differently on a shared prompt)"
+    )
+    if not report.pairs:
+        ctx.console.print(
+            f"{stage}: no preference pairs, so the policy stays as it is; lower dpo.margin or roll out more groups, "
+            f"then run `rlcli train dpo --stage dpo/2`."
+        )
+    return report.pairs
+
+
+def pair_examples(ctx: RunContext, pairs: list[PairRecord]) -> list[PreferenceExample]:
+    """The recorded pairs' training examples, rebuilt from their episodes' stored tokens."""
+    episodes = episodes_with_turns(ctx.rundb, [i for p in pairs for i in (p.chosen_episode_id, p.rejected_episode_id)])
+    return [
+        preference_example(episodes[p.chosen_episode_id], episodes[p.rejected_episode_id], p.turn_index) for p in pairs
+    ]
+
+
+def _dataset(rows: list[dict[str, Any]]):
+    import datasets
+
+    quiet = datasets.are_progress_bars_disabled()
+    datasets.disable_progress_bars()
+    try:
+        return datasets.Dataset.from_list(rows)
+    finally:
+        if not quiet:
+            datasets.enable_progress_bars()
+
+
+# --- TRL, fed token ids ---------------------------------------------------------------------------
+
+
+class TokenDPOTrainer(DPOTrainer):
+    """DPOTrainer on examples that are token ids already: TRL's preparation would render and
+    tokenise text, and rlcli trains on the tokens that were sampled, never on re-tokenised text."""
+
+    def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
+        return dataset
+
+
+class MaskedPreferenceCollator(DataCollatorForPreference):
+    """TRL's preference batches, with the loss mask of each continuation: the env's and the chat
+    template's tokens between the policy's turns are context, not scored (TRL scores all of them)."""
+
+    def torch_call(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
+        import torch
+
+        batch = super().torch_call(examples)
+        width = batch["input_ids"].shape[1]
+        masks = [[0] * len(e["prompt_ids"]) + e["chosen_mask"] for e in examples]
+        masks += [[0] * len(e["prompt_ids"]) + e["rejected_mask"] for e in examples]
+        if self.max_length is not None:
+            masks = [m[: self.max_length] for m in masks]
+        batch["completion_mask"] = torch.tensor([m + [0] * (width - len(m)) for m in masks], dtype=torch.long)
+        return batch
+
+
+def dpo_args(ctx: RunContext, output_dir: Path) -> Any:
+    import torch
+    from trl import DPOConfig
+
+    from rlcli.models.loading import resolve_device
+
+    recipe, cfg = ctx.recipe, ctx.recipe.dpo
+    device = resolve_device(recipe.model.device)
+    dtype = _training_dtype(recipe, device)
+    return DPOConfig(
+        output_dir=str(output_dir),
+        beta=cfg.beta,
+        learning_rate=cfg.lr,
+        num_train_epochs=cfg.epochs,
+        per_device_train_batch_size=cfg.micro_batch_size,
+        gradient_accumulation_steps=cfg.batch_size // cfg.micro_batch_size,
+        max_length=recipe.model.max_length,
+        remove_unused_columns=False,  # the collator needs the loss masks
+        save_strategy="steps",
+        save_steps=cfg.save_steps,
+        save_total_limit=2,
+        logging_steps=1,
+        logging_nan_inf_filter=False,  # a non-finite loss must reach DpoProgress, which stops the run
+        report_to="none",
+        disable_tqdm=True,
+        seed=recipe.run.seed,
+        use_cpu=device == "cpu",
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        **{_checkpointing_field(DPOConfig): False},
+    )
+
+
+class DpoProgress(TrainerCallback):
+    """A rich progress bar over optimizer steps; every logging step also goes to the run database."""
+
+    def __init__(self, ctx: RunContext, stage: str):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.ctx, self.stage = ctx, stage
+        self.progress = Progress(
+            TextColumn(f"[bold]{stage}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("steps"),
+            TextColumn("{task.fields[shown]}"),
+            TimeElapsedColumn(),
+            console=ctx.console,
+        )
+        self.task = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.task = self.progress.add_task(self.stage, total=state.max_steps, completed=state.global_step, shown="")
+        self.progress.start()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.progress.update(self.task, completed=state.global_step)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        values = {key: logs[name] for name, key in LOGGED.items() if logs and logs.get(name) is not None}
+        if not values:
+            return
+        loss = values.get("dpo/loss")
+        if loss is not None and not math.isfinite(loss):
+            # Raised before the checkpoint of this step is written: the last checkpoint stays good.
+            raise RlcliError(
+                f"{self.stage}: the loss is {loss} at step {state.global_step}; stopped before saving. "
+                "Lower dpo.lr (or use float32 weights) and run again with --force."
+            )
+        self.ctx.rundb.log_metrics(self.ctx.run, self.stage, state.global_step, values)
+        shown = {"loss": values.get("dpo/loss"), "margin": values.get("dpo/reward_margin")}
+        self.progress.update(self.task, shown=" ".join(f"{k} {v:.4g}" for k, v in shown.items() if v is not None))
+
+    def close(self) -> None:
+        self.progress.stop()

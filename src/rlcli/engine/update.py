@@ -1,0 +1,338 @@
+"""The GRPO update of one iteration: micro-batches, the policy's token logprobs, K epochs of clipped steps.
+
+rlcli.engine.train owns the loop (rollout, label, update, checkpoint); this module owns what happens
+to a list of training sequences once their advantages are known.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rlcli.engine import grpo
+from rlcli.engine.context import RunContext
+from rlcli.engine.rollout import derive_seed, sampling_config
+from rlcli.errors import RlcliError
+
+
+@dataclass
+class TrainSequence:
+    """One training sequence: token ids, which of them are trainable, and their rollout logprobs."""
+
+    episode_id: int
+    group: int
+    ids: list[int]
+    mask: list[float]
+    rollout_logprobs: list[float]
+    turn_of_token: list[int]
+    advantage: list[float] = field(default_factory=list)  # per token
+    truncated: bool = False
+
+
+def update(ctx: RunContext, model, optimizer, scheduler, sequences: list[TrainSequence], it: int) -> dict[str, float]:
+    """grpo.epochs passes over `sequences` in shuffled minibatches (one optimizer step each), every
+    minibatch forwarded in length-sorted micro-batches whose gradients accumulate; returns the
+    iteration's train/ statistics and perf/pad_frac. Only ctx.recipe is read."""
+    recipe, cfg = ctx.recipe, ctx.recipe.grpo
+    temperature = sampling_config(recipe.rollout).logprob_temperature
+    n_mb = minibatches_per_epoch(recipe)
+    check_output_head(model, sequences[0].ids[:16])
+    needs_old = cfg.epochs > 1 or n_mb > 1
+    old_logprobs = (
+        _old_logprobs(model, sequences, cfg.micro_batch_size, temperature, not cfg.gradient_checkpointing)
+        if needs_old
+        else None
+    )
+    max_len_norm = recipe.rollout.max_new_tokens * recipe.env.max_turns
+    totals: dict[str, float] = {}
+    weight_sum = 0.0
+    gap_sum = 0.0  # |rollout logprob - the trainer's|, over the first epoch's trainable tokens
+    grad_norms = []
+    forwarded = padded = 0  # positions the training forwards ran, and how many of them were padding
+    for epoch in range(cfg.epochs):
+        gen = torch.Generator().manual_seed(derive_seed(recipe.run.seed, "shuffle", it, epoch))
+        order = torch.randperm(len(sequences), generator=gen).tolist()
+        size = math.ceil(len(order) / n_mb)
+        for mb_start in range(0, len(order), size):
+            mb = order[mb_start : mb_start + size]
+            mb_tokens = sum(sum(sequences[i].mask) for i in mb)
+            mb_seqs = sum(1 for i in mb if any(sequences[i].mask))
+            optimizer.zero_grad(set_to_none=True)
+            for micro_idx in micro_batches(sequences, mb, cfg.micro_batch_size):
+                micro = [sequences[i] for i in micro_idx]
+                if not any(any(s.mask) for s in micro):
+                    continue  # nothing to train on: it would add 0 to the gradient and to every statistic
+                batch = _collate(micro, model, share_prefix=not cfg.gradient_checkpointing)
+                forwarded += batch["positions"]
+                padded += batch["padding"]
+                logprobs, entropy = token_logprobs(model, batch, temperature, entropy=True)
+                old = (
+                    _collate_values([old_logprobs[i] for i in micro_idx], batch)
+                    if old_logprobs is not None
+                    else logprobs.detach()
+                )
+                if epoch == 0:  # `old` is the trainer's logprob under the weights that sampled the rollout
+                    gap_sum += float(((old - batch["rollout_logprobs"]).abs() * batch["mask"]).sum())
+                ref = None
+                if cfg.beta > 0:
+                    from rlcli.models.loading import reference_context
+
+                    with torch.no_grad(), reference_context(model):
+                        ref, _ = token_logprobs(model, batch, temperature)
+                loss, st = grpo.policy_loss(
+                    logprobs,
+                    old,
+                    batch["advantages"],
+                    batch["mask"],
+                    clip_low=cfg.clip_low,
+                    clip_high=cfg.clip_high,
+                    importance=cfg.importance,
+                    aggregation=cfg.aggregation,
+                    ref_logprobs=ref,
+                    beta=cfg.beta,
+                    rollout_logprobs=batch["rollout_logprobs"],
+                    tis_cap=cfg.tis_cap,
+                    entropy=entropy,
+                    entropy_top_frac=cfg.entropy_top_frac,
+                    max_len_norm=max_len_norm,
+                )
+                grpo.check_finite("the loss", loss)
+                # Scale so that accumulated micro-batch gradients equal the minibatch's gradient.
+                if cfg.aggregation == "token_mean":
+                    share = float(batch["mask"].sum()) / max(mb_tokens, 1.0)
+                else:
+                    share = sum(1 for s in micro if any(s.mask)) / max(mb_seqs, 1)
+                (loss * share).backward()
+                w = float(batch["mask"].sum())
+                weight_sum += w
+                for k, v in st.items():
+                    totals[k] = totals.get(k, 0.0) + float(v) * w
+            grad_norm = torch.nn.utils.clip_grad_norm_(
+                [p for p in model.parameters() if p.requires_grad], cfg.max_grad_norm
+            )
+            if not torch.isfinite(grad_norm):
+                optimizer.zero_grad(set_to_none=True)
+                raise RlcliError(
+                    f"Iteration {it}: the gradient norm is {float(grad_norm)}; the update was stopped before the "
+                    "optimizer step (try a lower grpo.lr or float32)."
+                )
+            grad_norms.append(float(grad_norm))
+            optimizer.step()
+            scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    out = {f"train/{k}": v / max(weight_sum, 1.0) for k, v in totals.items() if k != "tokens"}
+    out["train/tokens"] = sum(sum(s.mask) for s in sequences)
+    out["train/engine_logprob_gap"] = gap_sum / max(out["train/tokens"], 1)
+    out["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
+    out["perf/pad_frac"] = padded / max(forwarded, 1)
+    return out
+
+
+def micro_batches(sequences: list[TrainSequence], indices: list[int], size: int) -> list[list[int]]:
+    """`indices` (a minibatch, in its shuffled order) in micro-batches of `size`, longest first, so that
+    the rows forwarded together have similar lengths and little padding. The minibatch, and so its
+    gradient, is the same in any order; the sort is stable, so the split depends on the seed alone."""
+    ranked = sorted(indices, key=lambda i: -len(sequences[i].ids))
+    return [ranked[k : k + size] for k in range(0, len(ranked), size)]
+
+
+def padding(micro: list[TrainSequence], prefix: int) -> tuple[int, int]:
+    """(positions the micro-batch's forward runs, how many of them are padding): the shared prefix
+    once, then every row at the width of the longest suffix."""
+    width = max(len(s.ids) for s in micro) - prefix
+    return prefix + len(micro) * width, sum(width - (len(s.ids) - prefix) for s in micro)
+
+
+def _collate(micro: list[TrainSequence], model, share_prefix: bool = True) -> dict[str, Any]:
+    """A micro-batch as one shared prefix (forwarded once) plus left-padded suffixes; only the
+    positions that end in trainable tokens are kept. share_prefix=False (gradient checkpointing,
+    which cannot return a KV cache) forwards every row whole."""
+
+    device = next(model.parameters()).device
+    prefix = _shared_prefix(micro) if share_prefix else 0
+    width = max(len(s.ids) for s in micro) - prefix
+    # The first trainable token over the batch, measured from the right: logits before it are not needed.
+    keep = (
+        max(len(s.ids) - next(i for i, m in enumerate(s.mask) if m) for s in micro if any(s.mask))
+        if any(any(s.mask) for s in micro)
+        else 1
+    )
+    B = len(micro)
+    positions, padded = padding(micro, prefix)
+    ids = torch.zeros((B, width), dtype=torch.long)
+    attn = torch.zeros((B, width), dtype=torch.long)
+    mask = torch.zeros((B, keep))
+    adv = torch.zeros((B, keep))
+    roll = torch.zeros((B, keep))
+    for b, s in enumerate(micro):
+        n = len(s.ids) - prefix
+        ids[b, width - n :] = torch.tensor(s.ids[prefix:])
+        attn[b, width - n :] = 1
+        tail = slice(max(len(s.ids) - keep, 0), len(s.ids))
+        k = tail.stop - tail.start
+        mask[b, keep - k :] = torch.tensor(s.mask[tail])
+        adv[b, keep - k :] = torch.tensor(s.advantage[tail])
+        roll[b, keep - k :] = torch.tensor(s.rollout_logprobs[tail])
+    # Padding sits between the prefix and each suffix; the mask hides it and positions skip it.
+    pos = prefix + (attn.cumsum(-1) - 1).clamp(min=0)
+    attn = torch.cat([torch.ones((B, prefix), dtype=torch.long), attn], dim=-1)
+    return {
+        "prefix_ids": torch.tensor([micro[0].ids[:prefix]], device=device) if prefix else None,
+        "input_ids": ids.to(device),
+        "attention_mask": attn.to(device),
+        "position_ids": pos.to(device),
+        "keep": keep,
+        "positions": positions,
+        "padding": padded,
+        "targets": ids[:, width - keep :].to(device),
+        "mask": mask.to(device),
+        "advantages": adv.to(device),
+        "rollout_logprobs": roll.to(device),
+    }
+
+
+def _shared_prefix(micro: list[TrainSequence], minimum: int = 16) -> int:
+    """How many leading tokens every sequence shares (the group's prompt, often the system prompt
+    of every task), stopping two tokens before the first trainable one so that every logit the
+    loss needs comes from the per-row forward. 0 when sharing is not worth a separate forward."""
+    if len(micro) < 2:
+        return 0
+    limit = min(next((i for i, m in enumerate(s.mask) if m), len(s.ids)) for s in micro) - 1
+    first = micro[0].ids
+    n = 0
+    while n < limit and all(len(s.ids) > n and s.ids[n] == first[n] for s in micro):
+        n += 1
+    return n if n >= minimum else 0
+
+
+def _collate_values(values: list, batch: dict[str, Any]):
+
+    keep = batch["keep"]
+    out = torch.zeros((len(values), keep), device=batch["mask"].device)
+    for b, v in enumerate(values):
+        tail = v[-keep:]
+        out[b, keep - len(tail) :] = tail
+    return out
+
+
+# Positions whose float32 logits exist at once: 2**24 values (64 MiB; a few temporaries of that size
+# live with them), ~110 positions of a 151,936-token vocabulary, whatever the micro-batch's size (the
+# backward recomputes them per chunk). Still enough rows for the LM head's matmul to run at speed.
+LOGIT_CHUNK_VALUES = 2**24
+
+
+def token_logprobs(model, batch: dict[str, Any], temperature: float, *, entropy: bool = False):
+    """[B, keep] logprobs of each row's tokens at its trainable positions (0 elsewhere: the loss never
+    reads them) and, with entropy=True, the entropy of the policy there (detached).
+
+    From the final hidden states through the LM head, a chunk of positions at a time
+    (grpo.chunked_token_logprobs): no [tokens, vocab] tensor for the micro-batch, in the forward or
+    the backward. Positions that are not trainable (prompts, env observations) never meet the head."""
+    hidden = _hidden_states(model, batch)
+    live = batch["mask"] > 0
+    head = output_head(model)
+    vocab = _unwrap(model).config.get_text_config().vocab_size
+    logp, ent = grpo.chunked_token_logprobs(
+        hidden[live],
+        head,
+        batch["targets"][live],
+        chunk_size=max(1, LOGIT_CHUNK_VALUES // vocab),
+        temperature=temperature,
+        entropy=entropy,
+    )
+    zeros = torch.zeros(live.shape, device=live.device)
+    return zeros.masked_scatter(live, logp), (zeros.masked_scatter(live, ent) if entropy else None)
+
+
+def _unwrap(model):
+    """The transformers model under a peft wrapper (its LoRA layers in place), or the model itself."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _hidden_states(model, batch: dict[str, Any]):
+    """Final hidden states at the positions that predict the last `keep` tokens of each row ([B, keep, H]),
+    from the model's body (what its forward runs before the LM head). A shared prefix is forwarded once
+    and its KV cache repeated for every row; gradients flow through it to all rows."""
+    body = _unwrap(model).base_model
+    cache = None
+    if batch["prefix_ids"] is not None:
+        cache = body(input_ids=batch["prefix_ids"], use_cache=True).past_key_values
+        cache.batch_repeat_interleave(batch["input_ids"].shape[0])
+    out = body(
+        input_ids=batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        position_ids=batch["position_ids"],
+        past_key_values=cache,
+        use_cache=cache is not None,
+    )
+    keep = batch["keep"]
+    return out.last_hidden_state[:, -keep - 1 : -1]
+
+
+def output_head(model):
+    """hidden states -> logits as the model's own forward computes them: its LM head, then the logit
+    scaling or soft-capping some families apply after it (Granite, Cohere, Gemma 2/3).
+    check_output_head compares it with the model's forward, for families that do something else."""
+    inner = _unwrap(model)
+    config = inner.config.get_text_config()
+    lm_head = inner.get_output_embeddings()
+    scaling = getattr(config, "logits_scaling", None)
+    scale = getattr(inner, "logit_scale", None)
+    cap = getattr(config, "final_logit_softcapping", None)
+
+    def head(hidden):
+        logits = lm_head(hidden)
+        if scaling is not None:
+            logits = logits / scaling
+        if scale is not None:
+            logits = logits * scale
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    return head
+
+
+def check_output_head(model, ids: list[int]) -> None:
+    """Stop before training if output_head's logits differ from the model's forward on `ids` (a model
+    family that transforms its logits in a way rlcli does not know would get wrong logprobs)."""
+    was_training = model.training
+    model.eval()  # no dropout, so both forwards see the same weights
+    try:
+        with torch.no_grad():
+            x = torch.tensor([ids], device=next(model.parameters()).device)
+            expected = model(input_ids=x).logits.float()
+            got = output_head(model)(_unwrap(model).base_model(input_ids=x).last_hidden_state).float()
+    finally:
+        model.train(was_training)
+    if not torch.allclose(got, expected, rtol=1e-3, atol=1e-3):
+        raise RlcliError(
+            f"{type(_unwrap(model)).__name__}: the logits of its LM head differ from its forward's "
+            f"(by up to {float((got - expected).abs().max()):.3g}); rlcli cannot compute its token logprobs."
+        )
+
+
+def _old_logprobs(
+    model, sequences: list[TrainSequence], micro_batch_size: int, temperature: float, share_prefix: bool
+) -> list:
+    """Logprobs of every sequence under the weights at the start of the iteration (PPO's pi_old),
+    left on the model's device (0 at positions that are not trainable)."""
+    out: list = [None] * len(sequences)
+    with torch.no_grad():
+        for micro_idx in micro_batches(sequences, list(range(len(sequences))), micro_batch_size):
+            micro = [sequences[i] for i in micro_idx]
+            batch = _collate(micro, model, share_prefix)
+            lp, _ = token_logprobs(model, batch, temperature)
+            for b, i in enumerate(micro_idx):
+                n = min(len(sequences[i].ids), batch["keep"])
+                out[i] = lp[b, batch["keep"] - n :]
+    return out
+
+
+def minibatches_per_epoch(recipe) -> int:
+    episodes = recipe.rollout.tasks * recipe.rollout.group_size
+    size = recipe.grpo.minibatch_size or episodes
+    return max(1, math.ceil(episodes / size))

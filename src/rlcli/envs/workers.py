@@ -1,0 +1,497 @@
+"""Where environments run: in the main process (env.workers: 0), or in worker processes.
+
+The rollout engine talks to either through the same small interface, `EnvHost`: it asks for a
+`reset`, a `step` or an `expert_step` of an env (named by a key the host gives out), collects the
+`EnvReply`s as they come, and `release`s an env when its episode is over. Calls are asynchronous:
+with workers, the main process samples the next turn of the episodes whose env has answered while
+the other envs are still stepping (see engine/rollout.py).
+
+Worker processes (`EnvWorkerPool`):
+- are started with the `spawn` method (a forked copy of a process running torch threads can
+  deadlock), and build the env themselves from the recipe's env.name and env.kwargs, with the main
+  process's sys.path and working directory, so built-ins, files and modules load as in the main
+  process;
+- host several episodes' envs each and answer one message at a time, in order; a reply carries the
+  time the call took in the worker, so a late answer counts as a time-out whatever the main process
+  was doing meanwhile;
+- are killed (with their process group, so an env's own subprocesses go too) and replaced when a
+  call outlasts env.step_timeout_s: this stops a step stuck in C code, which a thread cannot. The
+  other envs the worker hosted are lost with it; their episodes fail as transient (`EnvLost`) and
+  are played again when the stage runs again, like a timed-out episode;
+- that die (a segfault, the out-of-memory killer) fail the episode whose call was running, with
+  the signal in the error, and lose the others as above; the stage goes on;
+- die with the main process: the kernel kills them when it dies (Linux), and they exit when their
+  pipe to it closes;
+- may get limits: env.worker_memory_mb (address space, RLIMIT_AS: past it allocations fail with
+  MemoryError) and env.worker_cpu_s (CPU seconds per call, RLIMIT_CPU: past it the kernel kills
+  the worker).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import multiprocessing
+import os
+import signal
+import sys
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Any, Protocol
+
+from rlcli.envs.protocol import EnvFailure, EnvTimeout, call_with_timeout
+from rlcli.errors import UsageError
+
+
+class EnvLost(EnvFailure):
+    """The worker hosting this env was killed or died during another episode's call: the env's state
+    is gone through no fault of its own, so playing the episode again may well succeed."""
+
+
+@dataclass
+class EnvReply:
+    """The answer to one call: what the env returned, or how the call failed."""
+
+    key: int
+    op: str  # reset | step | expert_step
+    value: Any = None  # reset: (what env.reset returned, env.tools); a step: what env.step returned
+    failure: EnvFailure | None = None
+    failed_in: str = ""  # create | expert | reset | step: the call that failed
+    env_time_s: float = 0.0  # the reset or step itself
+    action: str = ""  # expert_step: the expert's action
+    expert_time_s: float = 0.0
+
+
+class EnvHost(Protocol):
+    """Where a stage's envs live; `reset` gives out the key that names an env in the other calls."""
+
+    def reset(self, seed: int) -> int: ...
+
+    def step(self, key: int, action: str) -> None: ...
+
+    def expert_step(self, key: int) -> None: ...
+
+    def replies(self, timeout: float | None = None) -> list[EnvReply]: ...
+
+    def release(self, key: int) -> None: ...
+
+
+class InProcessEnvs:
+    """env.workers: 0: every call runs now, in this process, under call_with_timeout's thread."""
+
+    def __init__(self, factory: Callable[[], Any], timeout_s: float):
+        self.factory, self.timeout_s = factory, timeout_s
+        self.envs: dict[int, Any] = {}
+        self.answered: list[EnvReply] = []
+        self.next_key = 0
+
+    def __enter__(self) -> InProcessEnvs:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.envs.clear()
+
+    def reset(self, seed: int) -> int:
+        key, self.next_key = self.next_key, self.next_key + 1
+        try:
+            env = self.factory()
+        except UsageError:  # a recipe mistake (a game id, a kwarg): stop the stage with one sentence
+            raise
+        except Exception as exc:
+            self.answered.append(EnvReply(key, "reset", failure=_failure(exc), failed_in="create"))
+            return key
+        self.envs[key] = env
+        self.answered.append(self._call(key, "reset", env.reset, seed, lambda raw: (raw, getattr(env, "tools", None))))
+        return key
+
+    def step(self, key: int, action: str) -> None:
+        self.answered.append(self._call(key, "step", self.envs[key].step, action))
+
+    def expert_step(self, key: int) -> None:
+        start = time.perf_counter()
+        try:
+            action = self.envs[key].expert_action()
+        except Exception as exc:
+            reply = EnvReply(key, "expert_step", failure=_failure(exc), failed_in="expert")
+        else:
+            expert_time = time.perf_counter() - start
+            reply = self._call(key, "expert_step", self.envs[key].step, action)
+            reply.action, reply.expert_time_s = action, expert_time
+        self.answered.append(reply)
+
+    def replies(self, timeout: float | None = None) -> list[EnvReply]:
+        """Every call has been answered already: there is never anything to wait for."""
+        out, self.answered = self.answered, []
+        return out
+
+    def release(self, key: int) -> None:
+        self.envs.pop(key, None)
+
+    def _call(self, key: int, op: str, fn: Callable, arg: Any, wrap: Callable = lambda raw: raw) -> EnvReply:
+        start = time.perf_counter()
+        try:
+            value = wrap(call_with_timeout(fn, self.timeout_s, arg))
+        except EnvFailure as exc:
+            failed_in = "reset" if op == "reset" else "step"
+            return EnvReply(key, op, failure=exc, failed_in=failed_in, env_time_s=time.perf_counter() - start)
+        return EnvReply(key, op, value=value, env_time_s=time.perf_counter() - start)
+
+
+def _failure(exc: BaseException) -> EnvFailure:
+    return EnvFailure(f"{type(exc).__name__}: {exc}")
+
+
+# --- worker processes --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What a worker needs to build envs as the main process would."""
+
+    env_name: str
+    env_kwargs: dict
+    root: str  # the main process's working directory: env files are found from it
+    sys_path: list[str]
+    parent_pid: int
+    memory_mb: int | None = None
+    cpu_s: float | None = None
+
+
+@dataclass
+class _Request:
+    key: int
+    op: str
+
+
+@dataclass
+class _Worker:
+    slot: int
+    process: Any
+    conn: Connection
+    ready: bool = False
+    queue: deque[_Request] = field(default_factory=deque)  # sent and not answered yet, oldest first
+    deadline: float | None = None  # when the oldest request must be answered by
+    hosted: set[int] = field(default_factory=set)  # keys of the live envs it holds
+
+
+class EnvWorkerPool:
+    """env.workers: N: envs in N worker processes, each call a message (see the module docstring).
+
+    Use a pool from the thread that made it: Linux kills a worker when the thread that started it
+    ends, which is how workers die with a killed main process.
+    """
+
+    def __init__(
+        self,
+        env_name: str,
+        env_kwargs: dict,
+        workers: int,
+        timeout_s: float,
+        memory_mb: int | None = None,
+        cpu_s: float | None = None,
+        root: Path | None = None,
+    ):
+        self.spec = WorkerSpec(
+            env_name, dict(env_kwargs), str(root or Path.cwd()), list(sys.path), os.getpid(), memory_mb, cpu_s
+        )
+        self.timeout_s = timeout_s
+        self.context = multiprocessing.get_context("spawn")
+        self.workers: list[_Worker] = []
+        self.lost: dict[int, str] = {}  # key -> why its env is gone, told at the next call for it
+        self.answered: list[EnvReply] = []
+        self.next_key = 0
+        try:
+            for slot in range(workers):
+                self.workers.append(self._start(slot))
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> EnvWorkerPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # --- calls ------------------------------------------------------------------
+
+    def reset(self, seed: int) -> int:
+        key, self.next_key = self.next_key, self.next_key + 1
+        worker = min(self.workers, key=lambda w: (len(w.hosted), w.slot))
+        worker.hosted.add(key)
+        self._send(worker, _Request(key, "reset"), seed)
+        return key
+
+    def step(self, key: int, action: str) -> None:
+        self._call(key, "step", action)
+
+    def expert_step(self, key: int) -> None:
+        self._call(key, "expert_step", None)
+
+    def release(self, key: int) -> None:
+        self.lost.pop(key, None)
+        for worker in self.workers:
+            if key in worker.hosted:
+                worker.hosted.discard(key)
+                with contextlib.suppress(OSError):  # a dead worker: the next read notices
+                    worker.conn.send(("close", key, None))  # no answer: the worker just drops the env
+
+    def replies(self, timeout: float | None = None) -> list[EnvReply]:
+        """The replies that have come. With none yet, wait for one up to `timeout` seconds (None: as
+        long as it takes, unless nothing is asked)."""
+        until = None if timeout is None else time.monotonic() + timeout
+        while True:
+            for worker in list(self.workers):
+                self._read(worker)
+            self._expire()
+            now = time.monotonic()
+            if self.answered or not any(w.queue for w in self.workers) or (until is not None and now >= until):
+                out, self.answered = self.answered, []
+                return out
+            wake = [w.deadline for w in self.workers if w.deadline is not None] + ([until] if until else [])
+            wait(
+                [w.conn for w in self.workers] + [w.process.sentinel for w in self.workers],
+                max(min(wake) - now, 0) if wake else None,
+            )
+
+    def close(self) -> None:
+        for worker in self.workers:
+            _kill(worker)
+        self.workers = []
+
+    # --- plumbing ---------------------------------------------------------------
+
+    def _start(self, slot: int) -> _Worker:
+        mine, theirs = self.context.Pipe()
+        process = self.context.Process(target=serve, args=(theirs, self.spec), name=f"rlcli-env-{slot}")
+        process.start()
+        theirs.close()  # only the worker holds its end now: its death reads as EOF here
+        return _Worker(slot, process, mine)
+
+    def _call(self, key: int, op: str, arg: Any) -> None:
+        if key in self.lost:
+            self.answered.append(EnvReply(key, op, failure=EnvLost(self.lost.pop(key)), failed_in="step"))
+            return
+        [worker] = [w for w in self.workers if key in w.hosted]
+        self._send(worker, _Request(key, op), arg)
+
+    def _send(self, worker: _Worker, request: _Request, arg: Any) -> None:
+        if worker.ready and not worker.queue:
+            worker.deadline = time.monotonic() + self.timeout_s
+        worker.queue.append(request)
+        with contextlib.suppress(OSError):  # a dead worker: the next read notices and fails the request
+            worker.conn.send((request.op, request.key, arg))
+
+    def _read(self, worker: _Worker) -> None:
+        """Take in every message the worker has sent; notice if it died."""
+        while True:
+            try:
+                if not worker.conn.poll():
+                    if worker.process.is_alive():
+                        return
+                    message = None  # died without closing its pipe first (it cannot have: belt and braces)
+                else:
+                    message = worker.conn.recv()
+            except (EOFError, OSError):
+                message = None
+            if message is None:
+                self._replace(worker, _death(worker, self.spec))
+                return
+            if message[0] == "ready":
+                worker.ready = True
+                if worker.queue:
+                    worker.deadline = time.monotonic() + self.timeout_s
+            elif message[0] == "usage":  # the env cannot be loaded or built there: a recipe mistake
+                raise UsageError(message[1])
+            else:
+                self._answer(worker, message)
+
+    def _answer(self, worker: _Worker, message: tuple) -> None:
+        key, status, value, failed_in, env_time, action, expert_time = message
+        request = worker.queue.popleft()
+        assert request.key == key, "env worker answered out of order"
+        worker.deadline = time.monotonic() + self.timeout_s if worker.queue else None
+        reply = EnvReply(key, request.op, env_time_s=env_time, action=action, expert_time_s=expert_time)
+        if status == "ok" and env_time > self.timeout_s:
+            # It answered, but later than the limit: a time-out, as in the main process.
+            verb = "reset" if request.op == "reset" else "step"
+            reply.failure, reply.failed_in = EnvTimeout(_over_time(verb, self.timeout_s)), verb
+        elif status == "ok":
+            reply.value = value
+        else:
+            reply.failure, reply.failed_in = EnvFailure(value), failed_in
+        self.answered.append(reply)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for worker in list(self.workers):
+            if worker.deadline is not None and now >= worker.deadline:
+                request = worker.queue[0]
+                verb = "reset" if request.op == "reset" else "step"
+                message = f"{_over_time(verb, self.timeout_s)} (its env worker was killed)"
+                self._replace(worker, (EnvTimeout(message), "timed out"))
+
+    def _replace(self, worker: _Worker, cause: tuple[EnvFailure, str]) -> None:
+        """Kill a worker, fail the call it was running, lose its other envs, start a fresh one."""
+        failure, what = cause
+        _kill(worker)
+        if not worker.ready:
+            raise UsageError(
+                f"an env worker for env.name {self.spec.env_name!r} stopped before it was ready: {failure} "
+                "(is env.worker_memory_mb too low?)"
+            )
+        lost = f"its env worker was replaced after another episode's call {what}; the env's state was lost"
+        for i, request in enumerate(worker.queue):
+            verb = "reset" if request.op == "reset" else "step"
+            reply = EnvReply(request.key, request.op, failure=failure if i == 0 else EnvLost(lost), failed_in=verb)
+            self.answered.append(reply)
+        asked = {r.key for r in worker.queue}
+        self.lost.update({key: lost for key in worker.hosted - asked})
+        fresh = self._start(worker.slot)
+        self.workers[self.workers.index(worker)] = fresh
+
+
+def _over_time(verb: str, timeout_s: float) -> str:
+    return f"{verb} exceeded the {timeout_s:g}s step time limit"
+
+
+def _death(worker: _Worker, spec: WorkerSpec) -> tuple[EnvFailure, str]:
+    worker.process.join(5)
+    code = worker.process.exitcode
+    if code is not None and code < 0:
+        name = signal.Signals(-code).name
+        how = f"was killed by {name}"
+        if -code == signal.SIGKILL:
+            how += " (the out-of-memory killer does this)"
+        elif -code == getattr(signal, "SIGXCPU", None):
+            how += f" (it used more than env.worker_cpu_s={spec.cpu_s:g} CPU seconds)"
+    else:
+        how = f"exited with status {code}"
+    return EnvFailure(f"its env worker {how}"), "crashed"
+
+
+def _kill(worker: _Worker) -> None:
+    if worker.process.is_alive():
+        # The worker leads its own process group, so an env's subprocesses go with it (unless it has
+        # only just started and does not lead one yet).
+        with contextlib.suppress(OSError):
+            os.killpg(worker.process.pid, signal.SIGKILL)
+        worker.process.kill()
+    worker.process.join()
+    worker.conn.close()
+
+
+# --- inside a worker ---------------------------------------------------------------
+
+
+def serve(conn: Connection, spec: WorkerSpec) -> None:
+    """A worker's life: build the env factory, then answer calls in order until the pipe closes."""
+    _die_with_parent(spec.parent_pid)
+    os.setpgid(0, 0)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
+    _limit(spec)
+    sys.path[:] = spec.sys_path
+    os.chdir(spec.root)
+    from rlcli.envs.loading import load_env
+
+    try:
+        factory = load_env(spec.env_name, spec.env_kwargs, Path(spec.root))
+    except UsageError as exc:
+        conn.send(("usage", str(exc)))
+        return
+    conn.send(("ready",))
+    envs: dict[int, Any] = {}
+    while True:
+        try:
+            op, key, arg = conn.recv()
+        except EOFError:  # the main process is gone
+            return
+        if op == "close":
+            envs.pop(key, None)
+            continue
+        try:
+            reply = _handle(envs, factory, spec.cpu_s, op, key, arg)
+        except UsageError as exc:
+            conn.send(("usage", str(exc)))
+            return
+        try:
+            conn.send(reply)
+        except Exception as exc:  # the env returned something pickle cannot carry
+            failed_in = "reset" if op == "reset" else "step"
+            error = f"its result cannot be sent from the env worker: {_text(exc)}"
+            conn.send((key, "error", error, failed_in, 0.0, "", 0.0))
+
+
+def _handle(envs: dict, factory: Callable, cpu_s: float | None, op: str, key: int, arg: Any) -> tuple:
+    """(key, ok | error, value or error text, the call that failed, env seconds, the expert's
+    action, expert seconds)."""
+    if op == "reset":
+        try:
+            envs[key] = factory()
+        except UsageError:
+            raise
+        except Exception as exc:
+            return key, "error", _text(exc), "create", 0.0, "", 0.0
+        env = envs[key]
+        status, value, elapsed = _timed(env.reset, (arg,), cpu_s)
+        value = (value, getattr(env, "tools", None)) if status == "ok" else value
+        return key, status, value, "reset", elapsed, "", 0.0
+    env = envs[key]
+    action, expert_time = arg, 0.0
+    if op == "expert_step":
+        status, action, expert_time = _timed(env.expert_action, (), cpu_s)
+        if status != "ok":
+            return key, status, action, "expert", 0.0, "", expert_time
+    status, value, elapsed = _timed(env.step, (action,), cpu_s)
+    return key, status, value, "step", elapsed, action if op == "expert_step" else "", expert_time
+
+
+def _timed(fn: Callable, args: tuple, cpu_s: float | None) -> tuple[str, Any, float]:
+    if cpu_s is not None:
+        _arm_cpu_limit(cpu_s)
+    start = time.perf_counter()
+    try:
+        value = fn(*args)
+    except BaseException as exc:  # sys.exit() in an env fails its call, as it does in the main process
+        return "error", _text(exc), time.perf_counter() - start
+    return "ok", value, time.perf_counter() - start
+
+
+def _text(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Ask Linux to kill this worker when the main process dies (even mid-step, in C code)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() != parent_pid:  # it died before the request above took effect
+        os._exit(0)
+
+
+def _limit(spec: WorkerSpec) -> None:
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a crashing env leaves no core files about
+    if spec.memory_mb is not None:
+        limit = spec.memory_mb * 2**20
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+
+def _arm_cpu_limit(cpu_s: float) -> None:
+    """RLIMIT_CPU counts the process's whole life: set it to what is used so far plus one call's share."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    soft = math.ceil(usage.ru_utime + usage.ru_stime + cpu_s)
+    hard = resource.getrlimit(resource.RLIMIT_CPU)[1]
+    if hard != resource.RLIM_INFINITY:
+        soft = min(soft, hard)
+    resource.setrlimit(resource.RLIMIT_CPU, (soft, hard))

@@ -1,0 +1,45 @@
+"""Run events: warnings raised while a run trains, one per (run, kind, iteration)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from rlcli.store.db import RunDB, now
+
+
+@dataclass(frozen=True)
+class RunEvent:
+    id: int | None  # None until stored
+    run: str
+    stage: str
+    iteration: int
+    kind: str
+    message: str
+    details: dict[str, Any]
+    created_at: str
+
+
+def add_event(
+    rundb: RunDB, run: str, stage: str, iteration: int, kind: str, message: str, details: dict[str, Any]
+) -> bool:
+    """Store an event unless the run already has one of this kind for this iteration (a resumed
+    iteration checks again); True when it is new."""
+    row = [run, stage, iteration, kind, message, json.dumps(details), now()]
+    with rundb.transaction() as db:
+        cursor = db.execute(
+            "insert or ignore into run_events (run, stage, iteration, kind, message, details, created_at) "
+            "values (?, ?, ?, ?, ?, ?, ?)",
+            row,
+        )
+        return cursor.rowcount == 1
+
+
+def list_events(rundb: RunDB, run: str, kind: str | None = None) -> list[RunEvent]:
+    """The run's events in the order they were raised."""
+    where, params = "run = ?", [run]
+    if kind is not None:
+        where, params = where + " and kind = ?", params + [kind]
+    rows = rundb.db["run_events"].rows_where(where, params, order_by="id")
+    return [RunEvent(**{**row, "details": json.loads(row["details"] or "{}")}) for row in rows]
