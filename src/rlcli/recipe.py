@@ -51,9 +51,12 @@ class RunSection(Section):
     threads: int | None = Field(
         None,
         gt=0,
-        description="torch threads of the rlcli process (torch.set_num_threads); null: torch's default, one per "
-        "core. A stage warns when the machine's load leaves fewer idle cores than this: a torch thread that "
-        "loses its core to another process slows every step down (10-20x measured on 2 cores).",
+        description="torch threads of the rlcli process (torch.set_num_threads), and of the vLLM engine on a CPU; "
+        "null: torch's default, one per core. A stage warns when other processes leave fewer idle cores than this "
+        "(measured as it starts): a torch thread that "
+        "loses its core to another process slows every step down (10-20x measured on 2 cores). Asynchronous GRPO "
+        "(grpo.max_staleness > 0) splits them: half (rounded down, at least 1) to the rollout worker, the rest to "
+        "the trainer; on 2 cores, 1 and 1.",
         json_schema_extra=RESUME_SAFE,
     )
 
@@ -79,6 +82,11 @@ class LoraSection(Section):
     dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA branch.")
     target_modules: str | list[str] = Field(
         "all-linear", description="Module names to adapt, or all-linear for every linear layer but the head."
+    )
+    target_vision: bool = Field(
+        False,
+        description="Vision-language models: adapt the vision tower and its projector too; false adapts the "
+        "language model only and keeps them frozen.",
     )
 
 
@@ -129,6 +137,11 @@ class EnvSection(Section):
         "while envs step. Same seeds give the same episodes whatever the number.",
         json_schema_extra=RESUME_SAFE,
     )
+    keep_images: Literal["all"] | int = Field(
+        "all",
+        description="Vision-language models: the images of an episode's conversation the model sees each turn; "
+        "all, or a number k to keep the last k (older screenshots become the text [earlier screenshot omitted]).",
+    )
     worker_memory_mb: int | None = Field(
         None,
         gt=0,
@@ -141,6 +154,13 @@ class EnvSection(Section):
         description="env.workers: CPU seconds one reset or step may use (RLIMIT_CPU, rounded up to a whole "
         "second); past them the kernel kills the worker and the episode fails. null: no limit.",
     )
+
+    @field_validator("keep_images")
+    @classmethod
+    def _keep_some(cls, keep: str | int) -> str | int:
+        if isinstance(keep, int) and keep < 1:
+            raise ValueError("expected all or a number of images k >= 1")
+        return keep
 
     @field_validator("tasks")
     @classmethod
@@ -189,7 +209,9 @@ class RolloutSection(Section):
     device: str | None = Field(
         None,
         description="vllm: the engine's device; null: model.device. Two GPUs: cuda:0 here (the in-process engine "
-        "takes the first visible GPU) and model.device cuda:1 for the trainer.",
+        "takes the first visible GPU) and model.device cuda:1 for the trainer. Asynchronous GRPO "
+        "(grpo.max_staleness > 0): the rollout worker process's device, hf or vllm, any GPU (e.g. cuda:1, with "
+        "model.device cuda:0 for the trainer).",
     )
     vllm_memory: float | None = Field(
         None,
@@ -268,7 +290,18 @@ class GrpoSection(Section):
         gt=0,
         description="Truncated importance sampling cap against rollout-time logprobs; null disables. It corrects "
         "for the rollout engine computing logprobs differently from the trainer (vLLM's kernels, bf16), "
-        "logged as train/engine_logprob_gap.",
+        "logged as train/engine_logprob_gap. With grpo.max_staleness > 0 it also caps the weights that correct "
+        "for stale episodes (null there: 2, on those episodes only).",
+    )
+    max_staleness: int = Field(
+        0,
+        ge=0,
+        description="Asynchronous GRPO: a rollout worker process samples iterations i+1..i+k with the newest "
+        "weights it has while the trainer updates on iteration i; an episode is trained on at most k updates after "
+        "the weights that sampled it, with decoupled-PPO importance weights against its recorded logprobs "
+        "(train/staleness_mean, train/staleness_max). 0: the synchronous loop. A resume keeps the rollouts "
+        "sampled ahead that are within the bound and sets aside those that are not (train/discarded_episodes).",
+        json_schema_extra=RESUME_SAFE,
     )
     entropy_top_frac: float | None = Field(
         None, gt=0, le=1, description="Train only on this fraction of highest-entropy tokens; null trains on all."

@@ -37,6 +37,7 @@ from rlcli.engine.context import RunContext
 from rlcli.envs.protocol import EnvFailure, EnvTimeout, as_messages
 from rlcli.envs.workers import EnvHost, EnvLost, EnvReply, EnvWorkerPool, InProcessEnvs
 from rlcli.errors import UsageError
+from rlcli.models import vision
 from rlcli.store.checkpoints import resolve_checkpoint
 from rlcli.store.db import now
 from rlcli.store.episodes import episode_summary, retryable_episodes, store_episodes, stored_episode_keys
@@ -81,6 +82,8 @@ class LiveEpisode:
     env_return: float = 0.0
     success: bool | None = None
     template_consistent: bool = True
+    images: list[vision.ImageRef] = field(default_factory=list)  # the images in `ids`, in order
+    pngs: dict[str, bytes] = field(default_factory=dict)  # every image the env showed, by sha256
 
     @property
     def done(self) -> bool:
@@ -123,6 +126,7 @@ class LiveEpisode:
             attempts=self.spec.attempt,
             transient=self.transient,
             turns=self.turns,
+            images=self.pngs,
         )
 
 
@@ -136,15 +140,22 @@ class Action:
     prompt_ids: list[int] = field(default_factory=list)
     gen_time_s: float = 0.0
     finished: bool = True  # False when the reply was cut by the token cap
+    images: list[str] = field(default_factory=list)  # sha256 of the images in prompt_ids
 
 
 def _jsonable_messages(messages: list[dict]) -> list[dict]:
-    """Images are not stored in the transcript; a placeholder says where they were."""
+    """Images are not stored in the transcript; a placeholder says where they were, with the sha256
+    of the stored image when the model read it (the images table)."""
     out = []
     for m in messages:
         content = m.get("content")
         if isinstance(content, list):
-            content = [p if p.get("type") != "image" else {"type": "image"} for p in content]
+            content = [
+                p
+                if p.get("type") != "image"
+                else {"type": "image", **({"sha256": p["sha256"]} if "sha256" in p else {})}
+                for p in content
+            ]
         out.append({**m, "content": content})
     return out
 
@@ -154,6 +165,7 @@ class RolloutLimits:
     max_turns: int
     max_length: int
     step_timeout_s: float
+    keep_images: int | None = None  # a vision-language model sees the last k images of an episode; None: all
 
 
 class EpisodeRunner:
@@ -172,6 +184,7 @@ class EpisodeRunner:
         self.limits = limits
         self.sampler = sampler
         self.tokenizer = tokenizer
+        self.processor = vision.processor_of(tokenizer)  # None for a text model
 
     def run(self, specs: list[EpisodeSpec], on_turns: Callable[[int], None] | None = None) -> list[LiveEpisode]:
         episodes = [LiveEpisode(spec) for spec in specs]
@@ -240,7 +253,7 @@ class EpisodeRunner:
             return
         try:
             (obs, info), tools = reply.value
-            ep.messages = as_messages(obs)
+            ep.messages = self._observe(ep, as_messages(obs))
             ep.task = dict((info or {}).get("task", {}))
             ep.tools = tools or None
         except EnvFailure as exc:
@@ -272,11 +285,17 @@ class EpisodeRunner:
         results: dict[int, Action] = {}
         if asking:
             start = time.perf_counter()
-            samples = self.sampler.sample([rows[id(ep)] for ep in asking], prompts, budgets)
+            rows_asked = [rows[id(ep)] for ep in asking]
+            if self.processor is not None:
+                images = [list(ep.images) for ep in asking]
+                samples = self.sampler.sample(rows_asked, prompts, budgets, images=images)
+            else:
+                samples = self.sampler.sample(rows_asked, prompts, budgets)
             elapsed = (time.perf_counter() - start) / len(asking)
             for ep, prompt, sample in zip(asking, prompts, samples):
                 text = self.tokenizer.decode(sample.ids, skip_special_tokens=True)
-                results[id(ep)] = Action(text, sample.ids, sample.logprobs, prompt, elapsed, sample.finished)
+                hashes = [ref.sha256 for ref in ep.images]
+                results[id(ep)] = Action(text, sample.ids, sample.logprobs, prompt, elapsed, sample.finished, hashes)
         return [results.get(id(ep), Action("")) for ep in live]
 
     def _render(self, ep: LiveEpisode) -> str:
@@ -284,7 +303,37 @@ class EpisodeRunner:
             ep.messages, tools=ep.tools, add_generation_prompt=True, tokenize=False
         )
 
+    def _observe(self, ep: LiveEpisode, messages: list[dict]) -> list[dict]:
+        """A vision-language model's observation: each image as a PIL image named by its hash (its PNG
+        kept for the database). A text model's messages stay as they are (images unseen)."""
+        if self.processor is None:
+            return messages
+        try:
+            return vision.name_images(messages, ep.pngs)
+        except (ValueError, OSError) as exc:
+            raise EnvFailure(f"an image in the observation cannot be read: {exc}") from None
+
+    def _vision_prompt_ids(self, ep: LiveEpisode) -> list[int]:
+        """_prompt_ids through the processor: image placeholders expanded into the image tokens; the
+        suffix carries the images that the tokens so far do not."""
+        messages = vision.keep_last_images(ep.messages, self.limits.keep_images)
+        rendered = vision.render(self.processor, messages)
+        images = vision.message_images(messages)
+        seen = [ref.sha256 for ref in ep.images]
+        if ep.ids and rendered.startswith(ep.text) and [r.sha256 for r in images[: len(seen)]] == seen:
+            ids = ep.ids + vision.tokenize(self.processor, rendered[len(ep.text) :], images[len(seen) :])
+        else:
+            # keep_images dropped an earlier screenshot (or the template rewrote the past): the whole
+            # prompt again, and the episode's turns train one by one.
+            if ep.ids:
+                ep.template_consistent = False
+            ids = vision.tokenize(self.processor, rendered, images)
+        ep.ids, ep.text, ep.images = ids, rendered, images
+        return ids
+
     def _prompt_ids(self, ep: LiveEpisode) -> list[int]:
+        if self.processor is not None:
+            return self._vision_prompt_ids(ep)
         rendered = self._render(ep)
         if ep.ids and rendered.startswith(ep.text):
             suffix = rendered[len(ep.text) :]
@@ -315,7 +364,7 @@ class EpisodeRunner:
             if reply.failure is not None:
                 raise reply.failure
             obs, reward, terminated, truncated, info = reply.value
-            feedback = as_messages(obs) if obs else []
+            feedback = self._observe(ep, as_messages(obs)) if obs else []
             reward = float(reward)
         except EnvFailure as exc:
             ep.env_failed("env step", exc)
@@ -342,6 +391,7 @@ class EpisodeRunner:
                 info=json.dumps(info, default=str),
                 gen_time_s=action.gen_time_s,
                 env_time_s=reply.env_time_s,
+                images=action.images,
             )
         )
         ep.env_return += reward
@@ -433,7 +483,8 @@ def collect(
         ]
         if missing:
             todo.append(missing)
-    limits = RolloutLimits(recipe.env.max_turns, recipe.model.max_length, recipe.env.step_timeout_s)
+    keep_images = None if recipe.env.keep_images == "all" else recipe.env.keep_images
+    limits = RolloutLimits(recipe.env.max_turns, recipe.model.max_length, recipe.env.step_timeout_s, keep_images)
     done_before = len(specs) - sum(len(c) for c in todo)
     with _progress(ctx, progress_label or stage, len(specs), done_before) as advance:
         if todo:
@@ -538,8 +589,16 @@ VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 def generation_engine(recipe) -> str:
     """hf or vllm: rollout.engine, with auto resolved (see its description in the recipe)."""
     cfg = recipe.rollout
+    is_vision = vision.vision_model_type(resolve_model_folder(recipe.model.name)) is not None
+    if cfg.engine == "vllm" and is_vision:
+        raise UsageError(
+            "rollout.engine vllm: rlcli does not give vLLM images yet; set rollout.engine: hf (or auto) "
+            "for a vision-language model."
+        )
     if cfg.engine != "auto":
         return cfg.engine
+    if is_vision:
+        return "hf"
     import importlib.util
 
     from rlcli.models.loading import resolve_device
@@ -552,11 +611,15 @@ def generation_engine(recipe) -> str:
     return "vllm" if _head_size(recipe.model.name) in VLLM_CPU_HEAD_SIZES else "hf"
 
 
-def _head_size(model_name: str) -> int | None:
-    """The attention head size from the model's config.json (no weights loaded); None if unknown."""
+def resolve_model_folder(model_name: str) -> Path:
     from rlcli.models.cache import resolve_model
 
-    path = Path(resolve_model(model_name)) / "config.json"
+    return Path(resolve_model(model_name))
+
+
+def _head_size(model_name: str) -> int | None:
+    """The attention head size from the model's config.json (no weights loaded); None if unknown."""
+    path = resolve_model_folder(model_name) / "config.json"
     try:
         config = json.loads(path.read_text())
     except (OSError, ValueError):

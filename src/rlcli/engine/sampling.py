@@ -14,6 +14,9 @@ Multi-turn episodes keep their KV cache between turns (`TurnCache`): a turn's pr
 prompt plus the sampled tokens plus the env's feedback, so only those new tokens are prefilled.
 Re-prefilling the whole conversation every turn made prefill most of a multi-turn rollout's time.
 
+A vision-language model's prompts come with their images (models/vision.py): the images whose tokens
+a prefill feeds go to that forward as pixels; decode steps feed text tokens only.
+
 Rollouts sample through the `Sampler` interface: `HfSampler` (this decode loop) or
 `vllm_engine.VllmSampler` (an in-process vLLM engine).
 """
@@ -24,6 +27,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+
+from rlcli.models import vision
 
 
 @dataclass
@@ -67,6 +72,7 @@ class HfSampler:
 
     def __init__(self, model, tokenizer, config: SamplingConfig) -> None:
         self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.processor = vision.processor_of(tokenizer)  # a vision-language model's; None for text
         self.generators: list[torch.Generator] = []
         self.turn_cache = TurnCache()
 
@@ -75,10 +81,27 @@ class HfSampler:
         self.generators = [make_generator(self.model, seed) for seed in seeds]
         self.turn_cache = TurnCache()
 
-    def sample(self, rows: list[int], prompts: list[list[int]], budgets: list[int]) -> list[Sample]:
+    def sample(
+        self,
+        rows: list[int],
+        prompts: list[list[int]],
+        budgets: list[int],
+        images: list[list[vision.ImageRef]] | None = None,
+    ) -> list[Sample]:
+        """images: a vision-language model's, those of each prompt in the order of their tokens."""
         self.turn_cache.align(rows)
         generators = [self.generators[row] for row in rows]
-        return sample_batch(self.model, self.tokenizer, prompts, generators, self.config, budgets, self.turn_cache)
+        return sample_batch(
+            self.model,
+            self.tokenizer,
+            prompts,
+            generators,
+            self.config,
+            budgets,
+            self.turn_cache,
+            images=images,
+            processor=self.processor,
+        )
 
 
 def _filter_logits(scores: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -131,6 +154,7 @@ class TurnCache:
     attention: torch.Tensor | None = None
     ids: list[list[int]] = field(default_factory=list)
     keys: list = field(default_factory=list)
+    images: list[int] = field(default_factory=list)  # per row, how many of its prompt's images it holds
 
     def align(self, keys: list) -> None:
         """Keep the rows of `keys`, in that order; a key the cache has not seen empties it."""
@@ -140,8 +164,9 @@ class TurnCache:
                 self.kv.batch_select_indices(torch.tensor(rows, device=self.attention.device))
                 self.attention = self.attention[rows]
                 self.ids = [self.ids[r] for r in rows]
+                self.images = [self.images[r] for r in rows]
             else:
-                self.kv, self.attention, self.ids = None, None, []
+                self.kv, self.attention, self.ids, self.images = None, None, [], []
         self.keys = list(keys)
 
     def new_tokens(self, prompts: list[list[int]]) -> list[list[int]] | None:
@@ -163,27 +188,37 @@ def sample_batch(
     cfg: SamplingConfig,
     max_new_tokens: list[int] | None = None,
     turn_cache: TurnCache | None = None,
+    *,
+    images: list[list[vision.ImageRef]] | None = None,
+    processor=None,
 ) -> list[Sample]:
     """Continue each prompt by up to its own token budget; one forward per step for the batch.
 
     With a `turn_cache` from the previous turn, only the tokens each prompt adds are prefilled;
     the cache is then left holding this turn, ready for the next.
+    images (with the vision-language model's processor): each prompt's images, in token order.
     """
     device = model_device(model)
     batch = len(prompts)
     budgets = max_new_tokens or [cfg.max_new_tokens] * batch
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos_ids = _eos_ids(model, tokenizer)
+    images = images or [[] for _ in prompts]
     fresh = turn_cache.new_tokens(prompts) if turn_cache is not None else None
     copies = None  # for each row, the prefilled row it copies (a group's episodes share their first prompt)
     if fresh is None:
-        first: dict[tuple[int, ...], int] = {}
-        copies = [first.setdefault(tuple(p), len(first)) for p in prompts]
-        fresh = [list(p) for p in first]
+        # Same ids with other pixels (one instruction over two screenshots) are two prompts.
+        first: dict[tuple, int] = {}
+        keys = [(tuple(p), tuple(ref.sha256 for ref in imgs)) for p, imgs in zip(prompts, images)]
+        copies = [first.setdefault(key, len(first)) for key in keys]
+        fresh = [list(p) for p, _ in first]
+        fresh_images = [images[keys.index(key)] for key in first]
         cache, cached_len = None, [0] * len(fresh)
         cached_attention = torch.zeros((len(fresh), 0), dtype=torch.long, device=device)
     else:
         cache, cached_attention, cached_len = (turn_cache.kv, turn_cache.attention, [len(c) for c in turn_cache.ids])
+        fresh_images = [imgs[held:] for imgs, held in zip(images, turn_cache.images)]
+    pixels = vision.pixel_inputs(processor, [ref.image for imgs in fresh_images for ref in imgs], model)
     width = max(len(p) for p in fresh)
     input_ids = torch.full((len(fresh), width), pad_id, dtype=torch.long)
     new_attention = torch.zeros((len(fresh), width), dtype=torch.long)
@@ -203,6 +238,7 @@ def sample_batch(
         past_key_values=cache,
         use_cache=True,
         logits_to_keep=1,
+        **pixels,
     )
     cache, logits = out.past_key_values, out.logits[:, -1, :]
     if len(fresh) < batch:  # each distinct prompt was prefilled once: give every row its copy
@@ -254,6 +290,7 @@ def sample_batch(
         # Every row's last sampled token ended it and was never fed: the cache holds the rest.
         turn_cache.kv, turn_cache.attention = cache, attention
         turn_cache.ids = [prompts[i] + ids[i][:-1] for i in range(batch)]
+        turn_cache.images = [len(imgs) for imgs in images]
     return [Sample(ids[i], logps[i], finished[i]) for i in range(batch)]
 
 

@@ -21,6 +21,11 @@ With rollout.engine vllm, the engine gets the policy's weights (LoRA merged in) 
 iteration's rollout, perf/time_sync_s. train/engine_logprob_gap is the mean |rollout logprob -
 the trainer's logprob| over the trainable tokens, the mismatch that grpo.tis_cap corrects for.
 
+grpo.max_staleness k > 0 (engine/async_rollout.py): a rollout worker process plays rollout/i+1..i+k
+while this process labels and trains iteration i, and gets the new weights after each update; the
+update weighs stale episodes against their recorded logprobs (decoupled PPO). k = 0 is the loop
+above, unchanged.
+
 What a resume may change (docs/database.md): grpo.lr and grpo.weight_decay take effect from the
 next optimizer step, at the schedule's current position; a new number of optimizer steps (most
 often grpo.iterations) spreads what is left of the schedule over the steps now left, so the
@@ -29,6 +34,7 @@ learning rate never jumps.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import shutil
 import time
@@ -38,6 +44,7 @@ from typing import Any
 
 # Heavy (torch), but this module is only imported by the commands that train.
 from rlcli.engine import grpo, guardrails
+from rlcli.engine.async_rollout import push_folder, set_aside_stale, staleness
 from rlcli.engine.context import RunContext
 from rlcli.engine.curriculum import iteration_tasks
 from rlcli.engine.labelling import GRPO_LABEL_SET
@@ -53,7 +60,7 @@ from rlcli.engine.update import TrainSequence, minibatches_per_epoch, update
 from rlcli.errors import RlcliError, UsageError
 from rlcli.models.loading import fsync_folder
 from rlcli.store.checkpoints import add_checkpoint, checkpoints, require_folder, train_checkpoints
-from rlcli.store.episodes import episodes_for_training
+from rlcli.store.episodes import episodes_for_training, set_aside_count
 from rlcli.store.records import Checkpoint, LabelledEpisode, Turn
 from rlcli.store.stages import stage_done
 
@@ -84,7 +91,7 @@ def episode_sequences(episode_id: int, group: int, turns: list[Turn]) -> list[Tr
             start = len(t.prompt_ids)
             for j, lp in enumerate(t.logprobs):
                 mask[start + j], logps[start + j], turn_of[start + j] = 1.0, lp, t.turn_index
-        out.append(TrainSequence(episode_id, group, ids, mask, logps, turn_of))
+        out.append(TrainSequence(episode_id, group, ids, mask, logps, turn_of, images=part[-1].images))
     return out
 
 
@@ -139,13 +146,36 @@ def run_grpo(ctx: RunContext) -> None:
     for it in range(start_iter, cfg.iterations):
         if stage_done(ctx.rundb, ctx.run, f"train/{it}"):
             ctx.rundb.mark_stage(ctx.run, f"train/{it}", "pending")
-    sampling = sampling_config(recipe.rollout)
-    sampler = make_sampler(recipe, model, tokenizer, sampling, base=True)
     view = MetricsView(ctx.console)
     start_label = f"checkpoint {resume.id}" if resume else ("sft" if adapter else "base")
     anchor = f", KL to {'sft' if reference else 'base'} (beta {cfg.beta:g})" if cfg.beta > 0 else ""
     ctx.console.print(f"train grpo: iterations {start_iter}..{cfg.iterations - 1}, starting from {start_label}{anchor}")
-    with open_trackers(recipe.run.trackers, ctx.run, recipe.to_dict(), log_dir=ctx.run_dir) as tracker:
+    worker = None
+    if cfg.max_staleness:  # asynchronous GRPO: a worker process plays the rollouts (engine/async_rollout.py)
+        from rlcli.engine.async_rollout import RolloutWorker, thread_split
+
+        trainer_threads, worker_threads = thread_split(recipe.run.threads)
+        torch.set_num_threads(trainer_threads)
+        worker = RolloutWorker(ctx, worker_threads)
+    else:
+        sampler = make_sampler(recipe, model, tokenizer, sampling_config(recipe.rollout), base=True)
+    # The worker first: whatever fails after it has started must stop it.
+    with (
+        worker if worker is not None else contextlib.nullcontext(),
+        open_trackers(recipe.run.trackers, ctx.run, recipe.to_dict(), log_dir=ctx.run_dir) as tracker,
+    ):
+        if worker is not None:
+            ctx.console.print(
+                f"train grpo: asynchronous, up to {cfg.max_staleness} updates stale; rollout worker on "
+                f"{worker.device} ({worker_threads} threads), trainer on {next(model.parameters()).device} "
+                f"({trainer_threads} threads)"
+            )
+            # The weights the first rollouts play with: the checkpoint resumed from, else the starting point.
+            if resume:
+                worker.push(resume.iteration, resume.path, f"train/{resume.iteration}")
+            else:
+                worker.push(-1, adapter, "sft" if adapter else "base")
+            worker.ask_through(start_iter)
         evals = None
         if cfg.eval_every:
             from rlcli.engine.evaluate import TrainingEvals
@@ -153,40 +183,14 @@ def run_grpo(ctx: RunContext) -> None:
             evals = TrainingEvals(ctx, model, tokenizer, METRICS_STAGE)
             evals_before(ctx, evals, start_iter, resume)
         for it in range(start_iter, cfg.iterations):
-            timings: dict[str, float] = {}
-            tasks = iteration_tasks(ctx, it)  # grpo.sampling; a resumed iteration reuses its recorded draw
-            fresh_rollout = not stage_done(ctx.rundb, ctx.run, f"rollout/{it}")
-            # Episodes that timed out are played again, and labelled, before this iteration trains.
-            if reopen_for_retries(ctx, f"rollout/{it}"):
-                ctx.rundb.mark_stage(ctx.run, f"label/{it}", "pending")
-
             sync_s = None
-            if uses_vllm:
-                # The engine serves the weights of the last update (or, first, of the loaded checkpoint).
-                from rlcli.engine.vllm_engine import sync_weights
-
-                t0 = time.perf_counter()
-                sync_weights(sampler.engine, model)
-                sync_s = time.perf_counter() - t0
-
-            t0 = time.perf_counter()
-            rollout_summary = ctx.stage(
-                f"rollout/{it}",
-                lambda: collect(
-                    ctx,
-                    stage=f"rollout/{it}",
-                    policy_label=f"train/{it - 1}" if it > 0 else start_label,
-                    sampler=sampler,
-                    tokenizer=tokenizer,
-                    task_indices=tasks,
-                    group_size=recipe.rollout.group_size,
-                    split="train",
-                    iteration=it,
-                    progress_label=f"rollout {it}",
-                ),
-                params={"iteration": it, "tasks": tasks},
-            )
-            timings["perf/time_rollout_s"] = time.perf_counter() - t0
+            if worker is not None:
+                worker.ask_through(it)
+                rollout_summary, timings, fresh_rollout = worker.wait(it)
+            else:
+                rollout_summary, timings, fresh_rollout, sync_s = _sync_rollout(
+                    ctx, it, sampler, tokenizer, model, uses_vllm, start_label
+                )
 
             t0 = time.perf_counter()
             ctx.stage(f"label/{it}", lambda: label_stage_episodes(ctx, f"rollout/{it}", LABEL_SET, reward_fns))
@@ -219,6 +223,8 @@ def run_grpo(ctx: RunContext) -> None:
                 params={"iteration": it},
                 commit=commit,
             )
+            if worker is not None and it + 1 < cfg.iterations:
+                worker.push(it, pushed_weights(ctx, model, tokenizer, it), f"train/{it}")
             metrics = {**iteration_metrics(rollout_summary, result), **timings}
             if evals is not None and evaluates_after(cfg, it):
                 saved = [c for c in train_checkpoints(ctx.rundb, ctx.run) if c.stage == f"train/{it}"]
@@ -227,6 +233,58 @@ def run_grpo(ctx: RunContext) -> None:
             view.show(it, metrics)
             for warning in guardrails.check(ctx, it):  # once its metrics and held-out eval are stored
                 ctx.console.print(f"warning: {warning.message}", style="yellow", highlight=False)
+
+
+def _sync_rollout(ctx: RunContext, it: int, sampler, tokenizer, model, uses_vllm: bool, start_label: str):
+    """The synchronous loop's rollout/it, played here with the weights in memory; returns its stage
+    result, its timings, whether it was played now (not before a resume) and the vLLM sync's seconds."""
+    recipe = ctx.recipe
+    timings: dict[str, float] = {}
+    tasks = iteration_tasks(ctx, it)  # grpo.sampling; a resumed iteration reuses its recorded draw
+    set_aside_stale(ctx, it, 0)  # sampled ahead by an asynchronous run that is resumed synchronously
+    fresh_rollout = not stage_done(ctx.rundb, ctx.run, f"rollout/{it}")
+    # Episodes that timed out are played again, and labelled, before this iteration trains.
+    if reopen_for_retries(ctx, f"rollout/{it}"):
+        ctx.rundb.mark_stage(ctx.run, f"label/{it}", "pending")
+
+    sync_s = None
+    if uses_vllm:
+        # The engine serves the weights of the last update (or, first, of the loaded checkpoint).
+        from rlcli.engine.vllm_engine import sync_weights
+
+        t0 = time.perf_counter()
+        sync_weights(sampler.engine, model)
+        sync_s = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    rollout_summary = ctx.stage(
+        f"rollout/{it}",
+        lambda: collect(
+            ctx,
+            stage=f"rollout/{it}",
+            policy_label=f"train/{it - 1}" if it > 0 else start_label,
+            sampler=sampler,
+            tokenizer=tokenizer,
+            task_indices=tasks,
+            group_size=recipe.rollout.group_size,
+            split="train",
+            iteration=it,
+            progress_label=f"rollout {it}",
+        ),
+        params={"iteration": it, "tasks": tasks},
+    )
+    timings["perf/time_rollout_s"] = time.perf_counter() - t0
+    return rollout_summary, timings, fresh_rollout, sync_s
+
+
+def pushed_weights(ctx: RunContext, model, tokenizer, it: int) -> Path:
+    """The folder holding iteration it's weights for the rollout worker: its checkpoint's, else a
+    weights-only folder (engine/async_rollout.py removes those once the worker has moved on)."""
+    from rlcli.models.loading import save_checkpoint
+
+    if saves_checkpoint(ctx.recipe.grpo, it):
+        return checkpoint_folder(ctx, it)
+    return save_checkpoint(model, tokenizer, push_folder(ctx, it))
 
 
 def iteration_metrics(rollout_summary: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
@@ -267,6 +325,12 @@ def train_iteration(
         "train/zero_var_groups": int(len(set(groups[zero_var].tolist()))),
         "train/groups": int(len(set(groups.tolist()))),
     }
+    lags = [staleness(it, e.episode.policy) for e in episodes]
+    if cfg.max_staleness:
+        stats["train/staleness_mean"] = sum(lags) / len(lags)
+        stats["train/staleness_max"] = max(lags)
+    if discarded := set_aside_count(ctx.rundb, ctx.run, f"rollout/{it}"):
+        stats["train/discarded_episodes"] = discarded
 
     if cfg.gamma is not None:
         turn_returns = [grpo.discounted_turn_returns(_turn_rewards(e), cfg.gamma) for e in episodes]
@@ -285,6 +349,7 @@ def train_iteration(
         for seq in episode_sequences(ep.id, ep.task_index, ep.turns):
             seq.advantage = [turn_adv[i][t] for t in seq.turn_of_token]
             seq.truncated = ep.hit_a_cap
+            seq.stale = lags[i] > 0
             sequences.append(seq)
     stats["train/sequences"] = len(sequences)
 

@@ -30,6 +30,8 @@ class TrainSequence:
     turn_of_token: list[int]
     advantage: list[float] = field(default_factory=list)  # per token
     truncated: bool = False
+    images: list[str] = field(default_factory=list)  # sha256 of the images in `ids`, in order (a VLM's)
+    stale: bool = False  # sampled with weights older than those this update starts from (async GRPO)
 
 
 def update(ctx: RunContext, model, optimizer, scheduler, sequences: list[TrainSequence], it: int) -> dict[str, float]:
@@ -40,9 +42,10 @@ def update(ctx: RunContext, model, optimizer, scheduler, sequences: list[TrainSe
     temperature = sampling_config(recipe.rollout).logprob_temperature
     n_mb = minibatches_per_epoch(recipe)
     check_output_head(model, sequences[0].ids[:16])
+    pictures = _pictures(ctx, sequences)
     needs_old = cfg.epochs > 1 or n_mb > 1
     old_logprobs = (
-        _old_logprobs(model, sequences, cfg.micro_batch_size, temperature, not cfg.gradient_checkpointing)
+        _old_logprobs(model, sequences, cfg.micro_batch_size, temperature, not cfg.gradient_checkpointing, pictures)
         if needs_old
         else None
     )
@@ -65,7 +68,7 @@ def update(ctx: RunContext, model, optimizer, scheduler, sequences: list[TrainSe
                 micro = [sequences[i] for i in micro_idx]
                 if not any(any(s.mask) for s in micro):
                     continue  # nothing to train on: it would add 0 to the gradient and to every statistic
-                batch = _collate(micro, model, share_prefix=not cfg.gradient_checkpointing)
+                batch = _collate(micro, model, share_prefix=not cfg.gradient_checkpointing, pictures=pictures)
                 forwarded += batch["positions"]
                 padded += batch["padding"]
                 logprobs, entropy = token_logprobs(model, batch, temperature, entropy=True)
@@ -82,6 +85,7 @@ def update(ctx: RunContext, model, optimizer, scheduler, sequences: list[TrainSe
 
                     with torch.no_grad(), reference_context(model):
                         ref, _ = token_logprobs(model, batch, temperature)
+                behaviour, tis_cap = _behaviour_logprobs(cfg, batch, old, micro)
                 loss, st = grpo.policy_loss(
                     logprobs,
                     old,
@@ -93,8 +97,8 @@ def update(ctx: RunContext, model, optimizer, scheduler, sequences: list[TrainSe
                     aggregation=cfg.aggregation,
                     ref_logprobs=ref,
                     beta=cfg.beta,
-                    rollout_logprobs=batch["rollout_logprobs"],
-                    tis_cap=cfg.tis_cap,
+                    rollout_logprobs=behaviour,
+                    tis_cap=tis_cap,
                     entropy=entropy,
                     entropy_top_frac=cfg.entropy_top_frac,
                     max_len_norm=max_len_norm,
@@ -131,6 +135,19 @@ def update(ctx: RunContext, model, optimizer, scheduler, sequences: list[TrainSe
     return out
 
 
+def _behaviour_logprobs(cfg, batch: dict[str, Any], old, micro: list[TrainSequence]):
+    """(the logprobs policy_loss weighs `old` against, its tis_cap). Asynchronous GRPO (decoupled PPO, see
+    engine/async_rollout.py): `old` is the proximal policy and a stale sequence's recorded rollout
+    logprobs are its behaviour policy's, so it gets the weight pi_prox / pi_behav, truncated at tis_cap
+    (ASYNC_TIS_CAP when null); without tis_cap a fresh sequence is on-policy and weighs exactly 1."""
+    if not cfg.max_staleness or cfg.tis_cap is not None:
+        return batch["rollout_logprobs"], cfg.tis_cap
+    from rlcli.engine.async_rollout import ASYNC_TIS_CAP
+
+    stale = torch.tensor([[s.stale] for s in micro], device=old.device)
+    return torch.where(stale, batch["rollout_logprobs"], old), ASYNC_TIS_CAP
+
+
 def micro_batches(sequences: list[TrainSequence], indices: list[int], size: int) -> list[list[int]]:
     """`indices` (a minibatch, in its shuffled order) in micro-batches of `size`, longest first, so that
     the rows forwarded together have similar lengths and little padding. The minibatch, and so its
@@ -146,13 +163,36 @@ def padding(micro: list[TrainSequence], prefix: int) -> tuple[int, int]:
     return prefix + len(micro) * width, sum(width - (len(s.ids) - prefix) for s in micro)
 
 
-def _collate(micro: list[TrainSequence], model, share_prefix: bool = True) -> dict[str, Any]:
+def _pictures(ctx: RunContext, sequences: list[TrainSequence]) -> dict[str, Any]:
+    """sha256 -> PIL image of every image the sequences show, from the run database (a VLM's rollouts)."""
+    hashes = [h for s in sequences for h in s.images]
+    if not hashes:
+        return {}
+    from rlcli.models.vision import image_from_png
+    from rlcli.store.images import load_images
+
+    stored = load_images(ctx.rundb, hashes)
+    missing = set(hashes) - set(stored)
+    if missing:
+        raise RlcliError(f"{len(missing)} image(s) of the episodes to train on are missing from the run database.")
+    return {sha: image_from_png(data) for sha, data in stored.items()}
+
+
+def _collate(
+    micro: list[TrainSequence], model, share_prefix: bool = True, pictures: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """A micro-batch as one shared prefix (forwarded once) plus left-padded suffixes; only the
     positions that end in trainable tokens are kept. share_prefix=False (gradient checkpointing,
-    which cannot return a KV cache) forwards every row whole."""
+    which cannot return a KV cache) forwards every row whole.
+
+    Rows with images (a vision-language model's) are forwarded whole too, the pixels rebuilt from the
+    stored images (`pictures`): a prefix forwarded alone would need its images' features computed
+    apart from the rows', and a group's screenshots differ right after the shared system prompt."""
+    from rlcli.models.vision import pixel_inputs, processor_of
 
     device = next(model.parameters()).device
-    prefix = _shared_prefix(micro) if share_prefix else 0
+    images = [pictures[h] for s in micro for h in s.images]
+    prefix = _shared_prefix(micro) if share_prefix and not images else 0
     width = max(len(s.ids) for s in micro) - prefix
     # The first trainable token over the batch, measured from the right: logits before it are not needed.
     keep = (
@@ -180,6 +220,7 @@ def _collate(micro: list[TrainSequence], model, share_prefix: bool = True) -> di
     pos = prefix + (attn.cumsum(-1) - 1).clamp(min=0)
     attn = torch.cat([torch.ones((B, prefix), dtype=torch.long), attn], dim=-1)
     return {
+        "pixels": pixel_inputs(processor_of(model), images, model) if images else {},
         "prefix_ids": torch.tensor([micro[0].ids[:prefix]], device=device) if prefix else None,
         "input_ids": ids.to(device),
         "attention_mask": attn.to(device),
@@ -267,6 +308,7 @@ def _hidden_states(model, batch: dict[str, Any]):
         position_ids=batch["position_ids"],
         past_key_values=cache,
         use_cache=cache is not None,
+        **batch.get("pixels", {}),
     )
     keep = batch["keep"]
     return out.last_hidden_state[:, -keep - 1 : -1]
@@ -316,7 +358,12 @@ def check_output_head(model, ids: list[int]) -> None:
 
 
 def _old_logprobs(
-    model, sequences: list[TrainSequence], micro_batch_size: int, temperature: float, share_prefix: bool
+    model,
+    sequences: list[TrainSequence],
+    micro_batch_size: int,
+    temperature: float,
+    share_prefix: bool,
+    pictures: dict[str, Any] | None = None,
 ) -> list:
     """Logprobs of every sequence under the weights at the start of the iteration (PPO's pi_old),
     left on the model's device (0 at positions that are not trainable)."""
@@ -324,7 +371,7 @@ def _old_logprobs(
     with torch.no_grad():
         for micro_idx in micro_batches(sequences, list(range(len(sequences))), micro_batch_size):
             micro = [sequences[i] for i in micro_idx]
-            batch = _collate(micro, model, share_prefix)
+            batch = _collate(micro, model, share_prefix, pictures)
             lp, _ = token_logprobs(model, batch, temperature)
             for b, i in enumerate(micro_idx):
                 n = min(len(sequences[i].ids), batch["keep"])

@@ -62,6 +62,15 @@ class VllmEngine:
         from vllm.platforms import current_platform
 
         _check_device(device, current_platform.device_type)
+        if (
+            current_platform.is_cpu()
+            and hasattr(os, "sched_getaffinity")
+            and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ
+        ):
+            # vLLM's CPU build binds one OpenMP thread to every core unless told otherwise; use as
+            # many as torch does (run.threads), so a run that was given one core keeps to one.
+            cores = sorted(os.sched_getaffinity(0))[: torch.get_num_threads()]
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
         if enforce_eager is None:
             enforce_eager = current_platform.is_cpu()
         self.llm = LLM(

@@ -26,7 +26,7 @@ from urllib.parse import urlparse
 from rich.console import Console
 
 from rlcli.errors import RlcliError, UsageError
-from rlcli.models.tiny import build_tiny_random
+from rlcli.models.tiny import build_tiny_random, build_tiny_random_vlm
 
 console = Console(stderr=True, highlight=False)
 
@@ -233,5 +233,9 @@ REGISTRY: dict[str, tuple[Callable[[Path], None], str]] = {
     "tiny-random": (
         build_tiny_random,
         "2-layer random Llama (0.1M params) with a byte-level ChatML tokenizer, built locally; for tests",
+    ),
+    "tiny-random-vlm": (
+        build_tiny_random_vlm,
+        "random Idefics3 vision-language model (0.15M params) with its processor, built locally; for tests",
     ),
 }

@@ -49,8 +49,10 @@ def load_policy(
     False loads for inference: no parameter requires grad.
     The model comes back in eval mode, as from_pretrained leaves it; call model.train() to update.
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
     from transformers.utils import logging as hf_logging
+
+    from rlcli.models import vision
 
     # A "Loading weights" bar per load would bury rlcli's own progress (eval loads one per checkpoint).
     hf_logging.disable_progress_bar()
@@ -62,23 +64,31 @@ def load_policy(
     checkpoint = _check_checkpoint(adapter) if adapter is not None else None
     is_adapter = checkpoint is not None and (checkpoint / "adapter_config.json").is_file()
     device = resolve_device(model_cfg.device)
-    tokenizer = load_tokenizer(model_cfg, base)
+    # A vision-language model comes with a processor; its tokenizer is what the rest of rlcli holds,
+    # and vision.processor_of(tokenizer) finds the processor again.
+    is_vision = vision.vision_model_type(base) is not None
+    if is_vision:
+        template = _read_chat_template(model_cfg.chat_template) if model_cfg.chat_template else None
+        processor = vision.load_processor(base, model_cfg.name, template)
+        tokenizer = processor.tokenizer
+        tokenizer.chat_template = processor.chat_template
+        vision.attach_processor(tokenizer, processor)
+    else:
+        tokenizer = load_tokenizer(model_cfg, base)
 
-    model = AutoModelForCausalLM.from_pretrained(
-        checkpoint if checkpoint is not None and not is_adapter else base,
-        dtype=resolve_dtype(model_cfg.dtype, device),
-        device_map={"": device},
-        quantization_config=quantization_config(quant_cfg, device),
-    )
+    auto_class = AutoModelForImageTextToText if is_vision else AutoModelForCausalLM
+    with _streamed_reads() if quant_cfg.mode != "none" else contextlib.nullcontext():
+        model = auto_class.from_pretrained(
+            checkpoint if checkpoint is not None and not is_adapter else base,
+            dtype=load_dtype(model_cfg, quant_cfg, device),
+            device_map={"": device},
+            quantization_config=quantization_config(quant_cfg, device),
+        )
     if quant_cfg.mode == "4bit":
         _keep_4bit_trainable(model)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     if quant_cfg.mode != "none" and trainable:
-        from peft import prepare_model_for_kbit_training
-
-        # Upcasts the non-quantized weights (norms, embeddings) to float32 for stable updates.
-        # Gradient checkpointing is the trainer's choice (grpo.gradient_checkpointing), not a load default.
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+        _prepare_quantized_for_training(model)
 
     if is_adapter:
         from peft import PeftModel
@@ -91,9 +101,11 @@ def load_policy(
             # (Quantized weights keep the branch: merging would round the update away.)
             model = model.merge_and_unload()
     elif lora_cfg is not None and trainable:
-        model = _add_lora(model, lora_cfg, model_cfg.name)
+        model = _add_lora(model, lora_cfg, model_cfg.name, exclude_vision=is_vision and not lora_cfg.target_vision)
     else:
         model.requires_grad_(trainable)
+    if is_vision:
+        vision.attach_processor(model, processor)  # the GRPO update builds pixels with it
     return model, tokenizer
 
 
@@ -120,6 +132,116 @@ def resolve_dtype(name: str, device: str) -> Any:
             return torch.bfloat16
         return torch.float32
     return getattr(torch, name)
+
+
+def load_dtype(model_cfg: ModelSection, quant_cfg: QuantizationSection, device: str) -> Any:
+    """The dtype of the weights that stay unquantised: model.dtype, where `auto` with 4-bit is the
+    compute dtype (bfloat16 by default). The embedding and LM head stay unquantised, and for a
+    150k-token vocabulary they are the largest tensor: float32 (auto on a CPU) would double them."""
+    if model_cfg.dtype == "auto" and quant_cfg.mode == "4bit":
+        import torch
+
+        return getattr(torch, quant_cfg.compute_dtype)
+    return resolve_dtype(model_cfg.dtype, device)
+
+
+def _prepare_quantized_for_training(model: Any) -> None:
+    """Freeze the base weights (LoRA adds the trainable ones). What peft's prepare_model_for_kbit_training
+    does without gradient checkpointing (that is grpo.gradient_checkpointing's choice), except that it
+    upcasts only float16 weights to float32: float16 without loss scaling overflows. bfloat16 has
+    float32's range and stays, as in the unquantised bf16 path (float32 adapter, bf16 activations):
+    peft's upcast of the embedding and LM head would double the largest tensors and the residual stream."""
+    import torch
+
+    model.requires_grad_(False)
+    for param in model.parameters():
+        if param.dtype == torch.float16:
+            param.data = param.data.float()
+
+
+@contextlib.contextmanager
+def _streamed_reads() -> Iterator[None]:
+    """While from_pretrained quantises a checkpoint on the fly: each tensor is read with pread rather
+    than through a memory map, and the memory its full-precision copies used is handed back to the OS
+    before the next one is read. The load's peak is then the quantised model plus about one tensor.
+
+    transformers memory-maps each safetensors file, and every page the quantiser reads stays resident
+    (counted in the process's memory) until the file closes at the end of the load: the whole
+    full-precision file on top of its quantised copy. And glibc keeps the freed temporaries (each
+    tensor, its float32 conversion) in its heap, which the small quantised tensors allocated between
+    them fragment: measured, 300-450 MB retained while quantising SmolLM2-135M. A transformers that
+    no longer reads through modeling_utils.safe_open loads as it does by itself."""
+    import transformers.modeling_utils as modeling_utils
+    from safetensors import safe_open
+
+    if getattr(modeling_utils, "safe_open", None) is not safe_open:
+        yield
+        return
+    trim = _malloc_trim()
+
+    def open_pread(filename: Any, framework: str = "pt", device: Any = "cpu", **kwargs: Any) -> Any:
+        try:
+            handle = safe_open(filename, framework=framework, device=device, backend="pread")
+        except TypeError:  # safetensors before 0.8 has no pread backend: memory-map as transformers asked
+            return safe_open(filename, framework=framework, device=device, **kwargs)
+        return _TrimmedReads(handle, trim)
+
+    modeling_utils.safe_open = open_pread
+    try:
+        yield
+    finally:
+        modeling_utils.safe_open = safe_open
+
+
+def _malloc_trim() -> Any:
+    """A function that returns the C heap's free pages to the OS (glibc's malloc_trim), or does nothing
+    where the C library has none (macOS, musl)."""
+    import ctypes
+
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return lambda: None
+    return lambda: trim(0)
+
+
+class _TrimmedReads:
+    """A safetensors file whose tensor slices trim the heap before they read (see _streamed_reads)."""
+
+    def __init__(self, handle: Any, trim: Any) -> None:
+        self._handle, self._trim = handle, trim
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._handle, name)
+
+    def __enter__(self) -> _TrimmedReads:
+        self._handle.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> Any:
+        return self._handle.__exit__(*exc)
+
+    def get_slice(self, name: str) -> _TrimmedSlice:
+        return _TrimmedSlice(self._handle, name, self._trim)
+
+
+class _TrimmedSlice:
+    def __init__(self, handle: Any, name: str, trim: Any) -> None:
+        self._handle, self._name, self._trim = handle, name, trim
+        self._slice = handle.get_slice(name)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._slice, name)
+
+    def __getitem__(self, key: Any) -> Any:
+        # transformers quantises one tensor at a time: reading this one means the last one's
+        # full-precision copies are garbage now.
+        self._trim()
+        if key is Ellipsis:
+            # The whole tensor, read once: with pread, safetensors 0.8's slice[...] holds two copies
+            # at its peak (measured: +520 MB for a 272 MB embedding), get_tensor one.
+            return self._handle.get_tensor(self._name)
+        return self._slice[key]
 
 
 def quantization_config(quant_cfg: QuantizationSection, device: str) -> Any:
@@ -175,8 +297,13 @@ def _quiet_peft() -> Iterator[None]:
         yield
 
 
-def lora_config(lora_cfg: LoraSection) -> Any:
-    """A peft LoraConfig (the shape of TRL's get_peft_config)."""
+# The modules of a vision-language model that read pixels (its vision tower and the projector into the
+# language model): without lora.target_vision, LoRA leaves them alone and they stay frozen.
+VISION_MODULES = r".*(vision_model|vision_tower|visual|connector|multi_modal_projector)\b.*"
+
+
+def lora_config(lora_cfg: LoraSection, exclude_vision: bool = False) -> Any:
+    """A peft LoraConfig (the shape of TRL's get_peft_config); exclude_vision keeps it off VISION_MODULES."""
     from peft import LoraConfig
 
     return LoraConfig(
@@ -185,11 +312,12 @@ def lora_config(lora_cfg: LoraSection) -> Any:
         lora_alpha=lora_cfg.alpha,
         lora_dropout=lora_cfg.dropout,
         target_modules=lora_cfg.target_modules,
+        exclude_modules=VISION_MODULES if exclude_vision else None,
         bias="none",
     )
 
 
-def _add_lora(model: Any, lora_cfg: LoraSection, model_name: str) -> Any:
+def _add_lora(model: Any, lora_cfg: LoraSection, model_name: str, exclude_vision: bool = False) -> Any:
     import torch
     from peft import get_peft_model
 
@@ -211,7 +339,7 @@ def _add_lora(model: Any, lora_cfg: LoraSection, model_name: str) -> Any:
         )
     try:
         with _quiet_peft():
-            return get_peft_model(model, lora_config(lora_cfg))
+            return get_peft_model(model, lora_config(lora_cfg, exclude_vision=exclude_vision))
     except ValueError as exc:
         raise UsageError(f"lora.target_modules: {exc}") from None
 

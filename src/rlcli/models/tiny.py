@@ -1,7 +1,9 @@
-"""tiny-random: a 2-layer random Llama with a byte-level ChatML tokenizer, built locally in about a second.
+"""tiny-random: a 2-layer random Llama with a byte-level ChatML tokenizer, built locally in about a second;
+tiny-random-vlm: the same idea for an Idefics3 (SmolVLM-style) vision-language model, with its processor.
 
-Tests and demos run on it where the numbers need not mean anything: it loads in a blink, every text
-round-trips through its tokenizer, and its chat template renders tool calls like Qwen2.5's.
+Tests and demos run on them where the numbers need not mean anything: they load in a blink, every text
+round-trips through their tokenizer, and the chat template renders tool calls like Qwen2.5's (and,
+for the VLM, image parts as <image>).
 """
 
 from __future__ import annotations
@@ -20,32 +22,10 @@ def build_tiny_random(out: Path, head_dim: int = 16) -> None:
     takes 32, 64, 80, ...), so its tests build head_dim=64 (hidden 128, 2 heads), with the same tokenizer.
     """
     import torch
-    from tokenizers import (
-        Tokenizer,
-        decoders,
-        models,
-        pre_tokenizers,
-        processors,
-        trainers,
-    )
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    # Byte-level BPE round-trips any text (every byte is in the alphabet); the merges learnt from a
-    # small built-in corpus just make common words a few tokens long.
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    bpe.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=512,
-        special_tokens=[IM_START, IM_END],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    bpe.train_from_iterator(_TINY_CORPUS.splitlines(), trainer)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=bpe, eos_token=IM_END, pad_token=IM_END, chat_template=CHATML_TOOLS_TEMPLATE
-    )
+    tokenizer = _tiny_tokenizer([IM_START, IM_END], CHATML_TOOLS_TEMPLATE)
+    bpe = tokenizer.backend_tokenizer
     end = bpe.token_to_id(IM_END)
     hidden = max(64, 2 * head_dim)
     heads = hidden // head_dim
@@ -68,6 +48,99 @@ def build_tiny_random(out: Path, head_dim: int = 16) -> None:
         model = LlamaForCausalLM(config)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+
+
+def _tiny_tokenizer(special_tokens: list[str], chat_template: str, corpus: str = ""):
+    """A byte-level BPE tokenizer: it round-trips any text (every byte is in the alphabet); the merges
+    learnt from a small built-in corpus just make common words a few tokens long."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=512,
+        special_tokens=special_tokens,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator((_TINY_CORPUS + corpus).splitlines(), trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=bpe, eos_token=IM_END, pad_token=IM_END, chat_template=chat_template
+    )
+
+
+# Idefics3's (SmolVLM's) image tokens: the processor writes each image as
+# <fake_token_around_image><global-img> + <image> x image_seq_len + <fake_token_around_image>.
+IMAGE_TOKENS = ["<fake_token_around_image>", "<global-img>", "<image>", "<end_of_utterance>"]
+# The tiny VLM sees every image at 112x112 pixels: 8x8 patches of 14, merged 2x2 by the connector
+# into 16 image tokens, so an episode of a few screenshots stays a few hundred tokens.
+TINY_VLM_IMAGE_SIZE = 112
+
+
+def build_tiny_random_vlm(out: Path) -> None:
+    """Write a random Idefics3 (SmolVLM's architecture: a 2-layer Llama of hidden 64 after a 2-layer
+    SigLIP-style vision tower of width 32) with its processor (Idefics3's image processor, a byte-level
+    tokenizer with its image tokens, and a ChatML template that renders image parts as <image>) into
+    `out`, as one `from_pretrained` folder.
+
+    Idefics3 rather than Qwen2-VL: transformers builds Qwen2-VL's and SmolVLM's processors only with
+    torchvision installed (for their video processor), Idefics3's without it.
+    """
+    import torch
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    tokenizer = _tiny_tokenizer([IM_START, IM_END, *IMAGE_TOKENS], VLM_CHAT_TEMPLATE, _VLM_CORPUS)
+    bpe = tokenizer.backend_tokenizer
+    end = bpe.token_to_id(IM_END)
+    text = {
+        "model_type": "llama",
+        "vocab_size": bpe.get_vocab_size(),
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": True,
+        "eos_token_id": end,
+        "pad_token_id": end,
+        "bos_token_id": None,
+    }
+    vision = {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "image_size": TINY_VLM_IMAGE_SIZE,
+        "patch_size": 14,
+    }
+    config = Idefics3Config(
+        text_config=text,
+        vision_config=vision,
+        scale_factor=2,
+        image_token_id=bpe.token_to_id("<image>"),
+        tie_word_embeddings=True,
+        pad_token_id=end,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(TINY_SEED)
+        model = Idefics3ForConditionalGeneration(config)
+    model.generation_config.eos_token_id = end
+    side = {"longest_edge": TINY_VLM_IMAGE_SIZE}
+    image_processor = Idefics3ImageProcessorPil(size=side, max_image_size=side, do_image_splitting=False)
+    image_seq_len = (TINY_VLM_IMAGE_SIZE // 14) ** 2 // 2**2
+    processor = Idefics3Processor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        image_seq_len=image_seq_len,
+        chat_template=VLM_CHAT_TEMPLATE,
+    )
+    model.save_pretrained(out)
+    processor.save_pretrained(out)
 
 
 # ChatML with tool calls in the Qwen2.5 / Hermes style: tools listed in the system turn, calls as
@@ -117,6 +190,34 @@ CHATML_TOOLS_TEMPLATE = """\
 {%- if add_generation_prompt %}
     {{- '<|im_start|>assistant\\n' }}
 {%- endif %}
+"""
+
+# CHATML_TOOLS_TEMPLATE (without tools) where a message's content may be a list of parts: text parts
+# are written out, image parts become <image>, which the processor expands into the image's tokens.
+VLM_CHAT_TEMPLATE = """\
+{%- for message in messages %}
+    {{- '<|im_start|>' + message.role + '\\n' }}
+    {%- if message.content is string %}
+        {{- message.content }}
+    {%- else %}
+        {%- for part in message.content %}
+            {%- if part.type == 'image' %}
+                {{- '<image>' }}
+            {%- elif part.type == 'text' %}
+                {{- part.text }}
+            {%- endif %}
+        {%- endfor %}
+    {%- endif %}
+    {{- '<|im_end|>\\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+{%- endif %}
+"""
+
+_VLM_CORPUS = """\
+Click the Save button. click(56, 30) click(12, 88) Save Open Cancel Export File Edit Help OK
+Screenshot of the screen. Where do you click? Clicked inside Save. Missed: that is Open.
 """
 
 # Text for tiny-random's BPE merges: chat turns, numbers, guesses and tool calls like the built-in

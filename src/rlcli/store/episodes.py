@@ -11,6 +11,7 @@ from sqlite_utils import Database
 from rlcli.errors import UsageError
 from rlcli.store.blobs import pack_floats, pack_ids, unpack_floats, unpack_ids
 from rlcli.store.db import RunDB
+from rlcli.store.images import insert_images
 from rlcli.store.records import EndReason, Episode, EpisodeSummary, LabelledEpisode, RewardRow, Turn
 
 TOTAL = "total"  # the reward component that holds a label set's weighted sum
@@ -28,6 +29,7 @@ def store_episodes(rundb: RunDB, episodes: list[Episode]) -> None:
         for episode in episodes:
             row = asdict(episode)
             turns = row.pop("turns")
+            insert_images(db, row.pop("images"))
             row.update(
                 id=_remove_failed_attempt(db, episode) if episode.attempts > 1 else None,
                 end_reason=episode.end_reason.value if episode.end_reason else None,
@@ -47,6 +49,7 @@ def store_episodes(rundb: RunDB, episodes: list[Episode]) -> None:
                     "logprobs": pack_floats(turn["logprobs"]),
                     "terminated": int(turn["terminated"]),
                     "truncated": int(turn["truncated"]),
+                    "images": json.dumps(turn["images"]) if turn["images"] else None,
                 }
                 for turn in turns
             )
@@ -64,6 +67,28 @@ def _remove_failed_attempt(db: Database, episode: Episode) -> int:
         db.execute(f"delete from {table} where episode_id = ?", [episode_id])
     db.execute("delete from episodes where id = ?", [episode_id])
     return episode_id
+
+
+def set_aside_episodes(rundb: RunDB, run: str, stage: str, episode_ids: list[int]) -> str:
+    """Move episodes out of `stage` into a stage of their own, stale/<stage>/<n>, kept with their turns
+    and labels: asynchronous GRPO sets aside a rollout's episodes that are too stale to train on, so
+    that the stage plays them again; return the new stage's name."""
+    with rundb.transaction() as db:
+        (earlier,) = db.execute(
+            "select count(distinct stage) from episodes where run = ? and stage like ?", [run, f"stale/{stage}/%"]
+        ).fetchone()
+        aside = f"stale/{stage}/{earlier + 1}"
+        marks = ", ".join("?" * len(episode_ids))
+        db.execute(f"update episodes set stage = ? where id in ({marks})", [aside, *episode_ids])
+    return aside
+
+
+def set_aside_count(rundb: RunDB, run: str, stage: str) -> int:
+    """How many of `stage`'s episodes were set aside as stale (set_aside_episodes)."""
+    (count,) = rundb.db.execute(
+        "select count(*) from episodes where run = ? and stage like ?", [run, f"stale/{stage}/%"]
+    ).fetchone()
+    return count
 
 
 def store_rewards(rundb: RunDB, rewards: list[RewardRow]) -> None:
@@ -288,4 +313,5 @@ def _turn(row: dict[str, Any]) -> Turn:
         info=row["info"],
         gen_time_s=row["gen_time_s"],
         env_time_s=row["env_time_s"],
+        images=json.loads(row["images"]) if row.get("images") else [],
     )

@@ -254,3 +254,14 @@ def dpo_pairs(db: Database) -> None:
         ],
     )
     db["dpo_pairs"].create_index(["run", "stage", "chosen_episode_id", "rejected_episode_id"], unique=True)
+
+
+@migrations(name="007_images")
+def images(db: Database) -> None:
+    # The images of vision-language episodes (store/images.py): each stored once, as PNG, named by
+    # the sha256 of those bytes; a turn lists the hashes of the images in its prompt, in order.
+    db["images"].create(
+        {"sha256": str, "png": bytes, "width": int, "height": int, "created_at": str},
+        pk="sha256",
+    )
+    db["turns"].add_column("images", str)  # JSON list of sha256; null for turns without images

@@ -88,6 +88,7 @@ class Turn:
     info: str = "{}"  # JSON
     gen_time_s: float = 0.0
     env_time_s: float = 0.0
+    images: list[str] = field(default_factory=list)  # sha256 of the images in prompt_ids, in order
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,8 @@ class Episode:
     attempts: int = 1  # times it was played: a transient failure is played again on resume
     transient: bool = False  # failed in a way that need not recur (an env call timed out)
     turns: list[Turn] = field(default_factory=list, compare=False)  # loaded only by queries that need them
+    # sha256 -> PNG of the images its turns show, to store with it (the images table); empty when read back
+    images: dict[str, bytes] = field(default_factory=dict, compare=False)
 
     @property
     def hit_a_cap(self) -> bool:

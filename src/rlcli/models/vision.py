@@ -1,0 +1,223 @@
+"""Vision-language models: their processor, images in chat messages, and the pixel inputs of a forward.
+
+An observation's message may hold a list of content parts, `{"type": "text", "text": ...}` and
+`{"type": "image", "image": PIL.Image | path | bytes}` (the transformers / TRL convention). The
+rollout turns every image into a PIL image once, names it by the sha256 of its PNG bytes (what the
+run database stores, once per image) and keeps it in the message for the chat template.
+
+Token ids come from the model's processor, which expands each image placeholder of the rendered
+chat into the image's tokens; those ids are what a turn stores. The pixels are a function of the
+images alone, so training rebuilds them from the stored PNGs and never tokenises text again.
+
+Families: Idefics3 and SmolVLM (same architecture; 1-D positions; the tiny test model
+tiny-random-vlm is an Idefics3). Their forward takes every image of a batch as one list, in the
+order their tokens appear row by row, which is how `pixel_inputs` lays them out.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rlcli.errors import UsageError
+
+# Model types whose processors and forwards rlcli drives (config.json's model_type).
+SUPPORTED_FAMILIES = ("idefics3", "smolvlm")
+
+# tokenizer -> its model's processor; load_policy registers it (rollouts, SFT and training get the
+# tokenizer everywhere, and only a vision model's needs the processor beside it).
+_processors: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
+def vision_model_type(path: str | Path) -> str | None:
+    """The model_type of a vision-language model (its config.json has a vision_config), else None.
+    `path` is a model folder or a hub id in the Hugging Face cache (as resolve_model returns them)."""
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        from huggingface_hub import try_to_load_from_cache
+
+        try:
+            cached = try_to_load_from_cache(str(path), "config.json")
+        except ValueError:  # not a hub id either
+            cached = None
+        config_file = Path(cached) if isinstance(cached, str) else config_file
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError):
+        return None
+    return config.get("model_type") if "vision_config" in config else None
+
+
+def load_processor(path: str | Path, name: str, chat_template: str | None) -> Any:
+    """The model's processor (image processor + tokenizer + chat template), padded on the left."""
+    from transformers import AutoProcessor
+
+    model_type = vision_model_type(path)
+    if model_type not in SUPPORTED_FAMILIES:
+        raise UsageError(
+            f"model.name: {name} is a {model_type} vision-language model; rlcli drives "
+            f"{', '.join(SUPPORTED_FAMILIES)} ones so far (see docs/models.md)."
+        )
+    try:
+        processor = AutoProcessor.from_pretrained(path)
+    except (ImportError, TypeError, AttributeError) as exc:  # transformers without a backend it needs
+        raise UsageError(f"model.name: the processor of {name} cannot be loaded here ({exc}).") from None
+    processor.tokenizer.padding_side = "left"
+    if processor.tokenizer.pad_token is None:
+        processor.tokenizer.pad_token = processor.tokenizer.eos_token
+    if chat_template:
+        processor.chat_template = chat_template
+    if not processor.chat_template:
+        raise UsageError(f"model.name: the processor of {name} has no chat template; set model.chat_template to one.")
+    return processor
+
+
+def attach_processor(tokenizer: Any, processor: Any) -> None:
+    _processors[tokenizer] = processor
+
+
+def processor_of(tokenizer: Any) -> Any | None:
+    """The processor of a vision-language model's tokenizer; None for a text model's."""
+    return _processors.get(tokenizer) if tokenizer is not None else None
+
+
+# --- images --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ImageRef:
+    """An image of a conversation: the PIL image the processor reads and the hash it is stored by."""
+
+    sha256: str
+    image: Any  # PIL.Image.Image, RGB
+
+
+def to_image(value: Any) -> Any:
+    """A PIL image (RGB) from an image part's value: a PIL image, a path, or encoded bytes."""
+    from PIL import Image
+
+    if isinstance(value, Image.Image):
+        image = value
+    elif isinstance(value, (bytes, bytearray)):
+        image = Image.open(io.BytesIO(value))
+    elif isinstance(value, (str, Path)):
+        image = Image.open(Path(value).expanduser())
+    else:
+        raise ValueError(f"an image part holds a {type(value).__name__}; expected a PIL image, a path or bytes")
+    image.load()
+    return image.convert("RGB")
+
+
+def png_bytes(image: Any) -> bytes:
+    out = io.BytesIO()
+    # PNG is lossless: the stored image gives back exactly the pixels the model saw.
+    image.save(out, format="PNG")
+    return out.getvalue()
+
+
+def image_from_png(data: bytes) -> Any:
+    return to_image(data)
+
+
+def name_images(messages: list[dict], pngs: dict[str, bytes]) -> list[dict]:
+    """Messages whose image parts hold a PIL image and its `sha256`; each new image's PNG goes into `pngs`."""
+    out = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if isinstance(part, dict) and part.get("type") == "image" and "sha256" not in part:
+                    image = to_image(part.get("image"))
+                    data = png_bytes(image)
+                    sha = hashlib.sha256(data).hexdigest()
+                    pngs.setdefault(sha, data)
+                    part = {"type": "image", "image": image, "sha256": sha}
+                parts.append(part)
+            message = {**message, "content": parts}
+        out.append(message)
+    return out
+
+
+def message_images(messages: list[dict]) -> list[ImageRef]:
+    """The images of named messages (name_images), in the order the chat template writes them."""
+    return [
+        ImageRef(part["sha256"], part["image"])
+        for message in messages
+        if isinstance(message.get("content"), list)
+        for part in message["content"]
+        if isinstance(part, dict) and part.get("type") == "image"
+    ]
+
+
+def keep_last_images(messages: list[dict], keep: int | None) -> list[dict]:
+    """The messages with only their last `keep` images (None: all); an older image part becomes the
+    text "[earlier screenshot omitted]", so the model still sees that there was one."""
+    if keep is None:
+        return messages
+    total = len(message_images(messages))
+    drop = total - keep
+    if drop <= 0:
+        return messages
+    out = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if isinstance(part, dict) and part.get("type") == "image" and drop > 0:
+                    drop -= 1
+                    part = {"type": "text", "text": "[earlier screenshot omitted]"}
+                parts.append(part)
+            message = {**message, "content": parts}
+        out.append(message)
+    return out
+
+
+# --- tokens and pixels -----------------------------------------------------------------------
+
+
+def render(processor: Any, messages: list[dict]) -> str:
+    """The chat as text, with one placeholder per image, ending in the generation prompt."""
+    return processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def tokenize(processor: Any, text: str, images: list[ImageRef]) -> list[int]:
+    """Token ids of `text` whose image placeholders stand for `images`, expanded by the processor into
+    the image tokens exactly as the model reads them."""
+    if not images:
+        return processor.tokenizer(text, add_special_tokens=False)["input_ids"]
+    out = processor(text=[text], images=[[ref.image for ref in images]], add_special_tokens=False)
+    return list(out["input_ids"][0])
+
+
+def pixel_inputs(processor: Any, images: list[Any], model: Any) -> dict[str, Any]:
+    """The forward's pixel arguments for `images` (PIL images, in the order their tokens appear in the
+    batch, row after row), on the model's device and in its dtype; {} without images.
+
+    Idefics3 takes them as one [1, images, 3, H, W] list whatever the batch's rows (its forward
+    drops all-zero padding images, fills the image tokens in order).
+    """
+    if not images:
+        return {}
+    param = next(model.parameters())
+    out = processor.image_processor(images=[list(images)], return_tensors="pt")
+    pixels = {"pixel_values": out["pixel_values"].to(param.device, _float_dtype(model))}
+    if "pixel_attention_mask" in out:
+        pixels["pixel_attention_mask"] = out["pixel_attention_mask"].to(param.device)
+    return pixels
+
+
+def _float_dtype(model: Any) -> Any:
+    """The dtype the vision tower computes in (quantised weights keep float norms and embeddings)."""
+    import torch
+
+    for p in model.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.float32
