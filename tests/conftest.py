@@ -22,6 +22,17 @@ def rlcli_home(tmp_path, monkeypatch, session_models):
 
 
 @pytest.fixture(autouse=True)
+def torch_threads():
+    """Put back torch's thread count after each test: run.threads and async GRPO's trainer set it in
+    the process, and a later in-process vLLM engine binds as many cores as torch then has."""
+    import torch
+
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
 def quiet_machine(monkeypatch):
     """In-process commands see an idle machine: whether other work keeps the cores busy is not what
     a test checks (tests/test_env_workers.py tests the warning), and it would add a line to stderr."""

@@ -45,11 +45,18 @@ def tiny64(tmp_path_factory):
     return path
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def engine(tiny64):
+    """The session's engine, serving the base model's weights."""
+    from transformers import AutoModelForCausalLM
+
     from rlcli.engine.vllm_engine import shared_engine
 
-    return shared_engine(str(tiny64), **ENGINE_OPTIONS)
+    engine = shared_engine(str(tiny64), **ENGINE_OPTIONS)
+    if not engine.serves_base:  # a GRPO run or an eval of another module left trained weights in it
+        engine.load_weights(merged_weights(AutoModelForCausalLM.from_pretrained(tiny64, dtype=torch.float32)))
+        engine.serves_base = True
+    return engine
 
 
 @pytest.fixture

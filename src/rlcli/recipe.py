@@ -113,7 +113,13 @@ class EnvSection(Section):
         description="Built-in name, envs/x.py[:Factory], package.module:factory, or textarena:/reasoning_gym:/gymnasium: URI.",
     )
     kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments passed to the environment.")
-    max_turns: int = Field(8, gt=0, description="Episode ends (truncated) after this many agent turns.")
+    max_turns: int | list[list[int]] = Field(
+        8,
+        description="Episode ends (truncated) after this many agent turns. A horizon curriculum (ScalingInter-RL) "
+        "gives a schedule instead: [[0, 2], [20, 4], [40, 8]] allows 2 turns from GRPO iteration 0, 4 from "
+        "iteration 20 and 8 from 40; each GRPO rollout stage records its horizon (params max_turns), and eval and "
+        "rollouts outside GRPO's loop use the last one.",
+    )
     step_timeout_s: float = Field(
         30.0,
         gt=0,
@@ -135,6 +141,18 @@ class EnvSection(Section):
         description="Worker processes running the envs; 0 runs them in the main process. With workers, a hung "
         "env is killed at env.step_timeout_s, a crashing one fails only its episodes, and the policy samples "
         "while envs step. Same seeds give the same episodes whatever the number.",
+        json_schema_extra=RESUME_SAFE,
+    )
+    workers_backend: Literal["process", "ray"] = Field(
+        "process",
+        description="Where env.workers run: process (worker processes on this machine) or ray (Ray actors, on a "
+        "local Ray or the cluster at env.ray_address; pip install 'rlcli[ray]'). Same episodes either way.",
+        json_schema_extra=RESUME_SAFE,
+    )
+    ray_address: str | None = Field(
+        None,
+        description="env.workers_backend ray: the Ray cluster to join (ray.init address, e.g. ray://head:10001 or "
+        "auto). null: RAY_ADDRESS if set, else a local Ray with env.workers CPUs.",
         json_schema_extra=RESUME_SAFE,
     )
     keep_images: Literal["all"] | int = Field(
@@ -162,6 +180,36 @@ class EnvSection(Section):
             raise ValueError("expected all or a number of images k >= 1")
         return keep
 
+    @field_validator("max_turns")
+    @classmethod
+    def _horizon(cls, turns: int | list[list[int]]) -> int | list[list[int]]:
+        if isinstance(turns, int):
+            if turns < 1:
+                raise ValueError("expected a number of turns >= 1")
+            return turns
+        starts = [entry[0] for entry in turns if len(entry) == 2]
+        if (
+            len(starts) != len(turns)
+            or not turns
+            or starts[0] != 0
+            or any(b <= a for a, b in zip(starts, starts[1:]))
+            or any(entry[1] < 1 for entry in turns)
+        ):
+            raise ValueError(
+                "expected a number of turns or a schedule [[0, turns], [iteration, turns], ...] that starts at "
+                "iteration 0, with iterations increasing and turns >= 1, e.g. [[0, 2], [20, 4], [40, 8]]"
+            )
+        return turns
+
+    def horizon(self, iteration: int | None = None) -> int:
+        """The turns an episode may take at GRPO iteration `iteration` (env.max_turns, or its schedule's
+        last entry at or before it); None: the final horizon (eval, rollouts outside GRPO's loop)."""
+        if isinstance(self.max_turns, int):
+            return self.max_turns
+        if iteration is None:
+            return self.max_turns[-1][1]
+        return [turns for start, turns in self.max_turns if start <= iteration][-1]
+
     @field_validator("tasks")
     @classmethod
     def _seed_range(cls, tasks: list[int] | None) -> list[int] | None:
@@ -173,6 +221,15 @@ class EnvSection(Section):
     def _limits_need_workers(self) -> EnvSection:
         if self.workers == 0 and (self.worker_memory_mb is not None or self.worker_cpu_s is not None):
             raise ValueError("env.worker_memory_mb and env.worker_cpu_s limit worker processes; set env.workers too")
+        if self.workers_backend == "ray" and self.workers == 0:
+            raise ValueError("env.workers_backend ray runs env.workers Ray actors; set env.workers to 1 or more")
+        if self.workers_backend == "ray" and self.worker_memory_mb is not None:
+            raise ValueError(
+                "env.worker_memory_mb limits worker processes, not Ray actors (Ray maps far more memory than an "
+                "env needs); leave it out with env.workers_backend ray"
+            )
+        if self.ray_address is not None and self.workers_backend != "ray":
+            raise ValueError("env.ray_address is the Ray cluster for env.workers_backend ray; set that too")
         if self.tasks is not None and self.tasks[1] > self.eval_seed_start:
             raise ValueError(
                 f"env.tasks {self.tasks} reaches the held-out seeds (env.eval_seed_start={self.eval_seed_start}); "
@@ -250,6 +307,17 @@ class SftSection(Section):
     save_steps: int = Field(50, gt=0, description="Checkpoint every this many steps (resume point).")
 
 
+class ReplaySection(Section):
+    max_per_group: int = Field(
+        1, gt=0, description="Stored successful episodes that join a group whose own episodes had no success."
+    )
+    min_reward: float = Field(
+        1.0,
+        description="A success: an episode whose total reward (label set grpo) is at least this. A group with none "
+        "gets replays; only an episode with at least this may be replayed.",
+    )
+
+
 class GrpoSection(Section):
     iterations: int = Field(
         10, ge=0, description="Rollout -> label -> update iterations.", json_schema_extra=RESUME_SAFE
@@ -314,6 +382,29 @@ class GrpoSection(Section):
         "(a seeded draw from env.tasks) or curriculum (a seeded draw weighted by how informative each task is: "
         "4p(1-p) of its estimated success rate p, so tasks solved about half the time come first and unseen "
         "ones count as p = 0.5). An iteration's tasks are recorded with its rollout stage and reused on resume.",
+        json_schema_extra=RESUME_SAFE,
+    )
+    dynamic_sampling: bool = Field(
+        False,
+        description="Dynamic sampling (DAPO): when fewer than rollout.tasks of an iteration's groups have unequal "
+        "rewards, roll out as many more tasks (rollout/<i>+<r>, label/<i>+<r>) until they do or "
+        "grpo.max_rollout_rounds is reached, and train on rollout.tasks groups, those with unequal rewards first "
+        "(train/groups_drawn, train/rollout_rounds). Not with grpo.max_staleness > 0.",
+        json_schema_extra=RESUME_SAFE,
+    )
+    max_rollout_rounds: int = Field(
+        3,
+        ge=1,
+        description="grpo.dynamic_sampling: the most rollout rounds per iteration, the first included.",
+        json_schema_extra=RESUME_SAFE,
+    )
+    replay: ReplaySection | None = Field(
+        None,
+        description="Replay of successes (DART): a task whose group had no success gets up to max_per_group of its "
+        "stored successful episodes from earlier iterations of the run in its group (recorded in table replays, "
+        "train/replayed). Their advantage is the group's, computed with them in it; their ratio is recomputed under "
+        "the current policy and weighed against their recorded logprobs with a truncated importance weight "
+        "(grpo.tis_cap, else 2), so a replay counts at most that many times an on-policy episode. null: off.",
         json_schema_extra=RESUME_SAFE,
     )
     curriculum_floor: float = Field(
@@ -446,6 +537,11 @@ class Recipe(Section):
         if self.grpo.sampling != "sequential" and self.env.tasks is None:
             raise ValueError(
                 f"grpo.sampling {self.grpo.sampling} draws from a finite task pool; set env.tasks, e.g. [0, 500]"
+            )
+        if self.grpo.dynamic_sampling and self.grpo.max_staleness > 0:
+            raise ValueError(
+                "grpo.dynamic_sampling needs the synchronous loop (its extra rounds depend on the labels of the "
+                "first); set grpo.max_staleness: 0 or grpo.dynamic_sampling: false"
             )
         if self.env.tasks is not None and self.env.tasks[1] - self.env.tasks[0] < self.rollout.tasks:
             raise ValueError(

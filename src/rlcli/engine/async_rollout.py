@@ -400,5 +400,5 @@ def _rollout(ctx: RunContext, j: int, tasks: list[int], label: str, sampler, tok
             iteration=j,
             progress_label=f"rollout {j}",
         ),
-        params={"iteration": j, "tasks": tasks},
+        params={"iteration": j, "tasks": tasks, "max_turns": ctx.recipe.env.horizon(j)},
     )

@@ -44,12 +44,47 @@ def choose_tasks(ctx: RunContext, it: int) -> list[int]:
             return list(range(it * n, (it + 1) * n))
         start, stop = pool
         return [start + (it * n + i) % (stop - start) for i in range(n)]
+    return weighted_draw(_pool_weights(ctx, it), n, derive_seed(recipe.run.seed, "tasks", it), pool[0])
+
+
+def _pool_weights(ctx: RunContext, it: int) -> np.ndarray:
+    """The draw weight of each task of env.tasks for iteration it: 1 (uniform), else the curriculum's."""
+    recipe = ctx.recipe
+    start, stop = recipe.env.tasks
+    if recipe.grpo.sampling != "curriculum":
+        return np.ones(stop - start)
+    stats = compute_task_stats(ctx.rundb, ctx.run, GRPO_LABEL_SET, before_iteration=it)
+    return curriculum_weights(stats, start, stop, recipe.grpo.curriculum_floor)
+
+
+def extra_tasks(ctx: RunContext, it: int, round_: int, played: list[int], count: int) -> list[int]:
+    """grpo.dynamic_sampling: the tasks of iteration it's extra rollout round `round_` (1, 2, ...), `count`
+    of them (fewer when the pool runs out) that the iteration has not played yet, so that every group
+    stays one task: those the round's stage recorded, else the sequence's next ones (sequential) or a
+    draw seeded by (run seed, iteration, round) among the pool's unplayed tasks."""
+    row = ctx.rundb.stage(ctx.run, f"rollout/{it}+{round_}")
+    recorded = row.params.get("tasks") if row is not None else None
+    if isinstance(recorded, list):
+        return [int(t) for t in recorded]
+    recipe = ctx.recipe
+    n, pool, seen = recipe.rollout.tasks, recipe.env.tasks, set(played)
+    if recipe.grpo.sampling == "sequential":
+        # The sequence continues past the iteration's own tasks (it may overlap the next iterations':
+        # their episodes are seeded by their own stage, so they are other samples of those tasks).
+        size = None if pool is None else pool[1] - pool[0]
+        out: list[int] = []
+        position = (it + 1) * n
+        while len(out) < count and (size is None or position < (it + 1) * n + size):
+            task = position if pool is None else pool[0] + position % size
+            if task not in seen and task not in out:
+                out.append(task)
+            position += 1
+        return out
     start, stop = pool
-    weights = np.ones(stop - start)
-    if sampling == "curriculum":
-        stats = compute_task_stats(ctx.rundb, ctx.run, GRPO_LABEL_SET, before_iteration=it)
-        weights = curriculum_weights(stats, start, stop, recipe.grpo.curriculum_floor)
-    return weighted_draw(weights, n, derive_seed(recipe.run.seed, "tasks", it), start)
+    left = np.array([t for t in range(start, stop) if t not in seen], dtype=np.int64)
+    weights = _pool_weights(ctx, it)[left - start]
+    chosen = weighted_draw(weights, min(count, len(left)), derive_seed(recipe.run.seed, "tasks", it, round_), 0)
+    return [int(left[i]) for i in chosen]
 
 
 def curriculum_weights(stats: list[TaskStats], start: int, stop: int, floor: float) -> np.ndarray:

@@ -413,9 +413,20 @@ class EpisodeRunner:
 
 
 def env_host(env_cfg, factory: Callable[[], Any]) -> EnvHost:
-    """Where the recipe's envs run: this process (env.workers 0) or a pool of worker processes."""
+    """Where the recipe's envs run: this process (env.workers 0), a pool of worker processes, or Ray actors."""
     if env_cfg.workers == 0:
         return InProcessEnvs(factory, env_cfg.step_timeout_s)
+    if env_cfg.workers_backend == "ray":
+        from rlcli.envs.ray_workers import RayEnvHost  # Ray is optional: imported only when asked for
+
+        return RayEnvHost(
+            env_cfg.name,
+            env_cfg.kwargs,
+            env_cfg.workers,
+            env_cfg.step_timeout_s,
+            address=env_cfg.ray_address,
+            cpu_s=env_cfg.worker_cpu_s,
+        )
     return EnvWorkerPool(
         env_cfg.name,
         env_cfg.kwargs,
@@ -484,7 +495,9 @@ def collect(
         if missing:
             todo.append(missing)
     keep_images = None if recipe.env.keep_images == "all" else recipe.env.keep_images
-    limits = RolloutLimits(recipe.env.max_turns, recipe.model.max_length, recipe.env.step_timeout_s, keep_images)
+    # A GRPO iteration's rollouts follow env.max_turns's schedule; any other stage gets the final horizon.
+    horizon = recipe.env.horizon(iteration if split == "train" else None)
+    limits = RolloutLimits(horizon, recipe.model.max_length, recipe.env.step_timeout_s, keep_images)
     done_before = len(specs) - sum(len(c) for c in todo)
     with _progress(ctx, progress_label or stage, len(specs), done_before) as advance:
         if todo:

@@ -13,6 +13,10 @@ stored rollouts, so it ends with the same weights and metrics as a run that was 
 An iteration's checkpoint row, metrics and `done` mark are committed together, once its checkpoint
 folder is on disk (fsynced).
 
+grpo.dynamic_sampling (DAPO) adds rounds rollout/i+r, label/i+r after label/i while fewer than
+rollout.tasks groups have unequal rewards (_refill), each round's tasks recorded with its stage;
+train/i trains on rollout.tasks of the groups, informative ones first (training_batch).
+
 grpo.eval_every adds eval stages (engine/evaluate.py, TrainingEvals): the starting point's first,
 then eval/ckpt-<id> after train/i for every n-th iteration's checkpoint and the last one, each
 with the model in memory; eval/success_rate joins that iteration's metrics once it is done.
@@ -46,7 +50,7 @@ from typing import Any
 from rlcli.engine import grpo, guardrails
 from rlcli.engine.async_rollout import push_folder, set_aside_stale, staleness
 from rlcli.engine.context import RunContext
-from rlcli.engine.curriculum import iteration_tasks
+from rlcli.engine.curriculum import extra_tasks, iteration_tasks
 from rlcli.engine.labelling import GRPO_LABEL_SET
 from rlcli.engine.rollout import (
     collect,
@@ -62,6 +66,7 @@ from rlcli.models.loading import fsync_folder
 from rlcli.store.checkpoints import add_checkpoint, checkpoints, require_folder, train_checkpoints
 from rlcli.store.episodes import episodes_for_training, set_aside_count
 from rlcli.store.records import Checkpoint, LabelledEpisode, Turn
+from rlcli.store.replays import record_replays, replay_candidates
 from rlcli.store.stages import stage_done
 
 LABEL_SET = GRPO_LABEL_SET
@@ -195,6 +200,10 @@ def run_grpo(ctx: RunContext) -> None:
             t0 = time.perf_counter()
             ctx.stage(f"label/{it}", lambda: label_stage_episodes(ctx, f"rollout/{it}", LABEL_SET, reward_fns))
             timings["perf/time_label_s"] = time.perf_counter() - t0
+            if cfg.dynamic_sampling:
+                t0 = time.perf_counter()
+                _refill(ctx, it, sampler, tokenizer, reward_fns, f"train/{it - 1}" if it > 0 else start_label)
+                timings["perf/time_refill_s"] = time.perf_counter() - t0
 
             if fresh_rollout:
                 timings["perf/tokens_per_s"] = rollout_summary.get("tokens", 0) / max(
@@ -210,6 +219,7 @@ def run_grpo(ctx: RunContext) -> None:
                 # In the transaction that marks train/{it} done, once its checkpoint folder is durable.
                 if fresh_rollout:
                     timings["perf/time_train_s"] = time.perf_counter() - t0
+                record_replays(ctx.rundb, ctx.run, it, [tuple(r) for r in result.get("replayed_episodes", [])])
                 if saves_checkpoint(cfg, it):
                     kind = "lora" if recipe.lora is not None else "full"
                     add_checkpoint(ctx.rundb, ctx.run, f"train/{it}", it, checkpoint_folder(ctx, it), kind)
@@ -271,10 +281,86 @@ def _sync_rollout(ctx: RunContext, it: int, sampler, tokenizer, model, uses_vllm
             iteration=it,
             progress_label=f"rollout {it}",
         ),
-        params={"iteration": it, "tasks": tasks},
+        params={"iteration": it, "tasks": tasks, "max_turns": recipe.env.horizon(it)},
     )
     timings["perf/time_rollout_s"] = time.perf_counter() - t0
     return rollout_summary, timings, fresh_rollout, sync_s
+
+
+def _refill(ctx: RunContext, it: int, sampler, tokenizer, reward_fns, policy_label: str) -> None:
+    """grpo.dynamic_sampling: after rollout/it and label/it, extra rounds rollout/it+r and label/it+r
+    (r = 1, 2, ...) of as many unplayed tasks as groups with unequal rewards are still missing, until
+    rollout.tasks of them are in hand or grpo.max_rollout_rounds is reached. Each round's tasks are
+    recorded with its stage, so a resumed run replays the same ones."""
+    from rlcli.engine.labelling import label_stage_episodes
+
+    recipe = ctx.recipe
+    stages = [f"rollout/{it}"]
+    played = list(iteration_tasks(ctx, it))
+    for r in range(1, recipe.grpo.max_rollout_rounds):
+        short = recipe.rollout.tasks - _informative_groups(ctx, stages)
+        if short <= 0:
+            break
+        stage = f"rollout/{it}+{r}"
+        tasks = extra_tasks(ctx, it, r, played, short)
+        if not tasks:  # the pool holds no task this iteration has not played
+            break
+        if reopen_for_retries(ctx, stage):
+            ctx.rundb.mark_stage(ctx.run, f"label/{it}+{r}", "pending")
+        ctx.stage(
+            stage,
+            lambda stage=stage, tasks=tasks: collect(
+                ctx,
+                stage=stage,
+                policy_label=policy_label,
+                sampler=sampler,
+                tokenizer=tokenizer,
+                task_indices=tasks,
+                group_size=recipe.rollout.group_size,
+                split="train",
+                iteration=it,
+                progress_label=f"rollout {it}+{r}",
+            ),
+            params={"iteration": it, "round": r, "tasks": tasks, "max_turns": recipe.env.horizon(it)},
+        )
+        ctx.stage(f"label/{it}+{r}", lambda stage=stage: label_stage_episodes(ctx, stage, LABEL_SET, reward_fns))
+        stages.append(stage)
+        played += tasks
+
+
+def rollout_stages(ctx: RunContext, it: int) -> list[str]:
+    """The rollout stages iteration it trains on: rollout/it, and with grpo.dynamic_sampling the extra
+    rounds _refill finished (rollout/it+1, ...), within grpo.max_rollout_rounds."""
+    stages = [f"rollout/{it}"]
+    if ctx.recipe.grpo.dynamic_sampling:
+        for r in range(1, ctx.recipe.grpo.max_rollout_rounds):
+            if not stage_done(ctx.rundb, ctx.run, f"rollout/{it}+{r}"):
+                break
+            stages.append(f"rollout/{it}+{r}")
+    return stages
+
+
+def _informative_groups(ctx: RunContext, stages: list[str]) -> int:
+    """How many groups of these rollout stages have unequal rewards under the GRPO labels."""
+    episodes = [e for stage in stages for e in episodes_for_training(ctx.rundb, ctx.run, stage, LABEL_SET)]
+    if not episodes:
+        return 0
+    groups = [e.episode.task_index for e in episodes]
+    zero_var = grpo.zero_variance_groups([e.reward for e in episodes], groups)
+    return len({g for g, flat in zip(groups, zero_var.tolist(), strict=True) if not flat})
+
+
+def training_batch(episodes: list[LabelledEpisode], target: int) -> list[LabelledEpisode]:
+    """grpo.dynamic_sampling: the episodes of `target` groups, those with unequal rewards first, in the
+    order they were drawn (a round's episodes come after the round before's); zero-variance groups
+    only fill what the rounds' cap left short."""
+    groups: dict[int, list[LabelledEpisode]] = {}
+    for e in episodes:
+        groups.setdefault(e.episode.task_index, []).append(e)
+    informative = [g for g, members in groups.items() if len({m.reward for m in members}) > 1]
+    flat = [g for g in groups if g not in set(informative)]
+    chosen = set((informative + flat)[:target])
+    return [e for e in episodes if e.episode.task_index in chosen]
 
 
 def pushed_weights(ctx: RunContext, model, tokenizer, it: int) -> Path:
@@ -303,17 +389,24 @@ def iteration_metrics(rollout_summary: dict[str, Any], result: dict[str, Any]) -
 def train_iteration(
     ctx: RunContext, model, tokenizer, optimizer, scheduler, schedule: LrSchedule, it: int, reference: Checkpoint | None
 ) -> dict[str, Any]:
-    """Advantages and K epochs of updates on iteration `it`'s stored rollouts; save a checkpoint
-    (which records `reference`, the KL anchor: an SFT checkpoint, or None for the base model)."""
+    """Advantages and K epochs of updates on iteration `it`'s stored rollouts (rollout_stages; with
+    grpo.dynamic_sampling, rollout.tasks groups picked by training_batch); save a checkpoint (which
+    records `reference`, the KL anchor: an SFT checkpoint, or None for the base model)."""
     import torch
 
     recipe, cfg = ctx.recipe, ctx.recipe.grpo
-    episodes = episodes_for_training(ctx.rundb, ctx.run, f"rollout/{it}", LABEL_SET)
+    stages = rollout_stages(ctx, it)
+    episodes = [e for stage in stages for e in episodes_for_training(ctx.rundb, ctx.run, stage, LABEL_SET)]
+    drawn = len({e.episode.task_index for e in episodes})
+    if cfg.dynamic_sampling:
+        episodes = training_batch(episodes, recipe.rollout.tasks)
     if not episodes:
         raise RlcliError(
             f"Iteration {it} has no successfully finished, labelled episodes to train on "
             f"(see `rlcli runs show {ctx.run}` for failed episodes)."
         )
+    replayed = replays_for(ctx, it, episodes) if cfg.replay is not None else []
+    episodes = episodes + replayed
     rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float64)
     groups = torch.tensor([e.episode.task_index for e in episodes])
     grpo.check_finite("the rewards", rewards)
@@ -325,10 +418,18 @@ def train_iteration(
         "train/zero_var_groups": int(len(set(groups[zero_var].tolist()))),
         "train/groups": int(len(set(groups.tolist()))),
     }
+    if cfg.replay is not None:
+        stats["train/replayed"] = len(replayed)
+        stats["replayed_episodes"] = [[e.episode.id, e.episode.task_index] for e in replayed]  # for commit()
+    if cfg.dynamic_sampling:
+        stats["train/groups_drawn"] = drawn
+        stats["train/rollout_rounds"] = len(stages)
     lags = [staleness(it, e.episode.policy) for e in episodes]
-    if cfg.max_staleness:
-        stats["train/staleness_mean"] = sum(lags) / len(lags)
-        stats["train/staleness_max"] = max(lags)
+    replay_ids = {e.episode.id for e in replayed}
+    if cfg.max_staleness:  # of the iteration's own rollouts: replays are as old as they are by design
+        played = lags[: len(episodes) - len(replayed)]
+        stats["train/staleness_mean"] = sum(played) / len(played)
+        stats["train/staleness_max"] = max(played)
     if discarded := set_aside_count(ctx.rundb, ctx.run, f"rollout/{it}"):
         stats["train/discarded_episodes"] = discarded
 
@@ -349,7 +450,7 @@ def train_iteration(
         for seq in episode_sequences(ep.id, ep.task_index, ep.turns):
             seq.advantage = [turn_adv[i][t] for t in seq.turn_of_token]
             seq.truncated = ep.hit_a_cap
-            seq.stale = lags[i] > 0
+            seq.stale = lags[i] > 0 or ep.id in replay_ids  # a replay's behaviour policy is its recorded one
             sequences.append(seq)
     stats["train/sequences"] = len(sequences)
 
@@ -364,6 +465,20 @@ def train_iteration(
     if saves_checkpoint(cfg, it):
         save_train_checkpoint(ctx, model, tokenizer, optimizer, scheduler, schedule, it, reference)
     return stats
+
+
+def replays_for(ctx: RunContext, it: int, episodes: list[LabelledEpisode]) -> list[LabelledEpisode]:
+    """grpo.replay: for each group with no episode of total reward >= min_reward, up to max_per_group of
+    that task's stored episodes from earlier iterations that reached it (store/replays.py)."""
+    cfg = ctx.recipe.grpo.replay
+    best: dict[int, float] = {}
+    for e in episodes:
+        best[e.episode.task_index] = max(best.get(e.episode.task_index, -math.inf), e.reward)
+    out = []
+    for task, reward in best.items():
+        if reward < cfg.min_reward:
+            out += replay_candidates(ctx.rundb, ctx.run, task, it, LABEL_SET, cfg.min_reward, cfg.max_per_group)
+    return out
 
 
 def _turn_rewards(labelled: LabelledEpisode) -> list[float]:

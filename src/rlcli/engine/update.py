@@ -49,7 +49,7 @@ def update(ctx: RunContext, model, optimizer, scheduler, sequences: list[TrainSe
         if needs_old
         else None
     )
-    max_len_norm = recipe.rollout.max_new_tokens * recipe.env.max_turns
+    max_len_norm = recipe.rollout.max_new_tokens * recipe.env.horizon(it)
     totals: dict[str, float] = {}
     weight_sum = 0.0
     gap_sum = 0.0  # |rollout logprob - the trainer's|, over the first epoch's trainable tokens
@@ -139,8 +139,9 @@ def _behaviour_logprobs(cfg, batch: dict[str, Any], old, micro: list[TrainSequen
     """(the logprobs policy_loss weighs `old` against, its tis_cap). Asynchronous GRPO (decoupled PPO, see
     engine/async_rollout.py): `old` is the proximal policy and a stale sequence's recorded rollout
     logprobs are its behaviour policy's, so it gets the weight pi_prox / pi_behav, truncated at tis_cap
-    (ASYNC_TIS_CAP when null); without tis_cap a fresh sequence is on-policy and weighs exactly 1."""
-    if not cfg.max_staleness or cfg.tis_cap is not None:
+    (ASYNC_TIS_CAP when null); without tis_cap a fresh sequence is on-policy and weighs exactly 1.
+    A replayed episode (grpo.replay) counts as stale: its behaviour policy is the one that played it."""
+    if not (cfg.max_staleness or cfg.replay is not None) or cfg.tis_cap is not None:
         return batch["rollout_logprobs"], cfg.tis_cap
     from rlcli.engine.async_rollout import ASYNC_TIS_CAP
 

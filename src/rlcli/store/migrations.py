@@ -265,3 +265,15 @@ def images(db: Database) -> None:
         pk="sha256",
     )
     db["turns"].add_column("images", str)  # JSON list of sha256; null for turns without images
+
+
+@migrations(name="008_replays")
+def replays(db: Database) -> None:
+    # grpo.replay (store/replays.py): a stored successful episode that a later GRPO iteration trained
+    # on again, in a group whose own episodes had no success.
+    db["replays"].create(
+        {"id": int, "run": str, "iteration": int, "episode_id": int, "task_index": int, "created_at": str},
+        pk="id",
+        foreign_keys=[("run", "runs", "name"), ("episode_id", "episodes", "id")],
+    )
+    db["replays"].create_index(["run", "iteration", "episode_id"], unique=True)

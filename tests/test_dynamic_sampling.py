@@ -1,0 +1,146 @@
+"""grpo.dynamic_sampling (DAPO): extra rollout rounds until rollout.tasks groups have unequal rewards,
+within grpo.max_rollout_rounds; the batch trained on, the metrics, and the same extra tasks after kill -9."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import replace
+
+import pytest
+
+from helpers import kill_when, make_ctx, run_cli, write_env_file, write_recipe
+from rlcli.engine.curriculum import extra_tasks
+from rlcli.engine.train import training_batch
+from rlcli.errors import UsageError
+from rlcli.recipe import load_recipe
+from rlcli.store.records import Episode, LabelledEpisode
+
+# Tasks 0, 3, 6, ... always score 0 (a zero-variance group); the others score the parity of the answer's characters.
+SOME_FLAT_ENV = """
+class SomeFlat:
+    def reset(self, seed):
+        self.seed = seed
+        return f"Task {seed}: say a word.", {"task": {"seed": seed}}
+    def step(self, action):
+        reward = 0.0 if self.seed % 3 == 0 else float(sum(map(ord, action)) % 2)
+        return "Done.", reward, True, False, {"success": reward > 0}
+
+def make_env():
+    return SomeFlat()
+"""
+
+
+def test_dynamic_sampling_is_refused_with_asynchronous_rollouts():
+    with pytest.raises(UsageError, match="grpo.dynamic_sampling needs the synchronous loop"):
+        load_recipe(None, ["grpo.dynamic_sampling=true", "grpo.max_staleness=1"])
+    assert load_recipe(None, ["grpo.dynamic_sampling=true"]).grpo.max_rollout_rounds == 3
+
+
+def _labelled(task: int, sample: int, reward: float) -> LabelledEpisode:
+    blank = Episode(**{f: None for f in Episode.__dataclass_fields__})
+    return LabelledEpisode(replace(blank, task_index=task, sample_index=sample), "grpo", reward)
+
+
+def test_the_batch_takes_informative_groups_first_in_draw_order():
+    rewards = {5: [0, 0], 2: [0, 1], 9: [1, 1], 4: [1, 0], 7: [0, 1]}
+    episodes = [_labelled(t, s, r) for t, rs in rewards.items() for s, r in enumerate(rs)]
+    assert [e.episode.task_index for e in training_batch(episodes, 2)] == [2, 2, 4, 4]
+    # Short of informative groups after the cap: zero-variance ones fill the rest, in draw order.
+    assert {e.episode.task_index for e in training_batch(episodes, 4)} == {2, 4, 7, 5}
+
+
+def test_extra_tasks_continue_the_sequence_or_draw_unplayed_ones(tmp_path):
+    seq = make_ctx(write_recipe(tmp_path / "a.yaml", rollout={"tasks": 3}), tmp_path / "a")
+    assert extra_tasks(seq, 1, 1, [3, 4, 5], 2) == [6, 7]
+    assert extra_tasks(seq, 1, 2, [3, 4, 5, 6, 7], 4) == [8, 9, 10, 11]
+    pooled = make_ctx(write_recipe(tmp_path / "b.yaml", env={"name": "arithmetic", "tasks": [0, 5]}), tmp_path / "b")
+    assert extra_tasks(pooled, 2, 1, [4, 0], 5) == [1, 2, 3]  # wraps around the pool, once
+    uniform = make_ctx(
+        write_recipe(tmp_path / "c.yaml", env={"name": "arithmetic", "tasks": [0, 20]}, grpo={"sampling": "uniform"}),
+        tmp_path / "c",
+    )
+    drawn = extra_tasks(uniform, 3, 1, [1, 2, 3], 5)
+    assert len(set(drawn)) == 5 and not set(drawn) & {1, 2, 3} and all(0 <= t < 20 for t in drawn)
+    assert extra_tasks(uniform, 3, 1, [1, 2, 3], 5) == drawn  # seeded by (run seed, iteration, round)
+    assert extra_tasks(uniform, 3, 2, [1, 2, 3], 5) != drawn
+
+
+def _rounds(runs, recipe):
+    """Per iteration: its rollout stages' (name, recorded tasks), each group's rewards, its metrics."""
+    ctx = make_ctx(recipe, runs)
+    stages = sorted(
+        (s for s in ctx.rundb.stages(ctx.run) if s.name.startswith("rollout/")),
+        key=lambda s: (s.params["iteration"], s.params.get("round", 0)),
+    )
+    out = defaultdict(lambda: {"stages": [], "groups": defaultdict(list)})
+    for s in stages:
+        it = s.params["iteration"]
+        out[it]["stages"].append((s.name, s.params["tasks"]))
+        for row in ctx.rundb.db.query(
+            "select e.task_index, r.value from episodes e join rewards r on r.episode_id = e.id "
+            "and r.label_set = 'grpo' and r.component = 'total' where e.run = ? and e.stage = ? and e.status = 'ok'",
+            [ctx.run, s.name],
+        ):
+            out[it]["groups"][row["task_index"]].append(row["value"])
+    metrics = defaultdict(dict)
+    for row in ctx.rundb.db.query("select step, key, value from metrics where run = ? and stage = 'grpo'", [ctx.run]):
+        metrics[row["step"]][row["key"]] = row["value"]
+    return {it: {**v, "metrics": metrics[it]} for it, v in out.items()}
+
+
+def test_dynamic_sampling_refills_to_the_target_and_resumes_the_same_after_kill(tmp_path):
+    env_file = write_env_file(tmp_path / "some_flat.py", SOME_FLAT_ENV)
+    recipe = write_recipe(
+        tmp_path / "r.yaml",
+        env={"name": str(env_file), "max_turns": 1},
+        rollout={"tasks": 3, "group_size": 4, "max_new_tokens": 6, "batch_size": 12},
+        grpo={"iterations": 2, "dynamic_sampling": True, "max_rollout_rounds": 4},
+    )
+    runs = tmp_path / "runs"
+    result = run_cli(["train", "grpo", "-r", str(recipe)], runs)
+    assert result.returncode == 0, result.stderr
+    played = _rounds(runs, recipe)
+    assert sorted(played) == [0, 1]
+    for it, record in played.items():
+        informative = [t for t, rs in record["groups"].items() if len(set(rs)) > 1]
+        names = [name for name, _ in record["stages"]]
+        assert names == [f"rollout/{it}"] + [f"rollout/{it}+{r}" for r in range(1, len(names))]
+        # Round 0's task 0 or 3 is flat, so a refill is always needed; each round adds the shortfall, of unplayed tasks.
+        assert len(names) >= 2
+        before = set(record["stages"][0][1])
+        for _, tasks in record["stages"][1:]:
+            done_before = {t for t in record["groups"] if t in before}
+            short = 3 - len([t for t in informative if t in done_before])
+            assert len(tasks) == short > 0 and not set(tasks) & before
+            before |= set(tasks)
+        # It stopped at the target or at the cap.
+        assert len(informative) >= 3 or len(names) == 4
+        m = record["metrics"]
+        assert m["train/groups_drawn"] == len(record["groups"]) == sum(len(t) for _, t in record["stages"])
+        assert m["train/rollout_rounds"] == len(names)
+        assert m["train/groups"] == 3
+        assert m["train/zero_var_groups"] == max(0, 3 - len(informative))
+        trained = [t for t in record["groups"] if t in informative][:3]
+        rewards = [r for t in trained for r in record["groups"][t]]
+        if len(trained) == 3:
+            assert m["rollout/reward_mean"] == pytest.approx(sum(rewards) / len(rewards))
+    assert any(len(r["stages"]) < 4 for r in played.values()), "no iteration reached the target: weak test"
+
+    # kill -9 during the first extra round; the resumed run draws the same extra tasks, ends the same.
+    killed = tmp_path / "killed"
+    count = kill_when(
+        ["train", "grpo", "-r", str(recipe)],
+        killed,
+        "select count(*) from episodes where stage = 'rollout/0+1'",
+        at_least=1,
+    )
+    assert count >= 1
+    result = run_cli(["train", "grpo", "-r", str(recipe)], killed)
+    assert result.returncode == 0, result.stderr
+    resumed = _rounds(killed, recipe)
+    for it in (0, 1):
+        assert resumed[it]["stages"] == played[it]["stages"]
+        assert resumed[it]["groups"] == played[it]["groups"]
+        for key in ("train/groups_drawn", "train/rollout_rounds", "train/zero_var_groups", "rollout/reward_mean"):
+            assert resumed[it]["metrics"][key] == played[it]["metrics"][key]
+        assert resumed[it]["metrics"]["train/loss"] == pytest.approx(played[it]["metrics"]["train/loss"], abs=1e-5)
