@@ -160,6 +160,7 @@ def run_rlcli(args, engine: str, max_staleness: int = 0) -> dict:
     from rlcli.engine.context import RunContext
     from rlcli.engine.train import run_grpo
     from rlcli.recipe import load_recipe
+    from rlcli.store.checkpoints import train_checkpoints
     from rlcli.store.db import RunDB
 
     batch = args.prompts * args.generations
@@ -220,7 +221,7 @@ def run_rlcli(args, engine: str, max_staleness: int = 0) -> dict:
         if args.eval_tasks:
             from rlcli.models.loading import load_policy
 
-            ckpt = [c for c in rundb.checkpoints(recipe.run.name) if c.stage.startswith("train/")][-1]
+            ckpt = train_checkpoints(rundb, recipe.run.name)[-1]
             model, tokenizer = load_policy(
                 recipe.model, recipe.lora, recipe.quantization, adapter=ckpt.path, trainable=False
             )

@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlcli.envs.protocol import EnvFailure, EnvTimeout
-from rlcli.envs.workers import EnvLost, EnvReply, WorkerSpec, _handle, _over_time, _Request, _text
+from rlcli.envs.protocol import EnvFailure
+from rlcli.envs.workers import EnvReply, RemoteEnvs, WorkerSpec, _handle, _Request, _text
 from rlcli.errors import UsageError
 
 START_TIMEOUT_S = 300.0  # how long the first actors may take to be placed and to build their env factory
@@ -103,7 +103,7 @@ class _Actor:
     hosted: set[int] = field(default_factory=set)
 
 
-class RayEnvHost:
+class RayEnvHost(RemoteEnvs):
     """env.workers_backend: ray: envs in env.workers Ray actors (see the module docstring)."""
 
     def __init__(
@@ -116,6 +116,7 @@ class RayEnvHost:
         cpu_s: float | None = None,
         root: Path | None = None,
     ):
+        super().__init__()
         self.ray = import_ray()
         _start_ray(self.ray, address, workers)
         self.spec = WorkerSpec(
@@ -126,9 +127,6 @@ class RayEnvHost:
         # a dead actor is replaced here, and its calls fail as in a worker process.
         self.actor_class = self.ray.remote(num_cpus=1, max_restarts=0, max_task_retries=0)(EnvActor)
         self.actors: list[_Actor] = []
-        self.lost: dict[int, str] = {}
-        self.answered: list[EnvReply] = []
-        self.next_key = 0
         try:
             self.actors = [self._start(slot) for slot in range(workers)]
             self._wait_ready()
@@ -136,26 +134,10 @@ class RayEnvHost:
             self.close()
             raise
 
-    def __enter__(self) -> RayEnvHost:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def slots(self) -> list[_Actor]:
+        return self.actors
 
     # --- calls ------------------------------------------------------------------
-
-    def reset(self, seed: int) -> int:
-        key, self.next_key = self.next_key, self.next_key + 1
-        actor = min(self.actors, key=lambda a: (len(a.hosted), a.slot))
-        actor.hosted.add(key)
-        self._send(actor, _Request(key, "reset"), seed)
-        return key
-
-    def step(self, key: int, action: str) -> None:
-        self._call(key, "step", action)
-
-    def expert_step(self, key: int) -> None:
-        self._call(key, "expert_step", None)
 
     def release(self, key: int) -> None:
         self.lost.pop(key, None)
@@ -216,13 +198,6 @@ class RayEnvHost:
         actor.ready_ref = None
         self._send_next(actor)
 
-    def _call(self, key: int, op: str, arg: Any) -> None:
-        if key in self.lost:
-            self.answered.append(EnvReply(key, op, failure=EnvLost(self.lost.pop(key)), failed_in="step"))
-            return
-        [actor] = [a for a in self.actors if key in a.hosted]
-        self._send(actor, _Request(key, op), arg)
-
     def _send(self, actor: _Actor, request: _Request, arg: Any) -> None:
         actor.queue.append(_Pending(request, arg))
         self._send_next(actor)
@@ -261,39 +236,16 @@ class RayEnvHost:
             self._send_next(actor)
             self._answer(request, message)
 
-    def _answer(self, request: _Request, message: tuple) -> None:
-        key, status, value, failed_in, env_time, action, expert_time = message
-        assert request.key == key, "Ray env actor answered out of order"
-        reply = EnvReply(key, request.op, env_time_s=env_time, action=action, expert_time_s=expert_time)
-        if status == "ok" and env_time > self.timeout_s:
-            # It answered, but later than the limit: a time-out, as in the main process.
-            verb = "reset" if request.op == "reset" else "step"
-            reply.failure, reply.failed_in = EnvTimeout(_over_time(verb, self.timeout_s)), verb
-        elif status == "ok":
-            reply.value = value
-        else:
-            reply.failure, reply.failed_in = EnvFailure(value), failed_in
-        self.answered.append(reply)
-
     def _expire(self) -> None:
         now = time.monotonic()
         for actor in list(self.actors):
             if actor.deadline is not None and now >= actor.deadline:
-                request = actor.queue[0].request
-                verb = "reset" if request.op == "reset" else "step"
-                message = f"{_over_time(verb, self.timeout_s)} (its env worker was killed)"
-                self._replace(actor, EnvTimeout(message), "timed out")
+                self._replace(actor, self._timed_out(actor.queue[0].request), "timed out")
 
     def _replace(self, actor: _Actor, failure: EnvFailure, what: str) -> None:
         """Kill an actor, fail the call it was running, lose its other envs, start a fresh one."""
         self.ray.kill(actor.handle, no_restart=True)
-        lost = f"its env worker was replaced after another episode's call {what}; the env's state was lost"
-        for i, request in enumerate(p.request for p in actor.queue):
-            verb = "reset" if request.op == "reset" else "step"
-            reply = EnvReply(request.key, request.op, failure=failure if i == 0 else EnvLost(lost), failed_in=verb)
-            self.answered.append(reply)
-        asked = {p.request.key for p in actor.queue}
-        self.lost.update({key: lost for key in actor.hosted - asked})
+        self._fail_queued([p.request for p in actor.queue], actor.hosted, failure, what)
         self.actors[self.actors.index(actor)] = self._start(actor.slot)
 
 

@@ -178,7 +178,85 @@ class _Worker:
     hosted: set[int] = field(default_factory=set)  # keys of the live envs it holds
 
 
-class EnvWorkerPool:
+class RemoteEnvs:
+    """What the two remote backends (worker processes, Ray actors) share: which slot hosts which env,
+    the envs lost with a replaced slot, the answers waiting to be read, and how an answer or a
+    replacement becomes replies. A subclass keeps its slots (each with `.slot` and `.hosted`) in
+    `slots()` and sends with `_send(slot, request, arg)`."""
+
+    timeout_s: float
+
+    def __init__(self) -> None:
+        self.lost: dict[int, str] = {}  # key -> why its env is gone, told at the next call for it
+        self.answered: list[EnvReply] = []
+        self.next_key = 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def slots(self) -> list[Any]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def _send(self, slot: Any, request: _Request, arg: Any) -> None:
+        raise NotImplementedError
+
+    def reset(self, seed: int) -> int:
+        key, self.next_key = self.next_key, self.next_key + 1
+        slot = min(self.slots(), key=lambda s: (len(s.hosted), s.slot))
+        slot.hosted.add(key)
+        self._send(slot, _Request(key, "reset"), seed)
+        return key
+
+    def step(self, key: int, action: str) -> None:
+        self._call(key, "step", action)
+
+    def expert_step(self, key: int) -> None:
+        self._call(key, "expert_step", None)
+
+    def _call(self, key: int, op: str, arg: Any) -> None:
+        if key in self.lost:
+            self.answered.append(EnvReply(key, op, failure=EnvLost(self.lost.pop(key)), failed_in="step"))
+            return
+        [slot] = [s for s in self.slots() if key in s.hosted]
+        self._send(slot, _Request(key, op), arg)
+
+    def _answer(self, request: _Request, message: tuple) -> None:
+        key, status, value, failed_in, env_time, action, expert_time = message
+        assert request.key == key, "an env worker answered out of order"
+        reply = EnvReply(key, request.op, env_time_s=env_time, action=action, expert_time_s=expert_time)
+        if status == "ok" and env_time > self.timeout_s:
+            # It answered, but later than the limit: a time-out, as in the main process.
+            verb = "reset" if request.op == "reset" else "step"
+            reply.failure, reply.failed_in = EnvTimeout(_over_time(verb, self.timeout_s)), verb
+        elif status == "ok":
+            reply.value = value
+        else:
+            reply.failure, reply.failed_in = EnvFailure(value), failed_in
+        self.answered.append(reply)
+
+    def _timed_out(self, request: _Request) -> EnvTimeout:
+        verb = "reset" if request.op == "reset" else "step"
+        return EnvTimeout(f"{_over_time(verb, self.timeout_s)} (its env worker was killed)")
+
+    def _fail_queued(self, asked: list[_Request], hosted: set[int], failure: EnvFailure, what: str) -> None:
+        """A replaced slot's calls fail: the running one with `failure`, the queued ones and the
+        other envs it held as lost."""
+        lost = f"its env worker was replaced after another episode's call {what}; the env's state was lost"
+        for i, request in enumerate(asked):
+            verb = "reset" if request.op == "reset" else "step"
+            reply = EnvReply(request.key, request.op, failure=failure if i == 0 else EnvLost(lost), failed_in=verb)
+            self.answered.append(reply)
+        keys = {r.key for r in asked}
+        self.lost.update({key: lost for key in hosted - keys})
+
+
+class EnvWorkerPool(RemoteEnvs):
     """env.workers: N: envs in N worker processes, each call a message (see the module docstring).
 
     Use a pool from the thread that made it: Linux kills a worker when the thread that started it
@@ -198,12 +276,10 @@ class EnvWorkerPool:
         self.spec = WorkerSpec(
             env_name, dict(env_kwargs), str(root or Path.cwd()), list(sys.path), os.getpid(), memory_mb, cpu_s
         )
+        super().__init__()
         self.timeout_s = timeout_s
         self.context = multiprocessing.get_context("spawn")
         self.workers: list[_Worker] = []
-        self.lost: dict[int, str] = {}  # key -> why its env is gone, told at the next call for it
-        self.answered: list[EnvReply] = []
-        self.next_key = 0
         try:
             for slot in range(workers):
                 self.workers.append(self._start(slot))
@@ -211,26 +287,10 @@ class EnvWorkerPool:
             self.close()
             raise
 
-    def __enter__(self) -> EnvWorkerPool:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def slots(self) -> list[_Worker]:
+        return self.workers
 
     # --- calls ------------------------------------------------------------------
-
-    def reset(self, seed: int) -> int:
-        key, self.next_key = self.next_key, self.next_key + 1
-        worker = min(self.workers, key=lambda w: (len(w.hosted), w.slot))
-        worker.hosted.add(key)
-        self._send(worker, _Request(key, "reset"), seed)
-        return key
-
-    def step(self, key: int, action: str) -> None:
-        self._call(key, "step", action)
-
-    def expert_step(self, key: int) -> None:
-        self._call(key, "expert_step", None)
 
     def release(self, key: int) -> None:
         self.lost.pop(key, None)
@@ -272,13 +332,6 @@ class EnvWorkerPool:
         theirs.close()  # only the worker holds its end now: its death reads as EOF here
         return _Worker(slot, process, mine)
 
-    def _call(self, key: int, op: str, arg: Any) -> None:
-        if key in self.lost:
-            self.answered.append(EnvReply(key, op, failure=EnvLost(self.lost.pop(key)), failed_in="step"))
-            return
-        [worker] = [w for w in self.workers if key in w.hosted]
-        self._send(worker, _Request(key, op), arg)
-
     def _send(self, worker: _Worker, request: _Request, arg: Any) -> None:
         if worker.ready and not worker.queue:
             worker.deadline = time.monotonic() + self.timeout_s
@@ -308,32 +361,15 @@ class EnvWorkerPool:
             elif message[0] == "usage":  # the env cannot be loaded or built there: a recipe mistake
                 raise UsageError(message[1])
             else:
-                self._answer(worker, message)
-
-    def _answer(self, worker: _Worker, message: tuple) -> None:
-        key, status, value, failed_in, env_time, action, expert_time = message
-        request = worker.queue.popleft()
-        assert request.key == key, "env worker answered out of order"
-        worker.deadline = time.monotonic() + self.timeout_s if worker.queue else None
-        reply = EnvReply(key, request.op, env_time_s=env_time, action=action, expert_time_s=expert_time)
-        if status == "ok" and env_time > self.timeout_s:
-            # It answered, but later than the limit: a time-out, as in the main process.
-            verb = "reset" if request.op == "reset" else "step"
-            reply.failure, reply.failed_in = EnvTimeout(_over_time(verb, self.timeout_s)), verb
-        elif status == "ok":
-            reply.value = value
-        else:
-            reply.failure, reply.failed_in = EnvFailure(value), failed_in
-        self.answered.append(reply)
+                request = worker.queue.popleft()
+                worker.deadline = time.monotonic() + self.timeout_s if worker.queue else None
+                self._answer(request, message)
 
     def _expire(self) -> None:
         now = time.monotonic()
         for worker in list(self.workers):
             if worker.deadline is not None and now >= worker.deadline:
-                request = worker.queue[0]
-                verb = "reset" if request.op == "reset" else "step"
-                message = f"{_over_time(verb, self.timeout_s)} (its env worker was killed)"
-                self._replace(worker, (EnvTimeout(message), "timed out"))
+                self._replace(worker, (self._timed_out(worker.queue[0]), "timed out"))
 
     def _replace(self, worker: _Worker, cause: tuple[EnvFailure, str]) -> None:
         """Kill a worker, fail the call it was running, lose its other envs, start a fresh one."""
@@ -344,13 +380,7 @@ class EnvWorkerPool:
                 f"an env worker for env.name {self.spec.env_name!r} stopped before it was ready: {failure} "
                 "(is env.worker_memory_mb too low?)"
             )
-        lost = f"its env worker was replaced after another episode's call {what}; the env's state was lost"
-        for i, request in enumerate(worker.queue):
-            verb = "reset" if request.op == "reset" else "step"
-            reply = EnvReply(request.key, request.op, failure=failure if i == 0 else EnvLost(lost), failed_in=verb)
-            self.answered.append(reply)
-        asked = {r.key for r in worker.queue}
-        self.lost.update({key: lost for key in worker.hosted - asked})
+        self._fail_queued(list(worker.queue), worker.hosted, failure, what)
         fresh = self._start(worker.slot)
         self.workers[self.workers.index(worker)] = fresh
 

@@ -171,6 +171,11 @@ def episodes_for_training(rundb: RunDB, run: str, stage: str, label_set: str) ->
            where e.run = ? and e.stage = ? and e.status = 'ok' order by e.task_index, e.sample_index""",
         [label_set, TOTAL, run, stage],
     )
+    return labelled_with_turns(rundb, rows, label_set)
+
+
+def labelled_with_turns(rundb: RunDB, rows, label_set: str) -> list[LabelledEpisode]:
+    """Episode rows that carry their `total` reward, as labelled episodes with their turns."""
     out = []
     for row in rows:
         total = row.pop("total")

@@ -8,7 +8,7 @@ records the same replays once.
 from __future__ import annotations
 
 from rlcli.store.db import RunDB, now
-from rlcli.store.episodes import TOTAL, _episode, _turn
+from rlcli.store.episodes import TOTAL, labelled_with_turns
 from rlcli.store.records import LabelledEpisode
 
 
@@ -26,15 +26,7 @@ def replay_candidates(
            order by r.value desc, e.id desc limit ?""",
         [label_set, TOTAL, run, task_index, before_iteration, min_reward, limit],
     )
-    out = []
-    for row in rows:
-        total = row.pop("total")
-        turns = [
-            _turn(t)
-            for t in rundb.db.query("select * from turns where episode_id = ? order by turn_index", [row["id"]])
-        ]
-        out.append(LabelledEpisode(_episode(row, turns), label_set, total))
-    return out
+    return labelled_with_turns(rundb, rows, label_set)
 
 
 def record_replays(rundb: RunDB, run: str, iteration: int, episodes: list[tuple[int, int]]) -> None:
