@@ -25,7 +25,9 @@ def local_ray():
     a cluster, and leaves it running."""
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # Room for two actors and their replacements: Ray frees a killed actor's CPU some time after the
+    # kill, and a replacement waits for a free one (a CI run once waited out START_TIMEOUT_S).
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
 

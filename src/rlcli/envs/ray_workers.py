@@ -253,12 +253,14 @@ def _start_ray(ray, address: str | None, workers: int) -> None:
     """Start or join Ray unless this process already has (a caller's own ray.init comes first)."""
     if ray.is_initialized():
         return
-    # Joining a cluster: it has its CPUs already. A local Ray: one CPU per actor, however many cores.
+    # Joining a cluster: it has its CPUs already. A local Ray: CPUs for the actors, however many cores.
     local = address is None and not os.environ.get("RAY_ADDRESS")
     try:
         ray.init(
             address=address,
-            num_cpus=workers if local else None,
+            # Two logical CPUs per actor: a replaced actor's CPU is freed some time after the kill,
+            # and its replacement must not wait for it.
+            num_cpus=2 * workers if local else None,
             include_dashboard=False,
             log_to_driver=False,
         )
