@@ -7,6 +7,10 @@ partial credit falling with the distance from its centre (up to 0.45) when outsi
 attempts > 1 a miss (or a malformed reply) shows the screen again, misses marked, and the agent
 tries again: a multi-turn episode with a new screenshot each turn.
 The expert clicks the target's centre.
+
+fixed_layout=True keeps one screen for every seed (the same buttons in the same places) and varies
+only which button the instruction names: a variant that a tiny model can learn, reading the
+instruction alone (tests/test_vlm_grpo.py).
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ SYSTEM = (
 
 
 class GuiClick:
-    def __init__(self, width: int = 224, height: int = 224, buttons: int = 3, attempts: int = 1):
+    def __init__(
+        self, width: int = 224, height: int = 224, buttons: int = 3, attempts: int = 1, fixed_layout: bool = False
+    ):
         if not 1 <= buttons <= len(LABELS):
             raise ValueError(f"buttons must be from 1 to {len(LABELS)}")
         if width < 56 or height < 56:
@@ -32,11 +38,14 @@ class GuiClick:
         if attempts < 1:
             raise ValueError("attempts must be at least 1")
         self.width, self.height, self.buttons, self.attempts = width, height, buttons, attempts
+        self.fixed_layout = fixed_layout
 
     def reset(self, seed: int):
         rng = random.Random(seed)
-        self.labels = rng.sample(LABELS, self.buttons)
-        self.boxes = self._layout(rng)
+        # One layout for every seed (drawn from seed 0), or a new one per seed.
+        screen = random.Random(0) if self.fixed_layout else rng
+        self.labels = screen.sample(LABELS, self.buttons)
+        self.boxes = self._layout(screen)
         self.target = rng.randrange(self.buttons)
         self.tries = 0
         self.misses: list[tuple[int, int]] = []
@@ -105,5 +114,7 @@ class GuiClick:
         return f"click({(x0 + x1) // 2}, {(y0 + y1) // 2})"
 
 
-def make_env(width: int = 224, height: int = 224, buttons: int = 3, attempts: int = 1) -> GuiClick:
-    return GuiClick(width, height, buttons, attempts)
+def make_env(
+    width: int = 224, height: int = 224, buttons: int = 3, attempts: int = 1, fixed_layout: bool = False
+) -> GuiClick:
+    return GuiClick(width, height, buttons, attempts, fixed_layout)

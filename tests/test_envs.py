@@ -162,3 +162,6 @@ def test_envs_cli_list_and_try():
         app, ["try", "guess_number", "--policy", "human", "-k", "high=2"], input="My guess: 1\nMy guess: 2\n"
     )
     assert out.exit_code == 0 and "solved in" in out.output
+    out = runner.invoke(app, ["try", "maze", "--policy", "expert", "-k", "render=png"])
+    # The sub-app raises it; rlcli's entry point turns a UsageError into its sentence and exit code 2.
+    assert isinstance(out.exception, UsageError) and "refused env.kwargs" in str(out.exception)

@@ -24,11 +24,12 @@ from rlcli.store.events import add_event, list_events
 def test_reward_up_heldout_down_fires_at_the_eval_that_completes_the_pattern():
     reward = {i: 0.1 + 0.05 * i for i in range(10)}  # rising all along
     heldout = {-1: 0.30, 4: 0.20, 9: 0.10}  # falling at every eval
-    warning = reward_up_heldout_down(reward, heldout, 9)
+    warning = reward_up_heldout_down(reward, heldout, 9, "r1")
     assert warning is not None and warning.kind == "reward_up_heldout_down"
     assert warning.details["iterations"] == [-1, 4, 9] and "rising" in warning.message
-    assert reward_up_heldout_down(reward, heldout, 8) is None, "only judged where a held-out eval was made"
-    assert reward_up_heldout_down(reward, {-1: 0.30, 4: 0.20}, 4) is None, "needs three evals"
+    assert "`rlcli runs episodes r1 --best`" in warning.message, "the advice names the run"
+    assert reward_up_heldout_down(reward, heldout, 8, "r1") is None, "only judged where a held-out eval was made"
+    assert reward_up_heldout_down(reward, {-1: 0.30, 4: 0.20}, 4, "r1") is None, "needs three evals"
 
 
 @pytest.mark.parametrize(
@@ -41,14 +42,14 @@ def test_reward_up_heldout_down_fires_at_the_eval_that_completes_the_pattern():
     ],
 )
 def test_reward_up_heldout_down_stays_quiet_otherwise(reward, heldout):
-    assert reward_up_heldout_down(reward, heldout, 9) is None
+    assert reward_up_heldout_down(reward, heldout, 9, "r1") is None
 
 
 def test_reward_up_heldout_down_is_raised_once_while_it_lasts():
     reward = {i: 0.05 * i for i in range(15)}
     heldout = {-1: 0.40, 4: 0.30, 9: 0.20, 14: 0.10}
-    assert reward_up_heldout_down(reward, heldout, 9) is not None
-    assert reward_up_heldout_down(reward, heldout, 14) is None
+    assert reward_up_heldout_down(reward, heldout, 9, "r1") is not None
+    assert reward_up_heldout_down(reward, heldout, 14, "r1") is None
 
 
 def test_worse_than_start_needs_the_drop_to_be_beyond_noise():

@@ -14,6 +14,7 @@ from rlcli.recipe import Recipe
 from rlcli.store.blobs import pack_floats, pack_ids
 from rlcli.store.checkpoints import add_checkpoint
 from rlcli.store.db import DB_NAME, RunDB
+from rlcli.store.events import add_event
 
 STAGES = [  # (name, status, start second, end second, error)
     ("sft", "done", 0, 30, None),
@@ -247,6 +248,24 @@ def test_compare_json_and_table(capsys, runs_dir):
     assert code == 0 and "eval success: latest" in out and "60.0%" in out
 
 
+def test_compare_folds_checkpoints_evaluated_by_id_into_one_row(capsys, runs_dir):
+    rundb = RunDB.open(runs_dir)
+    try:
+        template = next(rundb.db["evals"].rows_where("run = 'demo' and checkpoint = 'latest'"))
+        for ckpt_id, rate in ((5, 0.45), (7, 0.55), (9, 0.5)):  # as grpo.eval_every records them
+            row = {**template, "checkpoint": str(ckpt_id), "checkpoint_id": ckpt_id, "success_rate": rate}
+            rundb.db["evals"].insert({k: v for k, v in row.items() if k != "id"})
+    finally:
+        rundb.close()
+    code, out, _ = cli(capsys, "runs", "compare", "demo", "other", "--json")
+    demo = json.loads(out)[0]
+    assert set(demo["best_evals"]) == {"base", "latest", "other checkpoints"}
+    assert demo["best_evals"]["other checkpoints"]["checkpoint_id"] == 7
+    code, out, _ = cli(capsys, "runs", "compare", "demo", "other")
+    assert code == 0 and "eval success: other checkpoints" in out and "55.0% [45%–75%] ckpt 7" in out
+    assert "eval success: 5" not in out and "eval success: 9" not in out
+
+
 def test_plot_writes_a_real_png(capsys, runs_dir, tmp_path):
     from matplotlib.image import imread
 
@@ -339,6 +358,12 @@ def read_table(path: Path) -> list[dict]:
 
 @pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
 def test_export_round_trips(capsys, runs_dir, tmp_path, fmt):
+    rundb = RunDB.open(runs_dir)
+    try:
+        add_event(rundb, "demo", "train/2", 2, "no_signal", "GRPO is getting no signal", {"iterations": [0, 1, 2]})
+        add_event(rundb, "empty", "train/0", 0, "no_signal", "another run's", {})
+    finally:
+        rundb.close()
     out_dir = tmp_path / f"export-{fmt}"
     code, out, _ = cli(capsys, "runs", "export", "demo", "--format", fmt, "--out", out_dir)
     assert code == 0 and out.strip() == str(out_dir)
@@ -367,6 +392,11 @@ def test_export_round_trips(capsys, runs_dir, tmp_path, fmt):
         assert {m["key"]: m["value"] for m in metrics if m["step"] == 2 and m["stage"] == "grpo"}["train/kl"] == 0.02
         evals = read_table(out_dir / f"evals.{fmt}")
         assert [e["success_rate"] for e in evals] == [0.25, 0.6]
+        events = read_table(out_dir / f"run_events.{fmt}")
+        assert [(e["kind"], e["iteration"]) for e in events] == [("no_signal", 2)]
+        assert json.loads(events[0]["details"]) == {"iterations": [0, 1, 2]}
+        for table in ("task_stats", "replays", "dpo_pairs"):
+            assert read_table(out_dir / f"{table}.{fmt}") == [], "exported, with no rows in this run"
         run = json.loads((out_dir / "run.json").read_text())
         assert run["name"] == "demo" and run["recipe"]["run"]["description"]
     finally:

@@ -173,7 +173,11 @@ def test_reads_prompt_completion_pairs(tmp_path, fmt):
             1,
             "messages message 1: expected role system, user, assistant or tool; got 'human'",
         ),
-        ('{"messages": [{"role": "user", "content": 3}]}\n', 1, "expected `content` to be a string; got a number"),
+        (
+            '{"messages": [{"role": "user", "content": 3}]}\n',
+            1,
+            "expected `content` to be a string or a list of parts; got a number",
+        ),
         (
             '{"prompt": "hi", "completion": [{"role": "assistant", "content": "yo"}]}\n',
             1,

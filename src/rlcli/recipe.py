@@ -37,9 +37,12 @@ class RunSection(Section):
     seed: int = Field(0, description="Seed from which every episode's and update's randomness is derived.")
     stages: list[Literal["sft", "grpo", "dpo", "eval"]] | None = Field(
         None,
-        description="What `rlcli run` runs, in this order, e.g. [sft, grpo, dpo, eval]; each at most once, and dpo "
-        "after grpo (GRPO starts from the SFT checkpoint or its own). null: sft (when sft.source is set), grpo "
-        "(when grpo.iterations > 0), then eval (when eval.tasks > 0).",
+        description="What `rlcli run` runs, in this order, e.g. [sft, grpo, dpo, eval] or the VerIPO loop [sft, grpo, "
+        "dpo, grpo, eval]. sft at most once; with grpo listed, the first dpo after it (it mines GRPO's groups). grpo, dpo and eval "
+        "may repeat: the k-th grpo (from 0) runs iterations k*grpo.iterations onwards from the newest checkpoint "
+        "(stage grpo/<k>), the k-th dpo is stage dpo/<k+1> (the first: dpo), and each eval evaluates "
+        "eval.checkpoints as they are then. null: sft (when sft.source is set), grpo (when grpo.iterations > 0), "
+        "then eval (when eval.tasks > 0).",
         json_schema_extra=RESUME_SAFE,
     )
     description: str = Field("", description="Free text shown by `rlcli runs show`.", json_schema_extra=RESUME_SAFE)
@@ -241,6 +244,20 @@ class EnvSection(Section):
 class RolloutSection(Section):
     tasks: int = Field(8, gt=0, description="Tasks per rollout (per iteration in train grpo).")
     group_size: int = Field(4, gt=0, description="Samples per task (a GRPO group).")
+    group_size_hard: int | None = Field(
+        None,
+        ge=2,
+        description="GRPO's group size for hard tasks (DART, MobileRL): a task whose success rate over the "
+        "iterations before is below rollout.hard_below, after at least rollout.hard_min_attempts attempts, gets "
+        "this many samples instead of group_size (recorded per task with its rollout stage; train/hard_groups "
+        "counts them). Every episode counts once in the loss, so a hard task's group weighs more. null: off.",
+    )
+    hard_below: float = Field(
+        0.2, ge=0, le=1, description="rollout.group_size_hard: a task succeeding less often than this is hard."
+    )
+    hard_min_attempts: int = Field(
+        4, gt=0, description="rollout.group_size_hard: the attempts a task needs before it can be rated hard."
+    )
     policy: str = Field(
         "latest",
         description="base, latest (the run's newest checkpoint, else base), best (the best held-out success), "
@@ -275,6 +292,22 @@ class RolloutSection(Section):
         gt=0,
         description="vllm: up to 1, the share of GPU memory vLLM takes for weights and KV cache (leave room "
         "for the trainer on the same GPU); above 1, the KV cache size in bytes. null: 0.5 on a GPU, 1 GiB on a CPU.",
+    )
+    vllm_sync: Literal["merged", "adapter"] = Field(
+        "merged",
+        description="vllm: how the engine gets the policy after each update. merged: the LoRA merged into "
+        "the weights, reloaded in place (also full fine-tuning). adapter: LoRA only; the adapter is saved "
+        "(or the checkpoint's is used) and served through vLLM's LoRA support over the unchanged base: a few "
+        "MB per sync instead of every weight, but slower decoding, and with a 4-bit/8-bit base vLLM "
+        "applies it to the unquantised weights, not the quantised ones that training uses.",
+    )
+    vllm_sleep: Literal["auto"] | bool = Field(
+        "auto",
+        description="vllm: put the engine to sleep during each GRPO update (its weights go to host memory and "
+        "its KV cache is freed, so the update gets that GPU memory) and wake it for the next sync. auto: when "
+        "the engine and the trainer share a GPU and grpo.max_staleness is 0. vLLM has sleep mode on CUDA only: "
+        "true elsewhere is refused.",
+        json_schema_extra=RESUME_SAFE,
     )
 
 
@@ -351,7 +384,8 @@ class GrpoSection(Section):
         "auto",
         description="The policy the KL term (beta > 0) anchors to and train/kl measures: base (the LoRA adapter "
         "switched off), sft (the run's SFT checkpoint, as a frozen second adapter), or auto: sft when the run "
-        "has an SFT checkpoint, else base. A resumed run keeps the reference it started with.",
+        "has an SFT checkpoint, else base. A resumed run keeps the reference it started with, and a later GRPO "
+        "phase (run.stages listing grpo again) anchors to it too, not to the DPO checkpoint it starts from.",
     )
     tis_cap: float | None = Field(
         None,
@@ -528,15 +562,25 @@ class Recipe(Section):
                 "quantized weights cannot be fully fine-tuned; add a lora: section or set quantization: none"
             )
         stages = self.run.stages or []
-        if len(set(stages)) < len(stages):
-            raise ValueError(f"run.stages {stages} names a stage twice; list each once")
+        if stages.count("sft") > 1:
+            raise ValueError(f"run.stages {stages} lists sft twice; list it once")
         if "grpo" in stages and "dpo" in stages and stages.index("dpo") < stages.index("grpo"):
-            raise ValueError("run.stages: GRPO does not start from a DPO checkpoint yet; put dpo after grpo")
+            raise ValueError("run.stages: dpo mines its pairs from GRPO's groups; put dpo after grpo")
+        if stages.count("grpo") > 1 and self.grpo.max_staleness > 0:
+            raise ValueError(
+                "run.stages lists grpo more than once, which needs the synchronous loop (asynchronous staleness is "
+                "counted within one phase); set grpo.max_staleness: 0"
+            )
         if "sft" in stages and self.sft.source == "none":
             raise ValueError("run.stages lists sft but sft.source is none; set sft.source or drop sft")
         if self.grpo.sampling != "sequential" and self.env.tasks is None:
             raise ValueError(
                 f"grpo.sampling {self.grpo.sampling} draws from a finite task pool; set env.tasks, e.g. [0, 500]"
+            )
+        if self.rollout.group_size_hard is not None and self.grpo.max_staleness > 0:
+            raise ValueError(
+                "rollout.group_size_hard needs the synchronous loop (the rollout worker plays equal groups); set "
+                "grpo.max_staleness: 0 or rollout.group_size_hard: null"
             )
         if self.grpo.dynamic_sampling and self.grpo.max_staleness > 0:
             raise ValueError(
@@ -555,6 +599,16 @@ class Recipe(Section):
             raise ValueError(
                 "rollout.engine vllm records logprobs of the top_k/top_p-truncated distribution while training "
                 "recomputes the full one; turn top_k/top_p off or use rollout.engine hf"
+            )
+        if self.rollout.vllm_sync == "adapter" and self.lora is None:
+            raise ValueError(
+                "rollout.vllm_sync adapter serves a LoRA adapter, and this recipe trains every weight "
+                "(no lora section); add a lora section or set rollout.vllm_sync: merged"
+            )
+        if self.rollout.vllm_sleep is True and self.grpo.max_staleness > 0:
+            raise ValueError(
+                "rollout.vllm_sleep true frees the GPU during the update, while with grpo.max_staleness > 0 the "
+                "rollout worker samples during it; set rollout.vllm_sleep: auto or false"
             )
         return self
 

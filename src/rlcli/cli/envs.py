@@ -5,14 +5,18 @@ from __future__ import annotations
 import json
 import random
 import sys
-from typing import Annotated
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.panel import Panel
 from rich.text import Text
 
-from rlcli.cli.common import JsonOpt, console
-from rlcli.errors import UsageError
+from rlcli.cli.common import JsonOpt, RecipeOpt, RunOpt, console, open_existing
+from rlcli.errors import RlcliError, UsageError
+
+if TYPE_CHECKING:
+    from rlcli.recipe import Recipe
 
 app = typer.Typer(help="Environments: list them, try one in the terminal.", no_args_is_help=True)
 
@@ -47,15 +51,40 @@ def list_envs(as_json: JsonOpt = False) -> None:
 
 @app.command("try")
 def try_env(
+    cli_ctx: typer.Context,
     name: Annotated[str, typer.Argument(help="Built-in name, envs/x.py, module:factory, or adapter URI.")],
     policy: Annotated[
-        str, typer.Option(help="expert (the env's scripted solver), random, or human (stdin).")
+        str,
+        typer.Option(
+            help="expert (the env's scripted solver), random, human (stdin), or model (the recipe's model, "
+            "sampling as rollouts do: rollout.engine, temperature and token cap)."
+        ),
     ] = "expert",
     seed: Annotated[int, typer.Option(help="Task seed.")] = 0,
     kwargs: Annotated[
         list[str] | None, typer.Option("--kwargs", "-k", help="Env keyword argument key=value; repeatable.")
     ] = None,
     max_turns: Annotated[int, typer.Option(help="Stop after this many turns.")] = 20,
+    recipe: RecipeOpt = None,
+    model: Annotated[
+        str | None,
+        typer.Option(
+            "--model",
+            help="--policy model: a hub id, local folder or short name instead of the recipe's model.name.",
+            show_default=False,
+        ),
+    ] = None,
+    checkpoint: Annotated[
+        str | None,
+        typer.Option(
+            "--checkpoint",
+            "-c",
+            help="--policy model: a checkpoint folder, or base, sft, latest, best or a checkpoint id of --run "
+            "(whose recipe is then used unless --recipe is given). Default: base.",
+            show_default=False,
+        ),
+    ] = None,
+    run: RunOpt = None,
 ) -> None:
     """Play or watch one episode, rendered turn by turn."""
     import yaml
@@ -63,14 +92,19 @@ def try_env(
     from rlcli.envs.loading import load_env
     from rlcli.envs.protocol import as_messages
 
-    if policy not in ("expert", "random", "human"):
-        raise UsageError(f"--policy must be expert, random or human, got {policy!r}.")
+    if policy not in ("expert", "random", "human", "model"):
+        raise UsageError(f"--policy must be expert, random, human or model, got {policy!r}.")
+    if policy != "model" and (recipe or model or checkpoint or run):
+        raise UsageError("--recipe, --model, --checkpoint and --run choose the model of --policy model.")
     env_kwargs = {}
     for item in kwargs or []:
         key, sep, value = item.partition("=")
         if not sep:
             raise UsageError(f"--kwargs {item!r} is not of the form key=value.")
         env_kwargs[key] = yaml.safe_load(value)
+    if policy == "model":
+        _play_model(cli_ctx, name, env_kwargs, seed, max_turns, recipe, model, checkpoint, run)
+        return
     env = load_env(name, env_kwargs)()
     if policy == "expert" and not hasattr(env, "expert_action"):
         raise UsageError(f"Env {name!r} has no expert_action(); try --policy random or human.")
@@ -98,6 +132,96 @@ def try_env(
             break
     success = info.get("success", total > 0)
     console.print(f"[bold]{'solved' if success else 'not solved'}[/bold] in {turn} turns, return {total:g}")
+
+
+def _play_model(
+    cli_ctx: typer.Context,
+    name: str,
+    env_kwargs: dict,
+    seed: int,
+    max_turns: int,
+    recipe_path: Path | None,
+    model: str | None,
+    checkpoint: str | None,
+    run: str | None,
+) -> None:
+    """One episode played by a model, through the same code as a rollout (EpisodeRunner and the
+    recipe's engine: token-exact prompts, chat template, context budget), then shown turn by turn."""
+    from rlcli.engine.rollout import (
+        EpisodeRunner,
+        EpisodeSpec,
+        RolloutLimits,
+        derive_seed,
+        generation_engine,
+        make_sampler,
+        sampling_config,
+    )
+    from rlcli.envs.loading import load_env
+    from rlcli.envs.workers import InProcessEnvs
+    from rlcli.models.loading import load_policy
+    from rlcli.recipe import load_recipe
+
+    recipe = load_recipe(recipe_path, [f"model.name={model}"] if model else [])
+    recipe, folder = _checkpoint(cli_ctx, recipe, recipe_path is not None, model, checkpoint, run)
+    factory = load_env(name, env_kwargs)  # a bad env name fails before the model loads
+    policy, tokenizer = load_policy(recipe.model, recipe.lora, recipe.quantization, adapter=folder, trainable=False)
+    sampling = sampling_config(recipe.rollout)
+    sampler = make_sampler(recipe, policy, tokenizer, sampling, base=folder is None)
+    console.print(
+        f"model {recipe.model.name}" + (f", checkpoint {folder}" if folder else "") + f"; engine "
+        f"{generation_engine(recipe)}, temperature {sampling.temperature:g}, up to {sampling.max_new_tokens} "
+        "tokens a turn",
+        highlight=False,
+    )
+    keep_images = None if recipe.env.keep_images == "all" else recipe.env.keep_images
+    limits = RolloutLimits(max_turns, recipe.model.max_length, recipe.env.step_timeout_s, keep_images)
+    spec = EpisodeSpec(0, 0, env_seed=seed, sample_seed=derive_seed(recipe.run.seed, "envs try", seed))
+    with InProcessEnvs(factory, recipe.env.step_timeout_s) as envs:
+        [episode] = EpisodeRunner(envs, limits, sampler, tokenizer).run([spec])
+    first_reply = next((i for i, m in enumerate(episode.messages) if m["role"] == "assistant"), None)
+    _show(episode.messages[:first_reply])
+    for turn in episode.turns:
+        console.print(
+            Panel(Text(turn.text), title=f"agent (turn {turn.turn_index + 1})", border_style="cyan", expand=False)
+        )
+        _show(json.loads(turn.observation), turn.reward)
+    if episode.error:
+        raise RlcliError(f"The episode failed: {episode.error}")
+    success = episode.success if episode.success is not None else episode.env_return > 0
+    console.print(
+        f"[bold]{'solved' if success else 'not solved'}[/bold] in {len(episode.turns)} turns, "
+        f"return {episode.env_return:g} (ended: {episode.end_reason.value})"
+    )
+
+
+def _checkpoint(
+    cli_ctx: typer.Context,
+    recipe: Recipe,
+    recipe_given: bool,
+    model: str | None,
+    checkpoint: str | None,
+    run: str | None,
+) -> tuple[Recipe, Path | None]:
+    """The recipe to load the model with and the checkpoint folder (None: the base model)."""
+    from rlcli.store.checkpoints import require_folder, resolve_checkpoint
+
+    if checkpoint is None or checkpoint == "base":
+        return recipe, None
+    if Path(checkpoint).is_dir():
+        return recipe, Path(checkpoint)
+    run_name = run or recipe.run.name
+    rundb = open_existing(cli_ctx, "--checkpoint")
+    try:
+        if rundb.get_run(run_name) is None:
+            raise UsageError(f"--checkpoint {checkpoint}: no folder of that name, and no run {run_name!r} (see --run).")
+        if not recipe_given:  # the run's own model, LoRA and quantisation, with --model's name if given
+            recipe = rundb.run_recipe(run_name)
+            if model:
+                recipe = recipe.model_copy(update={"model": recipe.model.model_copy(update={"name": model})})
+        row = resolve_checkpoint(rundb, run_name, checkpoint)
+        return recipe, None if row is None else require_folder(row)
+    finally:
+        rundb.close()
 
 
 def _show(messages: list[dict], reward: float | None = None) -> None:

@@ -130,12 +130,28 @@ def runs_episodes(
         ),
     ] = None,
     as_json: JsonOpt = False,
+    html: Annotated[
+        Path | None,
+        typer.Option(
+            "--html",
+            help="Write the episodes to this HTML page instead, screenshots inline and clicks marked on them.",
+            show_default=False,
+        ),
+    ] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace the --html file if it exists.")] = False,
 ) -> None:
-    """Read episodes: messages by role, reward components, end reason, and the error of failed ones."""
+    """Read episodes: messages by role (images as [image <sha256> WxH]), reward components, end
+    reason, and the error of failed ones."""
     from rlcli.report import tables, views
 
     if best and worst:
         raise UsageError("--best and --worst exclude each other; give one of them.")
+    if html is not None and as_json:
+        raise UsageError("--html and --json exclude each other; give one of them.")
+    if html is not None:
+        from rlcli.report.html import check_target
+
+        check_target(html, overwrite)  # before reading the database
     rundb = open_existing(cli_ctx, f"No run named {run!r}")
     try:
         episodes = views.select_episodes(
@@ -147,9 +163,15 @@ def runs_episodes(
             limit=limit,
             label_set=label_set,
         )
+        pngs = views.episode_pngs(rundb, episodes) if html is not None else {}
     finally:
         rundb.close()
-    if as_json:
+    if html is not None:
+        from rlcli.report.html import episodes_page, write_page
+
+        write_page(html, episodes_page(run, episodes, pngs), overwrite)
+        print(html)
+    elif as_json:
         print(json.dumps(episodes, indent=2))
     else:
         tables.print_episodes(console, episodes)

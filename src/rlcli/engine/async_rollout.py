@@ -379,7 +379,8 @@ def _load(recipe, folder: str | None):
     from rlcli.models.loading import load_policy
 
     model, tokenizer = load_policy(recipe.model, recipe.lora, recipe.quantization, adapter=folder, trainable=False)
-    return make_sampler(recipe, model, tokenizer, sampling_config(recipe.rollout), base=folder is None), tokenizer
+    sampling = sampling_config(recipe.rollout)
+    return make_sampler(recipe, model, tokenizer, sampling, base=folder is None, checkpoint_folder=folder), tokenizer
 
 
 def _rollout(ctx: RunContext, j: int, tasks: list[int], label: str, sampler, tokenizer) -> None:

@@ -87,6 +87,27 @@ def extra_tasks(ctx: RunContext, it: int, round_: int, played: list[int], count:
     return [int(left[i]) for i in chosen]
 
 
+def group_sizes(ctx: RunContext, it: int, stage: str, tasks: list[int]) -> dict[int, int]:
+    """The samples each task of GRPO rollout `stage` (of iteration it) gets: rollout.group_size, or
+    rollout.group_size_hard for a task rated hard by the statistics of the iterations before it (at
+    least rollout.hard_min_attempts attempts, success rate below rollout.hard_below). The stage
+    records the sizes (params group_sizes, in task order); a resumed stage reuses them."""
+    rollout = ctx.recipe.rollout
+    row = ctx.rundb.stage(ctx.run, stage)
+    recorded = row.params.get("group_sizes") if row is not None else None
+    if isinstance(recorded, list) and len(recorded) == len(tasks):
+        return {t: int(n) for t, n in zip(tasks, recorded, strict=True)}
+    sizes = dict.fromkeys(tasks, rollout.group_size)
+    if rollout.group_size_hard is None:
+        return sizes
+    stats = {s.task_index: s for s in compute_task_stats(ctx.rundb, ctx.run, GRPO_LABEL_SET, before_iteration=it)}
+    for task in tasks:
+        known = stats.get(task)
+        if known and known.attempts >= rollout.hard_min_attempts and known.success_rate < rollout.hard_below:
+            sizes[task] = rollout.group_size_hard
+    return sizes
+
+
 def curriculum_weights(stats: list[TaskStats], start: int, stop: int, floor: float) -> np.ndarray:
     """Weights of the pool's tasks start..stop-1 from their statistics (module docstring)."""
     attempts, successes = np.zeros(stop - start), np.zeros(stop - start)

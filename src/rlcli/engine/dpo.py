@@ -84,9 +84,18 @@ def run_dpo(ctx: RunContext, stage: str = "dpo") -> DpoSummary:
 
 
 def starting_checkpoint(ctx: RunContext, stage: str) -> Checkpoint | None:
-    """The run's newest checkpoint that this stage did not write (a kill between writing its own
-    row and marking the stage done must not make a resumed stage start from itself)."""
-    earlier = [c for c in checkpoints(ctx.rundb, ctx.run) if c.stage != stage]
+    """The checkpoint the stage recorded as its start when it first ran, else the run's newest one that
+    this stage did not write (a kill between writing its own row and marking the stage done must not
+    make a resumed stage start from itself). The recorded start keeps a rerun of `rlcli run` in a
+    grpo -> dpo -> grpo loop from asking the done DPO stage for the later GRPO phase's checkpoint."""
+    known = checkpoints(ctx.rundb, ctx.run)
+    row = ctx.rundb.stage(ctx.run, stage)
+    recorded = row.params.get("start") if row is not None else None
+    if recorded == "base":
+        return None
+    if recorded is not None and (found := next((c for c in known if c.id == recorded), None)) is not None:
+        return found
+    earlier = [c for c in known if c.stage != stage]
     return earlier[-1] if earlier else None
 
 

@@ -151,7 +151,14 @@ def _evaluate(
             )
         label = "base" if ckpt is None else str(ckpt.id)
         # A model in memory carries GRPO's adapter: even at the base model's weights, vLLM gets them synced.
-        sampler = make_sampler(recipe, model, tokenizer, sampling, base=ckpt is None and policy is None)
+        sampler = make_sampler(
+            recipe,
+            model,
+            tokenizer,
+            sampling,
+            base=ckpt is None and policy is None,
+            checkpoint_folder=ckpt.path if ckpt else None,
+        )
     collect(
         ctx,
         stage=stage,

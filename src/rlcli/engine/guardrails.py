@@ -49,8 +49,9 @@ class RunWarning:
 # --- the checks -------------------------------------------------------------------------
 
 
-def reward_up_heldout_down(reward: Series, heldout: Series, it: int) -> RunWarning | None:
-    """Train reward rising while held-out success falls, judged at the held-out eval of iteration `it`."""
+def reward_up_heldout_down(reward: Series, heldout: Series, it: int, run: str) -> RunWarning | None:
+    """Train reward rising while held-out success falls, judged at the held-out eval of iteration `it`
+    of run `run` (named in the advice)."""
     evals = sorted(step for step in heldout if step <= it)
     if it not in heldout or _reward_hacking_at(reward, heldout, evals[:-1]) is not None:
         return None
@@ -63,7 +64,7 @@ def reward_up_heldout_down(reward: Series, heldout: Series, it: int) -> RunWarni
         "reward_up_heldout_down",
         f"Train reward is rising ({before:.3f} -> {after:.3f}) while held-out success falls ({rates} at "
         f"iterations {', '.join(_iteration(s) for s in window)}): the policy may be learning to game the "
-        "reward rather than the task. Read the best-rewarded episodes (`rlcli runs episodes RUN --best`), "
+        f"reward rather than the task. Read the best-rewarded episodes (`rlcli runs episodes {run} --best`), "
         "make the reward pay only for a right answer, and keep the best checkpoint (grpo.keep_best: true).",
         {"iterations": window, "heldout": [heldout[s] for s in window], "reward_before": before, "reward_after": after},
     )
@@ -177,7 +178,7 @@ def warnings_at(ctx: RunContext, it: int) -> list[RunWarning]:
     eval_tasks = cfg.eval_tasks or ctx.recipe.eval.tasks  # the tasks grpo.eval_every's evals play
     start = "sft" if any(c.stage == "sft" for c in checkpoints(ctx.rundb, ctx.run)) else "base"
     found = [
-        reward_up_heldout_down(series(REWARD), heldout, it),
+        reward_up_heldout_down(series(REWARD), heldout, it, ctx.run),
         worse_than_start(heldout, it, eval_tasks * ctx.recipe.eval.k, start),
         entropy_collapse(series(ENTROPY), it, cfg.min_entropy),
         no_signal(series(ZERO_VAR), series(GROUPS), it, cfg.zero_signal_patience),

@@ -1,7 +1,14 @@
-"""`rlcli run`: every stage a recipe asks for, in order; each one skips what is already done."""
+"""`rlcli run`: every stage a recipe asks for, in order; each one skips what is already done.
+
+run.stages may repeat grpo, dpo and eval (the VerIPO loop sft -> grpo -> dpo -> grpo -> eval): the k-th
+grpo is GRPO phase k (engine/train.py: iterations k*grpo.iterations onwards, from the newest checkpoint),
+the k-th dpo is stage dpo (k = 0) or dpo/<k+1>, mining the groups stored so far, and an eval evaluates
+eval.checkpoints as they are when it runs (its stages are named by checkpoint, so repeats never collide).
+"""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -22,7 +29,10 @@ def run_all(ctx: RunContext, on_summary: Callable[[StageSummary], None] | None =
     the run's best and latest checkpoints, which are also returned."""
     show = on_summary or (lambda summary: None)
     recipe = ctx.recipe
+    seen: Counter[str] = Counter()  # how many times each stage came before: its repeat's name
     for stage in planned_stages(recipe):
+        repeat = seen[stage]
+        seen[stage] += 1
         if stage == "sft":
             from rlcli.engine.sft import run_sft
 
@@ -30,11 +40,11 @@ def run_all(ctx: RunContext, on_summary: Callable[[StageSummary], None] | None =
         elif stage == "grpo":
             from rlcli.engine.train import run_grpo
 
-            run_grpo(ctx)
+            run_grpo(ctx, phase=repeat)
         elif stage == "dpo":
             from rlcli.engine.dpo import run_dpo
 
-            show(run_dpo(ctx))
+            show(run_dpo(ctx, dpo_stage_name(repeat)))
         else:
             from rlcli.engine.evaluate import run_eval
 
@@ -44,6 +54,12 @@ def run_all(ctx: RunContext, on_summary: Callable[[StageSummary], None] | None =
     if ending.latest is not None or ending.best is not None:
         show(ending)
     return ending
+
+
+def dpo_stage_name(repeat: int) -> str:
+    """The stage of run.stages' dpo number `repeat` (from 0): dpo, then dpo/2, dpo/3, ... (`rlcli train dpo
+    --stage dpo/2` names the same stage)."""
+    return "dpo" if repeat == 0 else f"dpo/{repeat + 1}"
 
 
 def planned_stages(recipe) -> list[str]:

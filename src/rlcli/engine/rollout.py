@@ -305,8 +305,9 @@ class EpisodeRunner:
 
     def _observe(self, ep: LiveEpisode, messages: list[dict]) -> list[dict]:
         """A vision-language model's observation: each image as a PIL image named by its hash (its PNG
-        kept for the database). A text model's messages stay as they are (images unseen)."""
-        if self.processor is None:
+        kept for the database). The expert's screenshots are kept the same way, so that SFT on its demos
+        can show them to a vision model. A text model's messages stay as they are (images unseen)."""
+        if self.processor is None and self.sampler is not None:
             return messages
         try:
             return vision.name_images(messages, ep.pngs)
@@ -441,14 +442,20 @@ def env_host(env_cfg, factory: Callable[[], Any]) -> EnvHost:
 
 
 def episode_specs(
-    run_seed: int, stage: str, task_indices: list[int], group_size: int, split: str, eval_seed_start: int
+    run_seed: int,
+    stage: str,
+    task_indices: list[int],
+    group_size: int | dict[int, int],
+    split: str,
+    eval_seed_start: int,
 ) -> list[EpisodeSpec]:
+    """group_size: samples per task, or per task index (rollout.group_size_hard)."""
     from rlcli.envs.protocol import task_seed
 
     return [
         EpisodeSpec(t, g, task_seed(split, t, eval_seed_start), derive_seed(run_seed, stage, t, g))
         for t in task_indices
-        for g in range(group_size)
+        for g in range(group_size if isinstance(group_size, int) else group_size[t])
     ]
 
 
@@ -465,7 +472,7 @@ def collect(
     sampler=None,
     tokenizer=None,
     task_indices: list[int],
-    group_size: int,
+    group_size: int | dict[int, int],
     split: str,
     iteration: int | None = None,
     progress_label: str | None = None,
@@ -645,10 +652,11 @@ def _head_size(model_name: str) -> int | None:
     return None
 
 
-def make_sampler(recipe, model, tokenizer, sampling, *, base: bool):
+def make_sampler(recipe, model, tokenizer, sampling, *, base: bool, checkpoint_folder=None):
     """The policy's Sampler on the recipe's engine; base: model is the recipe's model unchanged.
 
     The vLLM engine is the process's shared one (see vllm_engine.policy_engine), given model's weights.
+    checkpoint_folder: where model was loaded from, if from a checkpoint (adapter-only sync serves it).
     """
     if generation_engine(recipe) == "hf":
         from rlcli.engine.sampling import HfSampler
@@ -656,7 +664,7 @@ def make_sampler(recipe, model, tokenizer, sampling, *, base: bool):
         return HfSampler(model, tokenizer, sampling)
     from rlcli.engine.vllm_engine import VllmSampler, policy_engine
 
-    return VllmSampler(policy_engine(recipe, model, base=base), sampling)
+    return VllmSampler(policy_engine(recipe, model, base=base, adapter_folder=checkpoint_folder), sampling)
 
 
 def run_rollout_stage(ctx: RunContext, *, stage: str, policy: str, split: str) -> EpisodeSummary:
@@ -673,7 +681,9 @@ def run_rollout_stage(ctx: RunContext, *, stage: str, policy: str, split: str) -
         label, model, tokenizer = load_rollout_policy(ctx, weights)
         sampler = None
         if model is not None:
-            sampler = make_sampler(recipe, model, tokenizer, sampling_config(recipe.rollout), base=label == "base")
+            folder = checkpoint.path if checkpoint is not None else None
+            sampling = sampling_config(recipe.rollout)
+            sampler = make_sampler(recipe, model, tokenizer, sampling, base=label == "base", checkpoint_folder=folder)
         summary = collect(
             ctx,
             stage=stage,

@@ -15,7 +15,9 @@ prompt plus the sampled tokens plus the env's feedback, so only those new tokens
 Re-prefilling the whole conversation every turn made prefill most of a multi-turn rollout's time.
 
 A vision-language model's prompts come with their images (models/vision.py): the images whose tokens
-a prefill feeds go to that forward as pixels; decode steps feed text tokens only.
+a prefill feeds go to that forward as pixels; decode steps feed text tokens only. Qwen2-VL's family
+places image tokens at 3-D positions (M-RoPE), computed at the prefill (vision.mrope_positions); its
+sampled tokens are text, whose position is their index plus the row's shift, kept per row.
 
 Rollouts sample through the `Sampler` interface: `HfSampler` (this decode loop) or
 `vllm_engine.VllmSampler` (an in-process vLLM engine).
@@ -155,6 +157,8 @@ class TurnCache:
     ids: list[list[int]] = field(default_factory=list)
     keys: list = field(default_factory=list)
     images: list[int] = field(default_factory=list)  # per row, how many of its prompt's images it holds
+    # per row, position - index of its next token: 0 but after images with 3-D positions (M-RoPE)
+    shifts: list[int] = field(default_factory=list)
 
     def align(self, keys: list) -> None:
         """Keep the rows of `keys`, in that order; a key the cache has not seen empties it."""
@@ -165,8 +169,9 @@ class TurnCache:
                 self.attention = self.attention[rows]
                 self.ids = [self.ids[r] for r in rows]
                 self.images = [self.images[r] for r in rows]
+                self.shifts = [self.shifts[r] for r in rows]
             else:
-                self.kv, self.attention, self.ids, self.images = None, None, [], []
+                self.kv, self.attention, self.ids, self.images, self.shifts = None, None, [], [], []
         self.keys = list(keys)
 
     def new_tokens(self, prompts: list[list[int]]) -> list[list[int]] | None:
@@ -213,11 +218,12 @@ def sample_batch(
         copies = [first.setdefault(key, len(first)) for key in keys]
         fresh = [list(p) for p, _ in first]
         fresh_images = [images[keys.index(key)] for key in first]
-        cache, cached_len = None, [0] * len(fresh)
+        cache, cached_len, shifts = None, [0] * len(fresh), [0] * len(fresh)
         cached_attention = torch.zeros((len(fresh), 0), dtype=torch.long, device=device)
     else:
         cache, cached_attention, cached_len = (turn_cache.kv, turn_cache.attention, [len(c) for c in turn_cache.ids])
         fresh_images = [imgs[held:] for imgs, held in zip(images, turn_cache.images)]
+        shifts = list(turn_cache.shifts)
     pixels = vision.pixel_inputs(processor, [ref.image for imgs in fresh_images for ref in imgs], model)
     width = max(len(p) for p in fresh)
     input_ids = torch.full((len(fresh), width), pad_id, dtype=torch.long)
@@ -225,7 +231,10 @@ def sample_batch(
     for i, p in enumerate(fresh):  # left padding keeps every row's next token in the last column
         input_ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
         new_attention[i, width - len(p) :] = 1
-    positions = torch.tensor(cached_len)[:, None] + (new_attention.cumsum(-1) - 1).clamp(min=0)
+    starts = torch.tensor(cached_len) + torch.tensor(shifts)  # the position of each row's first new token
+    positions = starts[:, None] + (new_attention.cumsum(-1) - 1).clamp(min=0)
+    if "image_grid_thw" in pixels and vision.uses_mrope(model):
+        positions = _mrope_rows(model, processor, fresh, fresh_images, pixels["image_grid_thw"], positions, shifts)
     attention = torch.cat([cached_attention, new_attention.to(device)], dim=-1)
     input_ids, positions = input_ids.to(device), positions.to(device)
 
@@ -244,8 +253,10 @@ def sample_batch(
     if len(fresh) < batch:  # each distinct prompt was prefilled once: give every row its copy
         rows = torch.tensor(copies, device=device)
         cache.batch_select_indices(rows)
-        logits, positions, attention = logits[rows], positions[rows], attention[rows]
-    next_pos = positions[:, -1:] + 1
+        logits, attention = logits[rows], attention[rows]
+        shifts = [shifts[c] for c in copies]
+    # Sampled tokens are text: each one's position is its index plus the row's shift.
+    next_pos = torch.tensor([[len(p) + shift] for p, shift in zip(prompts, shifts)], device=device)
 
     ids: list[list[int]] = [[] for _ in range(batch)]
     step_logprobs = []  # per step, every row's logprob of its token; read back once, at the end
@@ -291,7 +302,25 @@ def sample_batch(
         turn_cache.kv, turn_cache.attention = cache, attention
         turn_cache.ids = [prompts[i] + ids[i][:-1] for i in range(batch)]
         turn_cache.images = [len(imgs) for imgs in images]
+        turn_cache.shifts = shifts
     return [Sample(ids[i], logps[i], finished[i]) for i in range(batch)]
+
+
+def _mrope_rows(model, processor, fresh, fresh_images, grids, positions, shifts) -> torch.Tensor:
+    """[3, rows, width] positions of a prefill on an M-RoPE model: `positions` (1-D, left-padded)
+    for rows without new images, vision.mrope_positions moved to where each row's new tokens start
+    for the others, whose `shifts` it updates in place."""
+    grids = grids.cpu()  # one read per prefill; get_rope_index walks the grids on the host
+    out = positions[None].repeat(3, 1, 1)
+    width, used = positions.shape[1], 0
+    for i, (ids, imgs) in enumerate(zip(fresh, fresh_images)):
+        if not imgs:
+            continue
+        row, shift = vision.mrope_positions(model, processor, ids, grids[used : used + len(imgs)])
+        used += len(imgs)
+        out[:, i, width - len(ids) :] = row + positions[i, width - len(ids)]
+        shifts[i] += shift
+    return out
 
 
 def _eos_ids(model, tokenizer) -> set[int]:

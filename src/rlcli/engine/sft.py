@@ -28,6 +28,7 @@ from transformers import TrainerCallback
 from rlcli.engine.context import RunContext
 from rlcli.engine.sft_data import Conversation, read_conversations
 from rlcli.errors import RlcliError, UsageError
+from rlcli.models import vision
 from rlcli.store.checkpoints import add_checkpoint
 from rlcli.store.episodes import episodes_for_sft, stage_episodes
 
@@ -98,9 +99,18 @@ def train_sft(ctx: RunContext) -> SftSummary:
     # The LoRA matrices are initialised from the global RNG: seed it so a run is reproducible.
     set_seed(recipe.run.seed)
     model, tokenizer = load_policy(recipe.model, recipe.lora, recipe.quantization, trainable=True)
-    examples, truncated = encode_conversations(
-        tokenizer, conversations, recipe.model.max_length, _eos_ids(model, tokenizer)
-    )
+    processor = vision.processor_of(tokenizer)  # a vision-language model's; None for a text model
+    pictures: dict[str, Any] = {}
+    if processor is None:  # image parts reach a text model's template as its rollouts do: unseen
+        examples, truncated = encode_conversations(
+            tokenizer, conversations, recipe.model.max_length, _eos_ids(model, tokenizer)
+        )
+    else:
+        keep = None if recipe.env.keep_images == "all" else recipe.env.keep_images
+        conversations, pictures = with_images(ctx.rundb, conversations)
+        examples, truncated = encode_image_conversations(
+            processor, conversations, recipe.model.max_length, _eos_ids(model, tokenizer), keep
+        )
     train_rows, eval_rows = split_examples(examples, recipe.sft.eval_fraction, recipe.run.seed)
     if truncated:
         ctx.console.print(
@@ -108,7 +118,11 @@ def train_sft(ctx: RunContext) -> SftSummary:
         )
 
     progress = RichProgress(ctx)
-    trainer = build_trainer(ctx, model, tokenizer, train_rows, eval_rows, [progress, RecipeLearningRate()])
+    callbacks = [progress, RecipeLearningRate()]
+    if processor is None:
+        trainer = build_trainer(ctx, model, tokenizer, train_rows, eval_rows, callbacks)
+    else:
+        trainer = build_image_trainer(ctx, model, processor, pictures, train_rows, eval_rows, callbacks)
     resume = resume_point(Path(trainer.args.output_dir))
     if resume is not None:
         ctx.console.print(f"sft: resuming from {resume}")
@@ -293,6 +307,144 @@ def encode_conversations(
     return rows, truncated
 
 
+# --- tokenisation with images: a vision-language model's conversations ------------------------------
+
+
+def with_images(rundb, conversations: list[Conversation]) -> tuple[list[Conversation], dict[str, Any]]:
+    """The conversations with every image part holding its PIL image and sha256, and sha256 -> image.
+
+    Episodes (expert demos, a run's good episodes) name their screenshots by hash: those come back
+    from the run database. A data file's image parts hold the image itself (a path or bytes).
+    """
+    from rlcli.store.images import load_images
+
+    wanted = [
+        part["sha256"]
+        for conversation in conversations
+        for part in _image_parts(conversation.messages)
+        if "image" not in part and "sha256" in part
+    ]
+    stored = {sha: vision.image_from_png(data) for sha, data in load_images(rundb, wanted).items()}
+    out = []
+    for conversation in conversations:
+        messages = []
+        for message in conversation.messages:
+            content = message.get("content")
+            if isinstance(content, list):
+                parts = []
+                for part in content:
+                    if isinstance(part, dict) and part.get("type") == "image" and "image" not in part:
+                        if part.get("sha256") not in stored:
+                            raise UsageError(
+                                f"{conversation.origin}: an image of the conversation is not in the run database "
+                                "(played by a text model, or by the expert before rlcli stored its screenshots); "
+                                "play the episodes again in another --run."
+                            )
+                        part = {**part, "image": stored[part["sha256"]]}
+                    parts.append(part)
+                message = {**message, "content": parts}
+            messages.append(message)
+        try:
+            messages = vision.name_images(messages, {})
+        except (ValueError, OSError) as exc:
+            raise UsageError(f"{conversation.origin}: an image cannot be read ({exc}).") from None
+        out.append(Conversation(messages, conversation.origin, conversation.tools, conversation.first_trained))
+    pictures = {ref.sha256: ref.image for c in out for ref in vision.message_images(c.messages)}
+    return out, pictures
+
+
+def _image_parts(messages: list[dict]) -> list[dict]:
+    return [
+        part
+        for message in messages
+        if isinstance(message.get("content"), list)
+        for part in message["content"]
+        if isinstance(part, dict) and part.get("type") == "image"
+    ]
+
+
+def tokenize_image_conversation(
+    processor, conversation: Conversation, end_ids: set[int], keep_images: int | None
+) -> list[dict[str, Any]]:
+    """tokenize_conversation for a vision-language model: rows of `input_ids`, `assistant_masks`,
+    `image_hashes` (the images in the ids, in order) and `image_spans` (the start and end of the
+    context piece that holds each image's tokens, for cutting a row without splitting them).
+
+    The pieces are tokenised the way the rollout builds a prompt (engine/rollout.py), the processor
+    expanding each image placeholder into the image's tokens, and each reply sees the images that
+    env.keep_images leaves it. When that rewrites the past (an older screenshot dropped), the replies
+    so far are one row and the next starts afresh, as the rollout then trains turns one by one.
+    """
+    messages = conversation.messages
+    rows: list[dict[str, Any]] = []
+    ids: list[int] = []
+    mask: list[int] = []
+    images: list[vision.ImageRef] = []
+    spans: list[tuple[int, int]] = []
+    rendered = ""
+    for index, message in enumerate(messages):
+        if message["role"] != "assistant" or index < conversation.first_trained:
+            continue
+        view = vision.keep_last_images(messages[: index + 1], keep_images)
+        prompt = vision.render(processor, view[:-1])
+        turn = processor.apply_chat_template(view, add_generation_prompt=False, tokenize=False)
+        shown = vision.message_images(view[:-1])
+        if ids and (
+            not prompt.startswith(rendered) or [r.sha256 for r in shown[: len(images)]] != [r.sha256 for r in images]
+        ):
+            rows.append(_image_row(ids, mask, images, spans))
+            ids, mask, images, spans, rendered = [], [], [], [], ""
+        if not turn.startswith(prompt):
+            raise UsageError(
+                f"{conversation.origin}: the chat template renders a reply's context differently once the reply "
+                "follows, so the assistant's tokens cannot be told apart; set model.chat_template to a template "
+                "that renders each turn the same way whatever comes after it."
+            )
+        fresh = shown[len(images) :]
+        context = vision.tokenize(processor, prompt[len(rendered) :], fresh)
+        reply = _encode(processor.tokenizer, turn[len(prompt) :])
+        trained = next((i + 1 for i, tok in enumerate(reply) if tok in end_ids), len(reply))
+        spans += [(len(ids), len(ids) + len(context))] * len(fresh)
+        ids += context + reply
+        mask += [0] * len(context) + [1] * trained + [0] * (len(reply) - trained)
+        images += fresh
+        rendered = turn
+    if ids:
+        rows.append(_image_row(ids, mask, images, spans))
+    return rows
+
+
+def _image_row(ids: list[int], mask: list[int], images: list[vision.ImageRef], spans: list[tuple[int, int]]) -> dict:
+    return {"input_ids": ids, "assistant_masks": mask, "image_hashes": [r.sha256 for r in images], "image_spans": spans}
+
+
+def encode_image_conversations(
+    processor, conversations: list[Conversation], max_length: int, end_ids: set[int], keep_images: int | None
+) -> tuple[list[dict[str, Any]], int]:
+    """encode_conversations for a vision-language model (rows of tokenize_image_conversation).
+
+    A row longer than max_length is cut there, or before the context piece of an image whose tokens
+    the cut would split (a forward needs each image's tokens whole); the images past the cut go.
+    """
+    rows, truncated = [], 0
+    for conversation in conversations:
+        for row in tokenize_image_conversation(processor, conversation, end_ids, keep_images):
+            ids, mask, hashes = row["input_ids"], row["assistant_masks"], row["image_hashes"]
+            if len(ids) > max_length:
+                truncated += 1
+                cut = min([max_length] + [start for start, end in row["image_spans"] if end > max_length])
+                kept = sum(1 for _, end in row["image_spans"] if end <= cut)
+                ids, mask, hashes = ids[:cut], mask[:cut], hashes[:kept]
+            if 1 in mask:
+                rows.append({"input_ids": ids, "assistant_masks": mask, "image_hashes": hashes})
+    if not rows:
+        raise UsageError(
+            f"Every SFT conversation's first assistant reply starts after model.max_length={max_length} tokens; "
+            "raise model.max_length."
+        )
+    return rows, truncated
+
+
 def split_examples(rows: list[dict], eval_fraction: float, seed: int) -> tuple[list[dict], list[dict]]:
     """A seeded held-out share for eval loss: at least one example when asked for, never all of them."""
     if eval_fraction == 0 or len(rows) < 2:
@@ -333,6 +485,81 @@ def build_trainer(ctx: RunContext, model, tokenizer, train_rows: list[dict], eva
     # disable_tqdm makes the Trainer print raw log dicts instead; the rich bar replaces both.
     trainer.remove_callback(PrinterCallback)
     return trainer
+
+
+def build_image_trainer(
+    ctx: RunContext,
+    model,
+    processor,
+    pictures: dict[str, Any],
+    train_rows: list[dict],
+    eval_rows: list[dict],
+    callbacks: list,
+):
+    """SFTTrainer for a vision-language model, on rows pre-tokenised with their images and ImageBatches.
+
+    Not TRL's own VLM collation (DataCollatorForVisionLanguageModeling): it renders and tokenises each
+    whole conversation in the collator, where the rollout tokenises turn by turn (token boundaries
+    at the joins may differ from what the policy sees when it acts), and its assistant-only loss
+    needs `{% generation %}` markers in the chat template, which SmolVLM's and tiny-random-vlm's lack.
+    The Trainer still does everything else: optimiser, schedule, checkpoints, resume, eval loss.
+    """
+    import datasets
+    from transformers import PrinterCallback
+    from trl import SFTTrainer
+
+    args = sft_args(ctx, has_eval=bool(eval_rows))
+    # The rows are ready: TRL is not to tokenise them again, nor drop the column naming their images.
+    args.dataset_kwargs = {"skip_prepare_dataset": True}
+    args.remove_unused_columns = False
+    # ImageBatches puts the pixels on the model's device already; only CPU tensors can be pinned.
+    args.dataloader_pin_memory = False
+    features = datasets.Features(
+        {
+            "input_ids": datasets.List(datasets.Value("int64")),
+            "assistant_masks": datasets.List(datasets.Value("int8")),
+            "image_hashes": datasets.List(datasets.Value("string")),
+        }
+    )
+    trainer = SFTTrainer(
+        model=model,
+        args=args,
+        train_dataset=datasets.Dataset.from_list(train_rows, features=features),
+        eval_dataset=datasets.Dataset.from_list(eval_rows, features=features) if eval_rows else None,
+        processing_class=processor,  # checkpoints then hold the image processor too
+        data_collator=ImageBatches(processor, pictures, model),
+        callbacks=callbacks,
+    )
+    trainer.remove_callback(PrinterCallback)
+    return trainer
+
+
+@dataclass
+class ImageBatches:
+    """Pads pre-tokenised rows on the right, makes labels of their assistant tokens (-100 elsewhere)
+    and adds the pixels of their images, in the order their tokens appear, row after row."""
+
+    processor: Any
+    pictures: dict[str, Any]  # sha256 -> PIL image
+    model: Any
+
+    def __call__(self, rows: list[dict]) -> dict[str, Any]:
+        import torch
+
+        longest = max(len(row["input_ids"]) for row in rows)
+        pad = self.processor.tokenizer.pad_token_id
+        ids = torch.full((len(rows), longest), pad, dtype=torch.long)
+        attention = torch.zeros((len(rows), longest), dtype=torch.long)
+        labels = torch.full((len(rows), longest), -100, dtype=torch.long)
+        for i, row in enumerate(rows):
+            row_ids = torch.tensor(row["input_ids"], dtype=torch.long)
+            n = len(row_ids)
+            ids[i, :n], attention[i, :n] = row_ids, 1
+            labels[i, :n] = torch.where(torch.tensor(row["assistant_masks"]) > 0, row_ids, -100)
+        images = [self.pictures[sha] for row in rows for sha in row["image_hashes"]]
+        # With the ids, an M-RoPE model (Qwen2-VL) also gets what its forward needs for its 3-D positions.
+        pixels = vision.pixel_inputs(self.processor, images, self.model, input_ids=ids)
+        return {"input_ids": ids, "attention_mask": attention, "labels": labels, **pixels}
 
 
 def sft_args(ctx: RunContext, *, has_eval: bool) -> Any:

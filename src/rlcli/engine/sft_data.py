@@ -31,10 +31,18 @@ def read_conversations(path: Path) -> list[Conversation]:
     """Rows of a JSONL / JSON / parquet file or a `datasets` folder, checked and made conversations.
 
     A row holds `messages` (a chat), or `prompt` and `completion` (two strings, or two lists of
-    messages), and optionally `tools`. Row numbers in errors are line numbers for JSONL and
-    1-based positions otherwise.
+    messages), and optionally `tools`. A message's content may be a list of text and image parts
+    for a vision-language model; an image given as a relative path is found beside the file. Row
+    numbers in errors are line numbers for JSONL and 1-based positions otherwise.
     """
-    return [conversation_from_row(row, f"{path}: row {number}") for number, row in read_rows(path)]
+    conversations = [conversation_from_row(row, f"{path}: row {number}") for number, row in read_rows(path)]
+    folder = path if path.is_dir() else path.parent
+    for conversation in conversations:
+        for message in conversation.messages:
+            for part in message["content"] if isinstance(message.get("content"), list) else []:
+                if part["type"] == "image" and isinstance(part["image"], str):
+                    part["image"] = str(folder / Path(part["image"]).expanduser())
+    return conversations
 
 
 def read_rows(path: Path) -> list[tuple[int, Any]]:
@@ -106,7 +114,7 @@ def conversation_from_row(row: Any, where: str) -> Conversation:
             f"{where}: expected an object with `messages`, or `prompt` and `completion`; got {_kind(row)}."
         )
     if row.get("messages") is not None:
-        messages, first_trained = _check_messages(row["messages"], where, "messages"), 0
+        messages, first_trained = _check_messages(_fill_images(row, row["messages"]), where, "messages"), 0
     elif row.get("prompt") is not None and row.get("completion") is not None:
         prompt, completion = row["prompt"], row["completion"]
         if isinstance(prompt, str) and isinstance(completion, str):
@@ -114,7 +122,7 @@ def conversation_from_row(row: Any, where: str) -> Conversation:
             messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
             first_trained = 1
         elif isinstance(prompt, list) and isinstance(completion, list):
-            prompt_messages = _check_messages(prompt, where, "prompt")
+            prompt_messages = _check_messages(_fill_images(row, prompt), where, "prompt")
             messages = prompt_messages + _check_messages(completion, where, "completion")
             first_trained = len(prompt_messages)
         else:
@@ -151,10 +159,56 @@ def _check_messages(messages: Any, where: str, field: str) -> list[dict[str, Any
                 f"{at}: expected role {', '.join(ROLES[:-1])} or {ROLES[-1]}; got {message.get('role')!r}."
             )
         content = message.get("content")
-        if not isinstance(content, str) and not (content is None and message.get("tool_calls")):
-            raise UsageError(f"{at}: expected `content` to be a string; got {_kind(content)}.")
+        if isinstance(content, list):
+            message["content"] = [_check_part(part, at) for part in content]
+        elif not isinstance(content, str) and not (content is None and message.get("tool_calls")):
+            raise UsageError(f"{at}: expected `content` to be a string or a list of parts; got {_kind(content)}.")
         checked.append(message)
     return checked
+
+
+def _check_part(part: Any, at: str) -> dict[str, Any]:
+    """A content part as transformers' and TRL's chat convention writes it: text, or an image given
+    as a path, encoded bytes or a PIL image (read when a vision-language model trains on it)."""
+    if not isinstance(part, dict) or part.get("type") not in ("text", "image"):
+        got = part.get("type") if isinstance(part, dict) else _kind(part)
+        raise UsageError(f"{at}: expected parts of type text or image; got {got!r}.")
+    part = {k: v for k, v in part.items() if v is not None}
+    if part["type"] == "text" and not isinstance(part.get("text"), str):
+        raise UsageError(f"{at}: expected a text part's `text` to be a string; got {_kind(part.get('text'))}.")
+    if part["type"] == "image":
+        from PIL import Image
+
+        image = part.get("image")
+        if isinstance(image, dict):  # datasets' Image feature, as parquet and save_to_disk store it
+            image = image.get("bytes") or image.get("path")
+        if not isinstance(image, (str, bytes, Image.Image)):
+            raise UsageError(
+                f"{at}: expected an image part to hold `image` (a path, bytes or a PIL image), or the row an "
+                f"`images` list with one image per image part; got {_kind(image)}."
+            )
+        part["image"] = image
+    return part
+
+
+def _fill_images(row: dict, messages: Any) -> Any:
+    """TRL's layout: image parts without an image, and the row's `images` list filling them in order."""
+    images = row.get("images")
+    if not isinstance(images, list) or not isinstance(messages, list):
+        return messages
+    images = iter(images)
+    filled = []
+    for message in messages:
+        if isinstance(message, dict) and isinstance(message.get("content"), list):
+            parts = [
+                {**part, "image": next(images, None)}
+                if isinstance(part, dict) and part.get("type") == "image" and part.get("image") is None
+                else part
+                for part in message["content"]
+            ]
+            message = {**message, "content": parts}
+        filled.append(message)
+    return filled
 
 
 def _check_tools(tools: Any, where: str) -> list[dict] | None:

@@ -17,6 +17,11 @@ grpo.dynamic_sampling (DAPO) adds rounds rollout/i+r, label/i+r after label/i wh
 rollout.tasks groups have unequal rewards (_refill), each round's tasks recorded with its stage;
 train/i trains on rollout.tasks of the groups, informative ones first (training_batch).
 
+rollout.group_size_hard gives a task that the statistics of the iterations before rate as hard
+rollout.group_size_hard samples instead of rollout.group_size (engine/curriculum.py, group_sizes),
+recorded with the rollout stage. Groups are then unequal; the advantages are per group (its own mean,
+std and size), and every episode counts once in the loss.
+
 grpo.eval_every adds eval stages (engine/evaluate.py, TrainingEvals): the starting point's first,
 then eval/ckpt-<id> after train/i for every n-th iteration's checkpoint and the last one, each
 with the model in memory; eval/success_rate joins that iteration's metrics once it is done.
@@ -24,6 +29,15 @@ with the model in memory; eval/success_rate joins that iteration's metrics once 
 With rollout.engine vllm, the engine gets the policy's weights (LoRA merged in) before every
 iteration's rollout, perf/time_sync_s. train/engine_logprob_gap is the mean |rollout logprob -
 the trainer's logprob| over the trainable tokens, the mismatch that grpo.tis_cap corrects for.
+
+Phases: a recipe's run.stages may list grpo more than once (sft -> grpo -> dpo -> grpo, VerIPO). With
+N = grpo.iterations, phase k runs iterations k*N .. k*N+N-1: the numbering goes on from the phase
+before, so every stage name (rollout/i, label/i, train/i), sampling seed, task draw, metric step and
+checkpoint folder stays the run's own. Phase 0 is `rlcli train grpo`; phase k >= 1 runs inside stage
+grpo/k, which records its iterations and its start: the weights of the run's newest checkpoint when
+it began (the DPO stage's; the phase before's last when DPO mined no pairs), with a fresh optimizer
+and learning-rate schedule. Its KL anchor stays what grpo.reference names (the SFT checkpoint or
+the base model), never the DPO checkpoint. Once phase 1 has begun, grpo.iterations is fixed.
 
 grpo.max_staleness k > 0 (engine/async_rollout.py): a rollout worker process plays rollout/i+1..i+k
 while this process labels and trains iteration i, and gets the new weights after each update; the
@@ -50,7 +64,7 @@ from typing import Any
 from rlcli.engine import grpo, guardrails
 from rlcli.engine.async_rollout import push_folder, set_aside_stale, staleness
 from rlcli.engine.context import RunContext
-from rlcli.engine.curriculum import extra_tasks, iteration_tasks
+from rlcli.engine.curriculum import extra_tasks, group_sizes, iteration_tasks
 from rlcli.engine.labelling import GRPO_LABEL_SET
 from rlcli.engine.rollout import (
     collect,
@@ -103,7 +117,65 @@ def episode_sequences(episode_id: int, group: int, turns: list[Turn]) -> list[Tr
 # --- the loop ---------------------------------------------------------------------------------
 
 
-def run_grpo(ctx: RunContext) -> None:
+def run_grpo(ctx: RunContext, phase: int = 0) -> None:
+    """GRPO phase `phase` (module docstring): 0 is `rlcli train grpo`; a later one (run.stages listing
+    grpo again) runs as stage grpo/<phase>, so that once done it is skipped without loading a model."""
+    check_phases(ctx)
+    if phase == 0:
+        _run_phase(ctx, 0, None)
+        return
+    n = ctx.recipe.grpo.iterations
+    first, name = phase * n, f"grpo/{phase}"
+    row = ctx.rundb.stage(ctx.run, name)
+    if row is None and ctx.rundb.stage(ctx.run, f"rollout/{first}") is not None:
+        raise UsageError(
+            f"Run {ctx.run!r}: GRPO phase {phase} would start at iteration {first}, which an earlier phase has "
+            "already run (grpo.iterations was larger then); set grpo.iterations back, or start a new run."
+        )
+    start = phase_start(ctx, row)
+    ctx.stage(
+        name,
+        lambda: _run_phase(ctx, phase, start),
+        params={"start": None if start is None else start.id},
+        identity={"first_iteration": first, "last_iteration": first + n - 1},
+    )
+
+
+def check_phases(ctx: RunContext) -> None:
+    """Refuse a grpo.iterations that would move the iterations of a GRPO phase already begun."""
+    n = ctx.recipe.grpo.iterations
+    for row in ctx.rundb.stages(ctx.run):
+        phase = row.name.removeprefix("grpo/")
+        if row.name.startswith("grpo/") and phase.isdigit() and "first_iteration" in row.params:
+            first, last = row.params["first_iteration"], row.params["last_iteration"]
+            if (first, last) != (int(phase) * n, int(phase) * n + n - 1):
+                raise UsageError(
+                    f"Run {ctx.run!r}: GRPO phase {phase} runs iterations {first}..{last}, and each phase runs "
+                    f"grpo.iterations of them, numbered on from the phase before; set grpo.iterations back to "
+                    f"{last - first + 1}, or start a new run."
+                )
+
+
+def phase_start(ctx: RunContext, row) -> Checkpoint | None:
+    """The checkpoint a GRPO phase >= 1 starts from: the one its stage `row` recorded when it began,
+    else the run's newest (None: the base model)."""
+    known = checkpoints(ctx.rundb, ctx.run)
+    if row is not None and "start" in row.params:
+        if row.params["start"] is None:
+            return None
+        found = next((c for c in known if c.id == row.params["start"]), None)
+        if found is None:
+            raise UsageError(
+                f"Run {ctx.run!r}: {row.name} started from checkpoint {row.params['start']}, which is no longer "
+                "recorded; restore it, or start a new run."
+            )
+        return found
+    return known[-1] if known else None
+
+
+def _run_phase(ctx: RunContext, phase: int, start: Checkpoint | None) -> dict[str, Any]:
+    """Iterations phase*N .. phase*N+N-1 (N = grpo.iterations), resumed where they stopped; phase 0
+    starts from the SFT checkpoint (else the base model), a later one from `start`."""
     import torch
 
     from rlcli.engine.labelling import label_stage_episodes
@@ -116,17 +188,22 @@ def run_grpo(ctx: RunContext) -> None:
     uses_vllm = generation_engine(recipe) == "vllm"
     reward_fns = build_reward_fns(recipe.rewards, device=recipe.model.device)
 
-    resume, state = resume_point(ctx)
-    start_iter = resume.iteration + 1 if resume else 0
-    if start_iter >= cfg.iterations:
-        ctx.console.print(f"train grpo: all {cfg.iterations} iterations are done.")
+    first, end = phase * cfg.iterations, (phase + 1) * cfg.iterations
+    summary = {"first_iteration": first, "last_iteration": end - 1, "start": None if start is None else start.id}
+    title = f"train grpo phase {phase}" if phase else "train grpo"
+    resume, state = resume_point(ctx, first)
+    start_iter = resume.iteration + 1 if resume else first
+    if start_iter >= end:
+        ctx.console.print(f"{title}: all {cfg.iterations} iterations are done.")
         if cfg.eval_every:  # a kill may have cut off the last eval: it loads its checkpoint from disk
             from rlcli.engine.evaluate import TrainingEvals
 
-            evals_before(ctx, TrainingEvals(ctx, None, None, METRICS_STAGE), start_iter, resume)
-        return
+            evals_before(ctx, TrainingEvals(ctx, None, None, METRICS_STAGE), first, min(start_iter, end), resume)
+        return summary
     if resume:
         adapter = resume.path
+    elif phase:
+        adapter = start.path if start is not None else None
     else:
         sft = [c for c in checkpoints(ctx.rundb, ctx.run) if c.stage == "sft"]
         adapter = sft[-1].path if sft else None
@@ -148,13 +225,16 @@ def run_grpo(ctx: RunContext) -> None:
         scheduler.load_state_dict(state["scheduler"])
         _apply_recipe_hyperparameters(optimizer, scheduler, cfg, schedule)
     # Stages after the checkpoint were done with weights that were not saved: redo them.
-    for it in range(start_iter, cfg.iterations):
+    for it in range(start_iter, end):
         if stage_done(ctx.rundb, ctx.run, f"train/{it}"):
             ctx.rundb.mark_stage(ctx.run, f"train/{it}", "pending")
     view = MetricsView(ctx.console)
-    start_label = f"checkpoint {resume.id}" if resume else ("sft" if adapter else "base")
+    # The policy label of the phase's first rollout: the stage that wrote the weights it starts from.
+    start_label = (start.stage if start else "base") if phase else ("sft" if adapter else "base")
+    shown = f"{start_label} (checkpoint {start.id})" if start else start_label
+    shown = f"checkpoint {resume.id}" if resume else shown
     anchor = f", KL to {'sft' if reference else 'base'} (beta {cfg.beta:g})" if cfg.beta > 0 else ""
-    ctx.console.print(f"train grpo: iterations {start_iter}..{cfg.iterations - 1}, starting from {start_label}{anchor}")
+    ctx.console.print(f"{title}: iterations {start_iter}..{end - 1}, starting from {shown}{anchor}")
     worker = None
     if cfg.max_staleness:  # asynchronous GRPO: a worker process plays the rollouts (engine/async_rollout.py)
         from rlcli.engine.async_rollout import RolloutWorker, thread_split
@@ -186,15 +266,16 @@ def run_grpo(ctx: RunContext) -> None:
             from rlcli.engine.evaluate import TrainingEvals
 
             evals = TrainingEvals(ctx, model, tokenizer, METRICS_STAGE)
-            evals_before(ctx, evals, start_iter, resume)
-        for it in range(start_iter, cfg.iterations):
+            evals_before(ctx, evals, first, start_iter, resume)
+        for it in range(start_iter, end):
+            policy = f"train/{it - 1}" if it > first else start_label  # the weights this iteration plays
             sync_s = None
             if worker is not None:
                 worker.ask_through(it)
                 rollout_summary, timings, fresh_rollout = worker.wait(it)
             else:
                 rollout_summary, timings, fresh_rollout, sync_s = _sync_rollout(
-                    ctx, it, sampler, tokenizer, model, uses_vllm, start_label
+                    ctx, it, sampler, tokenizer, model, uses_vllm, policy
                 )
 
             t0 = time.perf_counter()
@@ -202,7 +283,7 @@ def run_grpo(ctx: RunContext) -> None:
             timings["perf/time_label_s"] = time.perf_counter() - t0
             if cfg.dynamic_sampling:
                 t0 = time.perf_counter()
-                _refill(ctx, it, sampler, tokenizer, reward_fns, f"train/{it - 1}" if it > 0 else start_label)
+                _refill(ctx, it, sampler, tokenizer, reward_fns, policy)
                 timings["perf/time_refill_s"] = time.perf_counter() - t0
 
             if fresh_rollout:
@@ -213,6 +294,9 @@ def run_grpo(ctx: RunContext) -> None:
                 timings = {}
             if sync_s is not None:
                 timings["perf/time_sync_s"] = sync_s
+            if uses_vllm and worker is None:
+                # rollout.vllm_sleep: the update gets the engine's GPU memory; the next sync wakes it.
+                sampler.engine.sleep()
             t0 = time.perf_counter()
 
             def commit(result: dict[str, Any]) -> None:
@@ -233,7 +317,7 @@ def run_grpo(ctx: RunContext) -> None:
                 params={"iteration": it},
                 commit=commit,
             )
-            if worker is not None and it + 1 < cfg.iterations:
+            if worker is not None and it + 1 < end:
                 worker.push(it, pushed_weights(ctx, model, tokenizer, it), f"train/{it}")
             metrics = {**iteration_metrics(rollout_summary, result), **timings}
             if evals is not None and evaluates_after(cfg, it):
@@ -243,14 +327,16 @@ def run_grpo(ctx: RunContext) -> None:
             view.show(it, metrics)
             for warning in guardrails.check(ctx, it):  # once its metrics and held-out eval are stored
                 ctx.console.print(f"warning: {warning.message}", style="yellow", highlight=False)
+    return summary
 
 
-def _sync_rollout(ctx: RunContext, it: int, sampler, tokenizer, model, uses_vllm: bool, start_label: str):
+def _sync_rollout(ctx: RunContext, it: int, sampler, tokenizer, model, uses_vllm: bool, policy_label: str):
     """The synchronous loop's rollout/it, played here with the weights in memory; returns its stage
     result, its timings, whether it was played now (not before a resume) and the vLLM sync's seconds."""
     recipe = ctx.recipe
     timings: dict[str, float] = {}
     tasks = iteration_tasks(ctx, it)  # grpo.sampling; a resumed iteration reuses its recorded draw
+    sizes = group_sizes(ctx, it, f"rollout/{it}", tasks)  # rollout.group_size_hard, recorded likewise
     set_aside_stale(ctx, it, 0)  # sampled ahead by an asynchronous run that is resumed synchronously
     fresh_rollout = not stage_done(ctx.rundb, ctx.run, f"rollout/{it}")
     # Episodes that timed out are played again, and labelled, before this iteration trains.
@@ -263,7 +349,11 @@ def _sync_rollout(ctx: RunContext, it: int, sampler, tokenizer, model, uses_vllm
         from rlcli.engine.vllm_engine import sync_weights
 
         t0 = time.perf_counter()
-        sync_weights(sampler.engine, model)
+        # rollout.vllm_sync adapter: the last update's checkpoint folder, when saved, already holds the adapter
+        # (not at a phase's first iteration: the model then comes from the stage before, e.g. DPO).
+        in_phase = it % recipe.grpo.iterations != 0
+        saved = checkpoint_folder(ctx, it - 1) if in_phase and saves_checkpoint(recipe.grpo, it - 1) else None
+        sync_weights(sampler.engine, model, adapter_folder=saved)
         sync_s = time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -272,16 +362,21 @@ def _sync_rollout(ctx: RunContext, it: int, sampler, tokenizer, model, uses_vllm
         lambda: collect(
             ctx,
             stage=f"rollout/{it}",
-            policy_label=f"train/{it - 1}" if it > 0 else start_label,
+            policy_label=policy_label,
             sampler=sampler,
             tokenizer=tokenizer,
             task_indices=tasks,
-            group_size=recipe.rollout.group_size,
+            group_size=sizes,
             split="train",
             iteration=it,
             progress_label=f"rollout {it}",
         ),
-        params={"iteration": it, "tasks": tasks, "max_turns": recipe.env.horizon(it)},
+        params={
+            "iteration": it,
+            "tasks": tasks,
+            "group_sizes": list(sizes.values()),
+            "max_turns": recipe.env.horizon(it),
+        },
     )
     timings["perf/time_rollout_s"] = time.perf_counter() - t0
     return rollout_summary, timings, fresh_rollout, sync_s
@@ -307,21 +402,28 @@ def _refill(ctx: RunContext, it: int, sampler, tokenizer, reward_fns, policy_lab
             break
         if reopen_for_retries(ctx, stage):
             ctx.rundb.mark_stage(ctx.run, f"label/{it}+{r}", "pending")
+        sizes = group_sizes(ctx, it, stage, tasks)
         ctx.stage(
             stage,
-            lambda stage=stage, tasks=tasks: collect(
+            lambda stage=stage, tasks=tasks, sizes=sizes: collect(
                 ctx,
                 stage=stage,
                 policy_label=policy_label,
                 sampler=sampler,
                 tokenizer=tokenizer,
                 task_indices=tasks,
-                group_size=recipe.rollout.group_size,
+                group_size=sizes,
                 split="train",
                 iteration=it,
                 progress_label=f"rollout {it}+{r}",
             ),
-            params={"iteration": it, "round": r, "tasks": tasks, "max_turns": recipe.env.horizon(it)},
+            params={
+                "iteration": it,
+                "round": r,
+                "tasks": tasks,
+                "group_sizes": list(sizes.values()),
+                "max_turns": recipe.env.horizon(it),
+            },
         )
         ctx.stage(f"label/{it}+{r}", lambda stage=stage: label_stage_episodes(ctx, stage, LABEL_SET, reward_fns))
         stages.append(stage)
@@ -424,6 +526,8 @@ def train_iteration(
     if cfg.dynamic_sampling:
         stats["train/groups_drawn"] = drawn
         stats["train/rollout_rounds"] = len(stages)
+    if recipe.rollout.group_size_hard is not None:
+        stats["train/hard_groups"] = len(hard_tasks(ctx, stages) & {e.episode.task_index for e in episodes})
     lags = [staleness(it, e.episode.policy) for e in episodes]
     replay_ids = {e.episode.id for e in replayed}
     if cfg.max_staleness:  # of the iteration's own rollouts: replays are as old as they are by design
@@ -467,6 +571,16 @@ def train_iteration(
     return stats
 
 
+def hard_tasks(ctx: RunContext, stages: list[str]) -> set[int]:
+    """The tasks these rollout stages played with rollout.group_size_hard samples (their recorded sizes)."""
+    hard = set()
+    for stage in stages:
+        params = ctx.rundb.stage(ctx.run, stage).params
+        sizes = params.get("group_sizes") or []
+        hard |= {t for t, n in zip(params["tasks"], sizes) if n == ctx.recipe.rollout.group_size_hard}
+    return hard
+
+
 def replays_for(ctx: RunContext, it: int, episodes: list[LabelledEpisode]) -> list[LabelledEpisode]:
     """grpo.replay: for each group with no episode of total reward >= min_reward, up to max_per_group of
     that task's stored episodes from earlier iterations that reached it (store/replays.py)."""
@@ -493,23 +607,27 @@ def _turn_rewards(labelled: LabelledEpisode) -> list[float]:
 
 
 def saves_checkpoint(cfg, it: int) -> bool:
-    return (it + 1) % cfg.checkpoint_every == 0 or it + 1 == cfg.iterations
+    """Every checkpoint_every-th iteration, and the last of each GRPO phase (a multiple of grpo.iterations)."""
+    return (it + 1) % cfg.checkpoint_every == 0 or (it + 1) % cfg.iterations == 0
 
 
-def evals_before(ctx: RunContext, evals, start_iter: int, resume: Checkpoint | None) -> None:
-    """The starting point's eval (SFT, else base), then those of checkpoints saved before start_iter
-    that a kill cut off or that predate eval_every. The model in memory holds `resume`'s weights,
-    else the starting point's; every other one is loaded from disk."""
-    sft = [c for c in checkpoints(ctx.rundb, ctx.run) if c.stage == "sft"]
-    evals.evaluate(sft[-1] if sft else None, -1, in_memory=resume is None)
+def evals_before(ctx: RunContext, evals, first: int, start_iter: int, resume: Checkpoint | None) -> None:
+    """In phase 0 (first = 0) the starting point's eval (SFT, else base), then those of the phase's
+    checkpoints saved before start_iter that a kill cut off or that predate eval_every. The model in
+    memory holds `resume`'s weights, else the starting point's; every other one is loaded from disk.
+    A later phase's start (the DPO checkpoint) gets no eval here: its step would be the phase
+    before's last; an eval stage after dpo in run.stages measures it."""
+    if first == 0:
+        sft = [c for c in checkpoints(ctx.rundb, ctx.run) if c.stage == "sft"]
+        evals.evaluate(sft[-1] if sft else None, -1, in_memory=resume is None)
     for ckpt in train_checkpoints(ctx.rundb, ctx.run):
-        if ckpt.iteration < start_iter and evaluates_after(ctx.recipe.grpo, ckpt.iteration):
+        if first <= ckpt.iteration < start_iter and evaluates_after(ctx.recipe.grpo, ckpt.iteration):
             evals.evaluate(ckpt, ckpt.iteration, in_memory=resume is not None and ckpt.id == resume.id)
 
 
 def evaluates_after(cfg, it: int) -> bool:
     """grpo.eval_every: iteration it's checkpoint gets a held-out eval (every n iterations, and the last)."""
-    due = (it + 1) % cfg.eval_every == 0 or it + 1 == cfg.iterations if cfg.eval_every else False
+    due = (it + 1) % cfg.eval_every == 0 or (it + 1) % cfg.iterations == 0 if cfg.eval_every else False
     return due and saves_checkpoint(cfg, it)
 
 
@@ -578,12 +696,14 @@ def _apply_recipe_hyperparameters(optimizer, scheduler, cfg, schedule: LrSchedul
         )
 
 
-def resume_point(ctx: RunContext) -> tuple[Checkpoint | None, dict[str, Any] | None]:
-    """The newest GRPO checkpoint whose trainer state reads back, with that state; (None, None) to
-    start afresh. One that a crash left unreadable is passed over, saying so: its iterations are redone."""
+def resume_point(ctx: RunContext, first: int = 0) -> tuple[Checkpoint | None, dict[str, Any] | None]:
+    """The newest GRPO checkpoint from iteration `first` on (the phase's first) whose trainer state
+    reads back, with that state; (None, None) to start the phase afresh. One that a crash left
+    unreadable is passed over, saying so: its iterations are redone."""
     import torch
 
-    for checkpoint in reversed(train_checkpoints(ctx.rundb, ctx.run)):
+    own = [c for c in train_checkpoints(ctx.rundb, ctx.run) if c.iteration >= first]
+    for checkpoint in reversed(own):
         state_file = require_folder(checkpoint) / TRAINER_STATE
         try:
             return checkpoint, torch.load(state_file, map_location="cpu", weights_only=True)

@@ -188,7 +188,9 @@ def _collate(
 
     Rows with images (a vision-language model's) are forwarded whole too, the pixels rebuilt from the
     stored images (`pictures`): a prefix forwarded alone would need its images' features computed
-    apart from the rows', and a group's screenshots differ right after the shared system prompt."""
+    apart from the rows', and a group's screenshots differ right after the shared system prompt.
+    An M-RoPE model (Qwen2-VL) gets no position_ids then: its forward computes the 3-D positions of
+    the image tokens from the image grids and the attention mask (left padding skipped)."""
     from rlcli.models.vision import pixel_inputs, processor_of
 
     device = next(model.parameters()).device
@@ -220,12 +222,14 @@ def _collate(
     # Padding sits between the prefix and each suffix; the mask hides it and positions skip it.
     pos = prefix + (attn.cumsum(-1) - 1).clamp(min=0)
     attn = torch.cat([torch.ones((B, prefix), dtype=torch.long), attn], dim=-1)
+    ids = ids.to(device)
+    pixels = pixel_inputs(processor_of(model), images, model, input_ids=ids) if images else {}
     return {
-        "pixels": pixel_inputs(processor_of(model), images, model) if images else {},
+        "pixels": pixels,
         "prefix_ids": torch.tensor([micro[0].ids[:prefix]], device=device) if prefix else None,
-        "input_ids": ids.to(device),
+        "input_ids": ids,
         "attention_mask": attn.to(device),
-        "position_ids": pos.to(device),
+        "position_ids": None if "mm_token_type_ids" in pixels else pos.to(device),
         "keep": keep,
         "positions": positions,
         "padding": padded,

@@ -13,18 +13,32 @@ of the truncated distribution the token was drawn from, where the HF sampler rec
 The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), which is what lets the trainer
 reload the weights in place after an update: `load_weights(merged_weights(model))`.
 
+Weight sync (`sync_weights`, rollout.vllm_sync): `merged` reloads every weight with the LoRA merged
+in; `adapter` keeps the base weights and serves the policy's LoRA adapter through a `LoRARequest`,
+saved to a folder after each update (or the checkpoint's own folder): only the adapter's few MB move,
+but vLLM's LoRA kernels make each decoding step slower.
+
+Sleep mode (rollout.vllm_sleep): when the engine shares its GPU with the trainer, the training loop
+puts it to sleep before each update (its weights go to host memory and its KV cache is freed, so
+the update has that memory) and it wakes up when it is next used (the sync that follows the update).
+
 vllm is imported only when an engine is built; importing this module stays cheap.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+import weakref
 from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from rlcli.engine.sampling import Sample, SamplingConfig
+from rlcli.errors import UsageError
 
 # Sampled-token logprobs after temperature (and top-k/top-p, when they are on); see the module doc.
 LOGPROBS_MODE = "processed_logprobs"
@@ -40,6 +54,10 @@ class VllmEngine:
     CPU build it is the share of host memory it reserves, so a CPU caller should set
     kv_cache_memory_bytes instead, which overrides it on either platform.
     enforce_eager: None means eager on the CPU (no graphs to capture there) and CUDA graphs on a GPU.
+    max_lora_rank: serve LoRA adapters up to this rank over the base weights (adapter-only sync,
+    `load_adapter`); None: no LoRA, weights are synced by `load_weights`.
+    sleep_mode: build the engine so that `sleep` can free its GPU memory (vLLM's enable_sleep_mode;
+    CUDA only).
     """
 
     def __init__(
@@ -54,6 +72,8 @@ class VllmEngine:
         enforce_eager: bool | None = None,
         enable_prefix_caching: bool = True,
         seed: int = 0,
+        max_lora_rank: int | None = None,
+        sleep_mode: bool = False,
     ) -> None:
         # Must be set before vllm reads it: the engine core then runs in this process, where its
         # model runner (and so in-place weight reload) is reachable without serialising tensors.
@@ -73,6 +93,10 @@ class VllmEngine:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
         if enforce_eager is None:
             enforce_eager = current_platform.is_cpu()
+        lora: dict[str, Any] = {}
+        if max_lora_rank is not None:
+            # One adapter at a time: the policy's latest. vLLM sizes its LoRA buffers for a fixed rank.
+            lora = dict(enable_lora=True, max_loras=1, max_lora_rank=_vllm_lora_rank(max_lora_rank))
         self.llm = LLM(
             model=str(model_path),
             max_model_len=max_model_len,
@@ -84,8 +108,15 @@ class VllmEngine:
             enable_prefix_caching=enable_prefix_caching,
             logprobs_mode=LOGPROBS_MODE,
             seed=seed,
+            enable_sleep_mode=sleep_mode,
+            **lora,
         )
-        self.serves_base = True  # the weights of model_path; False once others were loaded
+        self.sleep_mode, self.asleep = sleep_mode, False
+        self.serves_base = True  # the policy of model_path; False once other weights or an adapter are served
+        self.adapter_sync = max_lora_rank is not None
+        self.adapter: Any = None  # the LoRARequest every request is sampled with; None: the base weights
+        self._adapters_loaded = 0  # vLLM caches adapters by integer id: each sync gets a new one
+        self._scratch: Path | None = None  # where adapters without a folder of their own are saved
 
     def generate(
         self,
@@ -99,9 +130,12 @@ class VllmEngine:
 
         if len(seeds) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds.")
+        self.wake_up()
         budgets = max_new_tokens or [config.max_new_tokens] * len(prompts)
         params = [_sampling_params(config, seed, budget) for seed, budget in zip(seeds, budgets)]
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
+        outputs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False, lora_request=self.adapter
+        )
         return [_sample(output.outputs[0]) for output in outputs]
 
     def load_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -114,9 +148,77 @@ class VllmEngine:
         Cached prefixes were computed with the old weights: dropped.
         """
         pairs = weights.items() if isinstance(weights, Mapping) else weights
+        self.wake_up()
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(pairs)})
         self.llm.collective_rpc(_repack_tied_cpu_weights)
         self.llm.reset_prefix_cache()
+
+    def load_adapter(self, folder: str | os.PathLike) -> None:
+        """Serve the LoRA adapter saved in `folder` (peft's save_pretrained) over the base weights.
+
+        It is loaded now, so that a bad folder fails here and the load counts as sync time, under a
+        new name and id: vLLM keys its adapter cache by id and its prefix cache by name and path, so
+        neither can hand back the previous adapter's weights or KV blocks. The previous adapter is
+        dropped, and its folder too when it was one of this engine's scratch saves.
+        """
+        from vllm.lora.request import LoRARequest
+
+        self._adapters_loaded += 1
+        n = self._adapters_loaded
+        request = LoRARequest(f"rlcli-policy-{n}", n, str(folder))
+        self.wake_up()
+        self.llm.llm_engine.add_lora(request)
+        self.serve_base()
+        self.adapter = request
+
+    def serve_base(self) -> None:
+        """Sample with the base weights again (adapter-only sync): drop the adapter being served."""
+        if self.adapter is None:
+            return
+        self.wake_up()
+        self.llm.llm_engine.remove_lora(self.adapter.lora_int_id)
+        old = Path(self.adapter.lora_path)
+        if self._scratch is not None and old.parent == self._scratch:
+            shutil.rmtree(old, ignore_errors=True)
+        self.adapter = None
+
+    def sleep(self) -> None:
+        """Give the GPU to the trainer: weights to host memory, KV cache (and prefix cache) freed.
+
+        Level 1, not 2: level 2 drops the weights too, and adapter-only sync needs the base weights
+        back; merged sync reloads them anyway. A no-op unless the engine was built with sleep_mode.
+        """
+        if self.sleep_mode and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def wake_up(self) -> None:
+        """Take the GPU memory back after `sleep`; every method that uses the engine calls it first."""
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+
+    def save_adapter(self, model: Any) -> Path:
+        """Save model's active LoRA adapter into a new folder of this engine's scratch directory.
+
+        The directory is a temporary one, removed when the engine goes (a killed process leaves it
+        in the system's temporary directory); it holds the served adapter and the one being loaded.
+        """
+        from peft import PeftModel
+
+        if not isinstance(model, PeftModel):
+            raise ValueError(
+                "Adapter-only sync (rollout.vllm_sync adapter) needs a model that holds its LoRA adapter, or the "
+                "folder of the checkpoint it was loaded from."
+            )
+        if self._scratch is None:
+            self._scratch = Path(tempfile.mkdtemp(prefix="rlcli-vllm-adapter-"))
+            weakref.finalize(self, shutil.rmtree, self._scratch, True)
+        folder = self._scratch / f"sync-{self._adapters_loaded + 1}"
+        active = model.active_adapter
+        # Only the trainable adapter: a frozen reference adapter beside it (grpo.reference) is not the policy.
+        model.save_pretrained(folder, selected_adapters=[active])
+        return folder if active == "default" else folder / active  # peft puts other names in a subfolder
 
 
 class VllmSampler:
@@ -153,6 +255,8 @@ _shared: tuple[dict[str, Any], VllmEngine] | None = None
 def shared_engine(model_path: str, **options: Any) -> VllmEngine:
     """This process's engine over model_path, built on first use; built again if the options change."""
     global _shared
+    # An option given as None takes its default: passing it or not is the same engine.
+    options = {name: value for name, value in options.items() if value is not None}
     key = {"model_path": str(model_path), **options}
     if _shared is None or _shared[0] != key:
         from rlcli.models.loading import console
@@ -166,15 +270,29 @@ def shared_engine(model_path: str, **options: Any) -> VllmEngine:
     return _shared[1]
 
 
-def policy_engine(recipe: Any, model: Any, *, base: bool) -> VllmEngine:
-    """The shared engine over the recipe's model, serving `model`'s weights (LoRA merged in).
+def policy_engine(
+    recipe: Any, model: Any, *, base: bool, adapter_folder: str | os.PathLike | None = None
+) -> VllmEngine:
+    """The shared engine over the recipe's model, serving `model`'s policy: its weights with the LoRA
+    merged in, or (rollout.vllm_sync adapter) the base weights and its adapter.
 
     base: model is the recipe's base model unchanged; a freshly built engine already holds it.
+    adapter_folder: the checkpoint model was loaded from; adapter-only sync serves its adapter from
+    there (an inference load merges the adapter into the weights, so model has none left to save).
     """
     from rlcli.models.cache import resolve_model
     from rlcli.models.loading import resolve_device, resolve_dtype
 
     device = resolve_device(recipe.rollout.device or recipe.model.device)
+    sleep_mode = sleeps_around_updates(recipe)
+    if sleep_mode:
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_sleep_mode_available():
+            raise UsageError(
+                f"rollout.vllm_sleep true: vLLM has no sleep mode on {current_platform.device_type} (CUDA GPUs "
+                "only); set rollout.vllm_sleep: auto or false."
+            )
     memory = recipe.rollout.vllm_memory
     if memory is None:
         memory = 0.5 if device.startswith("cuda") else float(1 << 30)
@@ -185,16 +303,50 @@ def policy_engine(recipe: Any, model: Any, *, base: bool) -> VllmEngine:
         device=device,
         gpu_memory_utilization=min(memory, 0.9),
         kv_cache_memory_bytes=int(memory) if memory > 1 else None,
+        max_lora_rank=recipe.lora.r if recipe.rollout.vllm_sync == "adapter" else None,
+        sleep_mode=sleep_mode or None,  # None: the default, so that the key matches an engine built without it
     )
-    if not (base and engine.serves_base):
-        sync_weights(engine, model)
+    if base and engine.adapter_sync:
+        engine.serve_base()  # the base weights never left the engine
+        engine.serves_base = True
+    elif not (base and engine.serves_base):
+        sync_weights(engine, model, adapter_folder)
         engine.serves_base = base
     return engine
 
 
-def sync_weights(engine: VllmEngine, model: Any) -> None:
-    """Serve the model's current weights (after a GRPO update, or another checkpoint)."""
-    engine.load_weights(merged_weights(model))
+def sleeps_around_updates(recipe: Any) -> bool:
+    """rollout.vllm_sleep resolved: auto sleeps when the engine and the trainer share a CUDA device
+    and the loop is synchronous (an asynchronous rollout worker samples while the trainer updates)."""
+    from rlcli.models.loading import resolve_device
+
+    setting = recipe.rollout.vllm_sleep
+    if setting != "auto":
+        return setting
+    trainer = resolve_device(recipe.model.device)
+    engine = resolve_device(recipe.rollout.device or recipe.model.device)
+    return recipe.grpo.max_staleness == 0 and shares_gpu(engine, trainer)
+
+
+def shares_gpu(engine_device: str, trainer_device: str) -> bool:
+    """Whether two resolved devices (cpu, cuda, cuda:N) are the same GPU; plain cuda is GPU 0, as
+    for the in-process engine, which takes the first visible GPU."""
+    if not (engine_device.startswith("cuda") and trainer_device.startswith("cuda")):
+        return False
+    return int(engine_device.partition(":")[2] or 0) == int(trainer_device.partition(":")[2] or 0)
+
+
+def sync_weights(engine: VllmEngine, model: Any, adapter_folder: str | os.PathLike | None = None) -> None:
+    """Serve the model's current policy (after a GRPO update, or another checkpoint).
+
+    With adapter-only sync, adapter_folder may name a folder that already holds model's adapter (the
+    checkpoint just saved): it is served from there instead of being saved again.
+    """
+    if engine.adapter_sync:
+        saved = adapter_folder is not None and (Path(adapter_folder) / "adapter_config.json").is_file()
+        engine.load_adapter(adapter_folder if saved else engine.save_adapter(model))
+    else:
+        engine.load_weights(merged_weights(model))
     engine.serves_base = False
 
 
@@ -220,6 +372,21 @@ def _repack_tied_cpu_weights(worker: Any) -> None:
             quant_method = getattr(module, "quant_method", None)
             if hasattr(module, "cpu_linear") and quant_method is not None:
                 quant_method.process_weights_after_loading(module)
+
+
+def _vllm_lora_rank(rank: int) -> int:
+    """The smallest rank vLLM sizes its LoRA buffers for that holds `rank` (vLLM takes a fixed set)."""
+    from typing import get_args
+
+    from vllm.config.lora import MaxLoRARanks
+
+    fits = [r for r in get_args(MaxLoRARanks) if r >= rank]
+    if not fits:
+        raise UsageError(
+            f"rollout.vllm_sync adapter: vLLM serves LoRA adapters up to rank {max(get_args(MaxLoRARanks))}, "
+            f"not lora.r={rank}; lower lora.r or set rollout.vllm_sync: merged."
+        )
+    return min(fits)
 
 
 def _check_device(device: str, platform: str) -> None:

@@ -47,7 +47,16 @@ def load_env(name: str, kwargs: dict[str, Any] | None = None, root: Path | None 
     target, _, attr = name.partition(":")
     factory = _resolve_factory(target, attr or None, root or Path.cwd(), name)
     _check_kwargs(factory, kwargs, name)
-    return lambda: factory(**kwargs)
+    return lambda: _construct(factory, kwargs, name)
+
+
+def _construct(factory: Callable[..., Env], kwargs: dict[str, Any], name: str) -> Env:
+    """A fresh env; a ValueError from its constructor is the env refusing its env.kwargs (a maze
+    `render: png`), which is bad input, not a crash."""
+    try:
+        return factory(**kwargs)
+    except ValueError as exc:
+        raise UsageError(f"env {name!r} refused env.kwargs {kwargs}: {exc}.") from None
 
 
 def _builtin_names() -> list[str]:

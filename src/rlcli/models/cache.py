@@ -26,7 +26,12 @@ from urllib.parse import urlparse
 from rich.console import Console
 
 from rlcli.errors import RlcliError, UsageError
-from rlcli.models.tiny import build_tiny_random, build_tiny_random_vlm
+from rlcli.models.tiny import (
+    build_tiny_random,
+    build_tiny_random_qwen2_5_vl,
+    build_tiny_random_qwen2_vl,
+    build_tiny_random_vlm,
+)
 
 console = Console(stderr=True, highlight=False)
 
@@ -237,5 +242,13 @@ REGISTRY: dict[str, tuple[Callable[[Path], None], str]] = {
     "tiny-random-vlm": (
         build_tiny_random_vlm,
         "random Idefics3 vision-language model (0.15M params) with its processor, built locally; for tests",
+    ),
+    "tiny-random-qwen2-vl": (
+        build_tiny_random_qwen2_vl,
+        "random Qwen2-VL vision-language model (0.19M params, 3-D positions) with its processor, built locally; for tests",
+    ),
+    "tiny-random-qwen2.5-vl": (
+        build_tiny_random_qwen2_5_vl,
+        "random Qwen2.5-VL vision-language model (0.19M params, 3-D positions) with its processor, built locally; for tests",
     ),
 }

@@ -1,9 +1,10 @@
 """tiny-random: a 2-layer random Llama with a byte-level ChatML tokenizer, built locally in about a second;
-tiny-random-vlm: the same idea for an Idefics3 (SmolVLM-style) vision-language model, with its processor.
+tiny-random-vlm and tiny-random-qwen2-vl: the same idea for an Idefics3 (SmolVLM-style) and a Qwen2-VL
+vision-language model, each with its processor.
 
 Tests and demos run on them where the numbers need not mean anything: they load in a blink, every text
 round-trips through their tokenizer, and the chat template renders tool calls like Qwen2.5's (and,
-for the VLM, image parts as <image>).
+for the VLMs, image parts as their family's image placeholder).
 """
 
 from __future__ import annotations
@@ -86,8 +87,7 @@ def build_tiny_random_vlm(out: Path) -> None:
     tokenizer with its image tokens, and a ChatML template that renders image parts as <image>) into
     `out`, as one `from_pretrained` folder.
 
-    Idefics3 rather than Qwen2-VL: transformers builds Qwen2-VL's and SmolVLM's processors only with
-    torchvision installed (for their video processor), Idefics3's without it.
+    (build_tiny_random_qwen2_vl builds the other family rlcli drives.)
     """
     import torch
     from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor
@@ -143,6 +143,91 @@ def build_tiny_random_vlm(out: Path) -> None:
     processor.save_pretrained(out)
 
 
+# Qwen2-VL's image tokens: the processor expands <|image_pad|> into one per merged 2x2 patch group,
+# between <|vision_start|> and <|vision_end|>; <|video_pad|> is there because its processor asks for it.
+QWEN2_VL_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+
+
+def build_tiny_random_qwen2_vl(out: Path) -> None:
+    """Write a random Qwen2-VL (a 2-layer Qwen2 of hidden 64 with 3-D rotary positions, after a 2-layer
+    vision tower of width 32) with its processor (Qwen2-VL's image processor, a byte-level tokenizer
+    with its vision tokens, and a ChatML template that renders image parts as
+    <|vision_start|><|image_pad|><|vision_end|>) into `out`, as one `from_pretrained` folder.
+
+    Images are resized to at most TINY_VLM_IMAGE_SIZE**2 pixels (sides multiples of 28): a 112x112
+    screenshot is an 8x8 grid of 14-pixel patches, merged 2x2 into 16 image tokens; a 112x84 one 12.
+    """
+    _build_tiny_qwen_vl(out, "qwen2_vl")
+
+
+def build_tiny_random_qwen2_5_vl(out: Path) -> None:
+    """build_tiny_random_qwen2_vl for Qwen2.5-VL: the same language model and processor, its vision
+    tower (SwiGLU blocks, windowed attention in the first block, full in the second)."""
+    _build_tiny_qwen_vl(out, "qwen2_5_vl")
+
+
+def _build_tiny_qwen_vl(out: Path, model_type: str) -> None:
+    import torch
+    from transformers import (
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
+    )
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from rlcli.models.vision import image_only_processor_class
+
+    template = vlm_chat_template("<|vision_start|><|image_pad|><|vision_end|>")
+    tokenizer = _tiny_tokenizer([IM_START, IM_END, *QWEN2_VL_TOKENS], template, _VLM_CORPUS)
+    bpe = tokenizer.backend_tokenizer
+    end = bpe.token_to_id(IM_END)
+    text = {
+        "vocab_size": bpe.get_vocab_size(),
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 4096,
+        # head_dim 16: its 8 rotary frequencies split 2/3/3 over time, height and width (M-RoPE).
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+        "eos_token_id": end,
+        "pad_token_id": end,
+        "bos_token_id": None,
+    }
+    vision = {"depth": 2, "num_heads": 2, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2}
+    if model_type == "qwen2_vl":
+        config_class, model_class = Qwen2VLConfig, Qwen2VLForConditionalGeneration
+        # hidden_size: the merger's output, the language model's width.
+        vision.update(embed_dim=32, hidden_size=64, mlp_ratio=2)
+    else:
+        config_class, model_class = Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+        # window_size 56 pixels: 2x2 merged patches per attention window, several windows per screen.
+        vision.update(hidden_size=32, intermediate_size=64, out_hidden_size=64, window_size=56)
+        vision.update(fullatt_block_indexes=[1])
+    config = config_class(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=bpe.token_to_id("<|image_pad|>"),
+        video_token_id=bpe.token_to_id("<|video_pad|>"),
+        vision_start_token_id=bpe.token_to_id("<|vision_start|>"),
+        vision_end_token_id=bpe.token_to_id("<|vision_end|>"),
+        tie_word_embeddings=True,
+        pad_token_id=end,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(TINY_SEED)
+        model = model_class(config)
+    model.generation_config.eos_token_id = end
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=TINY_VLM_IMAGE_SIZE**2)
+    processor = image_only_processor_class(model_type)(
+        image_processor=image_processor, tokenizer=tokenizer, chat_template=template
+    )
+    model.save_pretrained(out)
+    processor.save_pretrained(out)
+
+
 # ChatML with tool calls in the Qwen2.5 / Hermes style: tools listed in the system turn, calls as
 # <tool_call>{json}</tool_call> in assistant turns, results as <tool_response> in a user turn.
 CHATML_TOOLS_TEMPLATE = """\
@@ -192,9 +277,15 @@ CHATML_TOOLS_TEMPLATE = """\
 {%- endif %}
 """
 
-# CHATML_TOOLS_TEMPLATE (without tools) where a message's content may be a list of parts: text parts
-# are written out, image parts become <image>, which the processor expands into the image's tokens.
-VLM_CHAT_TEMPLATE = """\
+
+def vlm_chat_template(image_placeholder: str) -> str:
+    """CHATML_TOOLS_TEMPLATE (without tools) where a message's content may be a list of parts: text
+    parts are written out, image parts become `image_placeholder`, which the processor expands into
+    the image's tokens."""
+    return _VLM_CHAT_TEMPLATE.replace("IMAGE_PLACEHOLDER", image_placeholder)
+
+
+_VLM_CHAT_TEMPLATE = """\
 {%- for message in messages %}
     {{- '<|im_start|>' + message.role + '\\n' }}
     {%- if message.content is string %}
@@ -202,7 +293,7 @@ VLM_CHAT_TEMPLATE = """\
     {%- else %}
         {%- for part in message.content %}
             {%- if part.type == 'image' %}
-                {{- '<image>' }}
+                {{- 'IMAGE_PLACEHOLDER' }}
             {%- elif part.type == 'text' %}
                 {{- part.text }}
             {%- endif %}
@@ -214,6 +305,7 @@ VLM_CHAT_TEMPLATE = """\
     {{- '<|im_start|>assistant\\n' }}
 {%- endif %}
 """
+VLM_CHAT_TEMPLATE = vlm_chat_template("<image>")
 
 _VLM_CORPUS = """\
 Click the Save button. click(56, 30) click(12, 88) Save Open Cancel Export File Edit Help OK

@@ -9,13 +9,23 @@ Token ids come from the model's processor, which expands each image placeholder 
 chat into the image's tokens; those ids are what a turn stores. The pixels are a function of the
 images alone, so training rebuilds them from the stored PNGs and never tokenises text again.
 
-Families: Idefics3 and SmolVLM (same architecture; 1-D positions; the tiny test model
-tiny-random-vlm is an Idefics3). Their forward takes every image of a batch as one list, in the
-order their tokens appear row by row, which is how `pixel_inputs` lays them out.
+Families:
+- Idefics3 and SmolVLM (same architecture; 1-D positions; the tiny test model tiny-random-vlm is an
+  Idefics3).
+- Qwen2-VL and Qwen2.5-VL (tiny-random-qwen2-vl). Their language model places tokens with 3-D
+  rotary positions (M-RoPE): an image's tokens take (time, row, column) coordinates of its patch grid
+  (`image_grid_thw`) and the text after it resumes past the grid's larger side, so a position is not
+  the token's index. The sampler computes them with `mrope_positions`, training lets the model's
+  forward compute them from `mm_token_type_ids` (`pixel_inputs` with input_ids).
+  Their processors load without torchvision: the image processor is the PIL one and the video
+  processor (which needs torchvision) is left out (`image_only_processor_class`).
+Every family's forward takes the images of a batch in one tensor, in the order their tokens appear
+row by row, which is how `pixel_inputs` lays them out.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import json
@@ -26,8 +36,10 @@ from typing import Any
 
 from rlcli.errors import UsageError
 
+# Model types whose language model takes 3-D (M-RoPE) positions, computed from the image grids.
+MROPE_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
 # Model types whose processors and forwards rlcli drives (config.json's model_type).
-SUPPORTED_FAMILIES = ("idefics3", "smolvlm")
+SUPPORTED_FAMILIES = ("idefics3", "smolvlm", *MROPE_FAMILIES)
 
 # tokenizer -> its model's processor; load_policy registers it (rollouts, SFT and training get the
 # tokenizer everywhere, and only a vision model's needs the processor beside it).
@@ -63,8 +75,9 @@ def load_processor(path: str | Path, name: str, chat_template: str | None) -> An
             f"model.name: {name} is a {model_type} vision-language model; rlcli drives "
             f"{', '.join(SUPPORTED_FAMILIES)} ones so far (see docs/models.md)."
         )
+    processor_class = image_only_processor_class(model_type) if model_type in MROPE_FAMILIES else AutoProcessor
     try:
-        processor = AutoProcessor.from_pretrained(path)
+        processor = processor_class.from_pretrained(path)
     except (ImportError, TypeError, AttributeError) as exc:  # transformers without a backend it needs
         raise UsageError(f"model.name: the processor of {name} cannot be loaded here ({exc}).") from None
     processor.tokenizer.padding_side = "left"
@@ -75,6 +88,28 @@ def load_processor(path: str | Path, name: str, chat_template: str | None) -> An
     if not processor.chat_template:
         raise UsageError(f"model.name: the processor of {name} has no chat template; set model.chat_template to one.")
     return processor
+
+
+@functools.cache  # one class per family: processors of one model type share it
+def image_only_processor_class(model_type: str) -> Any:
+    """The processor class of a Qwen2-VL-family model_type without its video processor.
+
+    transformers' Qwen2-VL processors take an image processor, a tokenizer and a video processor, and
+    check the video processor's class even when it is None; that check, and the video processor
+    itself, need torchvision. rlcli never passes videos, so it builds them from the other two parts
+    (the image processor is then the PIL one, which needs no torchvision).
+    """
+    from transformers import Qwen2_5_VLProcessor, Qwen2VLProcessor
+
+    base = {"qwen2_vl": Qwen2VLProcessor, "qwen2_5_vl": Qwen2_5_VLProcessor}[model_type]
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        # The processor's sub-processors are the parameters of __init__: leaving video_processor out
+        # of the signature is what drops it.
+        base.__init__(self, image_processor, tokenizer, None, chat_template=chat_template)
+
+    # Named as the base class: processor_config.json then says Qwen2VLProcessor, as a real checkpoint's.
+    return type(base.__name__, (base,), {"__init__": __init__, "__module__": __name__})
 
 
 def attach_processor(tokenizer: Any, processor: Any) -> None:
@@ -196,21 +231,49 @@ def tokenize(processor: Any, text: str, images: list[ImageRef]) -> list[int]:
     return list(out["input_ids"][0])
 
 
-def pixel_inputs(processor: Any, images: list[Any], model: Any) -> dict[str, Any]:
+def pixel_inputs(processor: Any, images: list[Any], model: Any, input_ids: Any = None) -> dict[str, Any]:
     """The forward's pixel arguments for `images` (PIL images, in the order their tokens appear in the
     batch, row after row), on the model's device and in its dtype; {} without images.
 
     Idefics3 takes them as one [1, images, 3, H, W] list whatever the batch's rows (its forward
-    drops all-zero padding images, fills the image tokens in order).
+    drops all-zero padding images, fills the image tokens in order). Qwen2-VL takes the patches of
+    all images as one [patches, dim] tensor and each image's patch grid (`image_grid_thw`).
+    input_ids (the batch's [B, L] tensor) is for a forward without position_ids: an M-RoPE model
+    then computes its 3-D positions from `mm_token_type_ids` (1 at image tokens), added here.
     """
     if not images:
         return {}
     param = next(model.parameters())
     out = processor.image_processor(images=[list(images)], return_tensors="pt")
     pixels = {"pixel_values": out["pixel_values"].to(param.device, _float_dtype(model))}
-    if "pixel_attention_mask" in out:
-        pixels["pixel_attention_mask"] = out["pixel_attention_mask"].to(param.device)
+    for key in ("pixel_attention_mask", "image_grid_thw"):
+        if key in out:
+            pixels[key] = out[key].to(param.device)
+    if input_ids is not None and uses_mrope(model):
+        pixels["mm_token_type_ids"] = (input_ids == processor.image_token_id).int()
     return pixels
+
+
+def uses_mrope(model: Any) -> bool:
+    """Whether the model's language model takes 3-D (M-RoPE) positions (Qwen2-VL's family)."""
+    return getattr(model.config, "model_type", None) in MROPE_FAMILIES
+
+
+def mrope_positions(model: Any, processor: Any, ids: list[int], grids: Any) -> tuple[Any, int]:
+    """The 3-D positions ([3, len(ids)], counted from 0) of a sequence whose images have the patch
+    grids `grids` ([images, 3], on the CPU), as the model's own forward computes them (its
+    get_rope_index), and the shift from a token's index to its position at the end (the text after
+    the last image continues from len(ids) + shift).
+
+    Every position of a segment moves by the same amount when the segment starts later, so a turn's
+    new tokens get theirs from this plus where the cached tokens before them ended."""
+    import torch
+
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # under a peft wrapper
+    row = torch.tensor([ids])
+    types = (row == processor.image_token_id).int()
+    positions, shift = inner.model.get_rope_index(row, mm_token_type_ids=types, image_grid_thw=grids)
+    return positions[:, 0], int(shift[0, 0])
 
 
 def _float_dtype(model: Any) -> Any:

@@ -18,7 +18,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from rlcli.report.views import COMPARE_METRICS, KEY_METRICS, ending_view, eval_view
+from rlcli.report.views import COMPARE_METRICS, KEY_METRICS, OTHER_CHECKPOINTS, ending_view, eval_view
 from rlcli.rewards.episodes import message_text
 from rlcli.store.checkpoints import BestAndLatest
 from rlcli.store.records import EpisodeSummary
@@ -221,15 +221,16 @@ def compare_table(rows: list[dict[str, Any]]) -> Table:
             table.add_row(key, *(fmt(r["latest_metrics"].get(key)) for r in rows))
     labels = dict.fromkeys(label for r in rows for label in r["best_evals"])
     for label in labels:
-        table.add_row(f"eval success: {label}", *(_fmt_eval(r["best_evals"].get(label)) for r in rows))
+        table.add_row(f"eval success: {label}", *(_fmt_eval(r["best_evals"].get(label), label) for r in rows))
     table.add_row("reward curve", *(sparkline(r["reward_curve"], 24) or "–" for r in rows))
     return table
 
 
-def _fmt_eval(best: dict[str, Any] | None) -> str:
+def _fmt_eval(best: dict[str, Any] | None, label: str) -> str:
     if best is None:
         return "–"
-    return f"{best['success_rate']:.1%} [{best['ci_low']:.0%}–{best['ci_high']:.0%}]"
+    which = f" ckpt {best['checkpoint_id']}" if label == OTHER_CHECKPOINTS else ""
+    return f"{best['success_rate']:.1%} [{best['ci_low']:.0%}–{best['ci_high']:.0%}]{which}"
 
 
 # --- runs episodes ----------------------------------------------------------------------
@@ -272,13 +273,42 @@ def episode_panel(ep: dict[str, Any]) -> Panel:
     messages.add_column()
     for m in ep["messages"]:
         role = m.get("role", "?")
-        body = Text(message_text(m))
+        body = message_body(m)
         if m.get("tool_calls"):
             body.append(("\n" if body else "") + f"tool calls: {json.dumps(m['tool_calls'])}", style="italic")
         messages.add_row(Text(role, style=f"bold {ROLE_STYLES.get(role, '')}"), body)
     parts.append(messages)
     border = "red" if ep["status"] == "failed" else "green" if ep["success"] else "blue"
     return Panel(Group(*parts), title=title, title_align="left", border_style=border)
+
+
+def message_body(message: dict[str, Any]) -> Text:
+    """A message's text, with a marker where each of its images was."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return Text(message_text(message))
+    body, after_image = Text(), False
+    for part in content:
+        if not isinstance(part, dict):
+            continue
+        is_image = part.get("type") == "image"
+        piece = image_marker(part) if is_image else part.get("text", "")
+        # A marker is set apart from the text around it; text parts run on as the template joins them.
+        touching = body.plain and piece and not body.plain[-1].isspace() and not piece[0].isspace()
+        if touching and (after_image or is_image):
+            body.append(" ")
+        after_image = is_image
+        body.append(piece, style="magenta" if after_image else None)
+    return body
+
+
+def image_marker(part: dict[str, Any]) -> str:
+    """[image 3f2a1c… 320x200] for a stored image (its sha256 prefix and size); a text model's run
+    stores no image, since the model never read it."""
+    if "sha256" not in part:
+        return "[image, not stored]"
+    size = f" {part['width']}x{part['height']}" if "width" in part else " (missing from the database)"
+    return f"[image {part['sha256'][:6]}…{size}]"
 
 
 # --- stage summaries: what `rlcli rollout / label / sft / eval` print when they finish -----------

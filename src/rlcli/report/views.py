@@ -14,6 +14,7 @@ from rlcli.store.db import RunDB
 from rlcli.store.episodes import episode_counts, labelled_episodes
 from rlcli.store.evals import eval_results
 from rlcli.store.events import list_events
+from rlcli.store.images import image_sizes, load_images
 from rlcli.store.records import Checkpoint, EvalResult, LabelledEpisode, Run
 from rlcli.store.stages import displayed_status
 
@@ -128,6 +129,9 @@ def metric_series(rundb: RunDB, run: str) -> dict[str, dict[str, Any]]:
     return series
 
 
+OTHER_CHECKPOINTS = "other checkpoints"  # `runs compare`'s row for the best of those evaluated by id
+
+
 def compare_runs(rundb: RunDB, names: list[str]) -> list[dict[str, Any]]:
     out = []
     for name in names:
@@ -135,11 +139,13 @@ def compare_runs(rundb: RunDB, names: list[str]) -> list[dict[str, Any]]:
         latest = rundb.latest_metrics(name)
         best: dict[str, dict[str, Any]] = {}
         for result in eval_results(rundb, name):
-            # The raw checkpoint label (base, sft, latest, expert, an id) is what runs share.
-            label = result.checkpoint
+            # The named labels (base, sft, latest, best, expert) are what runs share. Checkpoints asked
+            # for by id, as grpo.eval_every's evals are, fold into one row: each run has its own ids.
+            label = OTHER_CHECKPOINTS if result.checkpoint.isdigit() else result.checkpoint
             if label not in best or result.success_rate > best[label]["success_rate"]:
                 best[label] = {
-                    k: getattr(result, k) for k in ("success_rate", "ci_low", "ci_high", "tasks", "k", "stage")
+                    k: getattr(result, k)
+                    for k in ("success_rate", "ci_low", "ci_high", "tasks", "k", "stage", "checkpoint_id")
                 }
         out.append(
             {
@@ -157,15 +163,55 @@ def compare_runs(rundb: RunDB, names: list[str]) -> list[dict[str, Any]]:
 
 
 def select_episodes(rundb: RunDB, run: str, **filters: Any) -> list[dict[str, Any]]:
-    """Episodes to read, with their reward components (see store.episodes.labelled_episodes)."""
-    return [episode_view(e) for e in labelled_episodes(rundb, run, **filters)]
+    """Episodes to read, with their reward components (see store.episodes.labelled_episodes).
+
+    A message's image part keeps the sha256 of its stored image (a vision-language model's run) and
+    gains that image's width and height; a part without a sha256 is an image the policy never read.
+    """
+    episodes = [episode_view(e) for e in labelled_episodes(rundb, run, **filters)]
+    sizes = image_sizes(rundb, [h for ep in episodes for h in image_hashes(ep["messages"])])
+    for ep in episodes:
+        ep["messages"] = [_with_sizes(m, sizes) for m in ep["messages"]]
+    return episodes
+
+
+def image_hashes(messages: list[dict[str, Any]]) -> list[str]:
+    """The sha256 of the stored images that messages show, in order."""
+    return [part["sha256"] for m in messages for part in _image_parts(m) if "sha256" in part]
+
+
+def episode_pngs(rundb: RunDB, episodes: list[dict[str, Any]]) -> dict[str, bytes]:
+    """sha256 -> PNG bytes of every stored image the episodes (select_episodes) show."""
+    return load_images(rundb, [h for ep in episodes for h in image_hashes(ep["messages"])])
+
+
+def _image_parts(message: dict[str, Any]) -> list[dict[str, Any]]:
+    content = message.get("content")
+    if not isinstance(content, list):
+        return []
+    return [p for p in content if isinstance(p, dict) and p.get("type") == "image"]
+
+
+def _with_sizes(message: dict[str, Any], sizes: dict[str, tuple[int, int]]) -> dict[str, Any]:
+    if not _image_parts(message):
+        return message
+    parts = []
+    for part in message["content"]:
+        if isinstance(part, dict) and part.get("sha256") in sizes:
+            width, height = sizes[part["sha256"]]
+            part = {**part, "width": width, "height": height}
+        parts.append(part)
+    return {**message, "content": parts}
 
 
 def episode_view(labelled: LabelledEpisode) -> dict[str, Any]:
     row = asdict(labelled.episode)
     row.pop("turns")
+    row.pop("images")  # empty when read back; the messages name their images (select_episodes)
+    end = labelled.episode.end_reason
     return {
         **row,
+        "end_reason": end.value if end else None,  # the stored string: an f-string of the enum shows its name
         "label_set": labelled.label_set,
         "reward": labelled.reward,
         "rewards": {

@@ -1,7 +1,12 @@
 """Model-based rewards: an LLM judge that writes a score, and a reward model that computes one.
 
-Both load a local model folder once, when the recipe's rewards are built; torch and transformers
-are imported only then, so importing this module stays cheap.
+Both load a local model folder once, when the recipe's rewards are built, on the device they are
+given (the recipe's model.device); torch and transformers are imported only then, so importing this
+module stays cheap.
+
+The judge generates through the same seam as rollouts (engine/sampling.py's Sampler: token-id prompts
+in, sampled ids out, a seed per episode), with the HF engine: greedy, batched, and correct on any
+device. Not with vLLM: an in-process vLLM engine is one per process, and the policy's holds it.
 """
 
 from __future__ import annotations
@@ -43,7 +48,6 @@ def judge(
     if any(not name.isidentifier() for name in fields):
         raise UsageError("kwargs.rubric: placeholders must be names such as {prompt}, {completion} or a task field.")
     lm, tokenizer = _load_model(model, "AutoModelForCausalLM", device)
-    tokenizer.padding_side = "left"  # generation continues from the right end of every row
     return Judge(lm, tokenizer, rubric, fields, max_new_tokens, scale, batch_size)
 
 
@@ -54,8 +58,12 @@ class Judge:
     def __init__(
         self, lm, tokenizer, rubric: str, fields: set[str], max_new_tokens: int, scale: float, batch_size: int
     ):
+        from rlcli.engine.sampling import HfSampler, SamplingConfig
+
         self.lm, self.tokenizer, self.rubric, self.fields = lm, tokenizer, rubric, fields
         self.max_new_tokens, self.scale, self.batch_size = max_new_tokens, scale, batch_size
+        # Greedy: a score must not depend on a draw. (A vLLM judge would need a second process: see above.)
+        self.sampler = HfSampler(lm, tokenizer, SamplingConfig(temperature=0.0, max_new_tokens=max_new_tokens))
         self.failures: dict[int, str] = {}
         limit = input_limit(tokenizer, lm.config)
         # The reply needs positions too; a model too short for even that gets the whole limit.
@@ -94,17 +102,17 @@ class Judge:
         return self.rubric.format(**values)
 
     def generate(self, requests: list[str], episode_ids: list[int]) -> list[str]:
-        import torch
+        """The judge's reply to each request, decoded; a request is one episode's filled-in rubric."""
+        from rlcli.engine.rollout import derive_seed
 
         texts = [
             _render(self.tokenizer, [{"role": "user", "content": r}], add_generation_prompt=True) for r in requests
         ]
-        inputs = _tokenize(self.tokenizer, texts, self.max_prompt_tokens, episode_ids, self.failures).to(self.lm.device)
-        with torch.inference_mode():
-            output = self.lm.generate(
-                **inputs, max_new_tokens=self.max_new_tokens, do_sample=False, pad_token_id=self.tokenizer.pad_token_id
-            )
-        return self.tokenizer.batch_decode(output[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+        prompts = _token_rows(self.tokenizer, texts, self.max_prompt_tokens, episode_ids, self.failures)
+        # Greedy decoding draws nothing, but the seam gives every episode its own stream all the same.
+        self.sampler.start([derive_seed("judge", episode_id) for episode_id in episode_ids])
+        samples = self.sampler.sample(list(range(len(prompts))), prompts, [self.max_new_tokens] * len(prompts))
+        return [self.tokenizer.decode(sample.ids, skip_special_tokens=True) for sample in samples]
 
 
 def parse_score(text: str, scale: float) -> float:
@@ -195,9 +203,11 @@ def input_limit(tokenizer, config) -> int | None:
     return min(known) if known else None
 
 
-def _tokenize(tokenizer, texts: list[str], max_tokens: int | None, episode_ids: list[int], notes: dict[int, str]):
-    """A padded batch, each row cut from the left to max_tokens: the end of an episode (the answer,
-    the judge's question) matters most. Each cut is noted under its episode id."""
+def _token_rows(
+    tokenizer, texts: list[str], max_tokens: int | None, episode_ids: list[int], notes: dict[int, str]
+) -> list[list[int]]:
+    """The texts' token ids, each row cut from the left to max_tokens: the end of an episode (the
+    answer, the judge's question) matters most. Each cut is noted under its episode id."""
     # A chat template writes its own special tokens; plain transcripts get the tokenizer's usual ones.
     rows = tokenizer(texts, add_special_tokens=tokenizer.chat_template is None)["input_ids"]
     if max_tokens is not None:
@@ -205,4 +215,10 @@ def _tokenize(tokenizer, texts: list[str], max_tokens: int | None, episode_ids: 
             if len(row) > max_tokens:
                 rows[i] = row[-max_tokens:]
                 notes[episode_id] = f"input cut from the left to fit the model: {max_tokens} tokens kept of {len(row)}"
+    return rows
+
+
+def _tokenize(tokenizer, texts: list[str], max_tokens: int | None, episode_ids: list[int], notes: dict[int, str]):
+    """_token_rows as a padded batch of tensors."""
+    rows = _token_rows(tokenizer, texts, max_tokens, episode_ids, notes)
     return tokenizer.pad({"input_ids": rows}, return_tensors="pt")

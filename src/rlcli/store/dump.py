@@ -18,6 +18,10 @@ TABLE_QUERIES = {
     "rewards": "select r.* from rewards r join episodes e on e.id = r.episode_id where e.run = ? order by r.id",
     "metrics": "select * from metrics where run = ? order by stage, step, key",
     "evals": "select * from evals where run = ? order by id",
+    "run_events": "select * from run_events where run = ? order by id",
+    "task_stats": "select * from task_stats where run = ? order by label_set, task_index",
+    "replays": "select * from replays where run = ? order by id",
+    "dpo_pairs": "select * from dpo_pairs where run = ? order by id",
 }
 
 

@@ -30,6 +30,18 @@ def load_images(rundb: RunDB, hashes: list[str]) -> dict[str, bytes]:
     return out
 
 
+def image_sizes(rundb: RunDB, hashes: list[str]) -> dict[str, tuple[int, int]]:
+    """sha256 -> (width, height) for the stored ones among `hashes`, without reading their PNGs."""
+    wanted = sorted(set(hashes))
+    out: dict[str, tuple[int, int]] = {}
+    for start in range(0, len(wanted), 500):  # SQLite caps the number of parameters of one query
+        part = wanted[start : start + 500]
+        marks = ", ".join("?" * len(part))
+        rows = rundb.db.execute(f"select sha256, width, height from images where sha256 in ({marks})", part)
+        out.update({sha: (width, height) for sha, width, height in rows.fetchall()})
+    return out
+
+
 def image_count(rundb: RunDB) -> int:
     (count,) = rundb.db.execute("select count(*) from images").fetchone()
     return count

@@ -17,15 +17,22 @@ limit), and otherwise means: the env terminated with a positive last reward.
 env.kwargs other than invalid_action_reward go to gymnasium.make (e.g. {is_slippery: false,
 map_name: 8x8} for FrozenLake-v1).
 
-Limits: image observations (Box with 2 or more dimensions), large vectors and continuous (Box)
-actions cannot be expressed as text and are refused. No expert. Envs whose dependencies are not
-installed (Box2D, MuJoCo) fail with gymnasium's own message.
+Frames as images: `gymnasium:<EnvId>?render=image` makes the env with render_mode "rgb_array" and
+adds its frame, as a PIL image part, to every observation (for vision-language models). The text
+part keeps the observation written out and the step's reward; the text map of "ansi" renders is not
+shown, and an observation with no text form (an image Box) is then left to the picture alone.
+
+Limits: image observations without ?render=image, large vectors and continuous (Box) actions cannot
+be expressed as text and are refused. No expert. Envs whose dependencies are not installed (Box2D,
+MuJoCo, pygame for the toy-text frames) fail with gymnasium's own message.
 """
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Any, NamedTuple
+from urllib.parse import parse_qsl
 
 import gymnasium
 from gymnasium import spaces
@@ -34,12 +41,14 @@ from rlcli.envs.parsing import parse_last_number
 from rlcli.errors import UsageError
 
 MAX_VECTOR = 64  # more numbers than this per observation is not something to read as text
+RENDERS = ("text", "image")  # the values of the URI option ?render=
 
 
 class Known(NamedTuple):
     actions: list[str]  # names of the Discrete actions, in index order
     success: str  # "win": terminated with a positive reward; "goal": terminated; "survive": reached the time limit
     about: str
+    picture: str = ""  # with ?render=image, what `about` says of the text map, said of the frame instead
 
 
 KNOWN = {
@@ -48,6 +57,9 @@ KNOWN = {
         "win",
         "Walk on the frozen lake from S to the goal G without falling into a hole H (F is safe "
         "ice). You are the <red>marked</red> cell. The ice can be slippery: a move may go sideways.",
+        "Walk on the frozen lake from the start S to the goal G (the flag) without falling into a hole. The "
+        "picture shows the lake from above: you are the figure, dark blue squares are holes. The ice can be "
+        "slippery: a move may go sideways.",
     ),
     "Taxi": Known(
         ["south", "north", "east", "west", "pickup", "dropoff"],
@@ -56,12 +68,19 @@ KNOWN = {
         "<yellow> is the empty taxi, <green> the taxi with the passenger, <blue> the passenger's stop and "
         "<magenta> the destination; '|' is a wall. Reward -1 per step, +20 for the right drop-off, -10 for "
         "an illegal pickup or drop-off.",
+        "Drive the taxi to the passenger, pick them up, and drop them off at their destination. The picture "
+        "shows the map from above: the taxi, the passenger waiting at one of the four coloured stops, the "
+        "destination marked by the hotel, and dark lines for walls. Reward -1 per step, +20 for the right "
+        "drop-off, -10 for an illegal pickup or drop-off.",
     ),
     "CliffWalking": Known(
         ["up", "right", "down", "left"],
         "goal",
         "Walk from the start to T along the grid. x is you, C is the cliff: stepping on it costs "
         "-100 and sends you back to the start. Reward -1 per step.",
+        "Walk from the start S to the goal G (the flag) along the grid. The picture shows it from above: you "
+        "are the figure, the brown strip is the cliff: stepping on it costs -100 and sends you back to the "
+        "start. Reward -1 per step.",
     ),
     "Blackjack": Known(
         ["stick", "hit"],
@@ -134,8 +153,9 @@ def is_text_representable(space: spaces.Space) -> bool:
 
 
 class GymnasiumEnv:
-    def __init__(self, env_id: str, env: gymnasium.Env, invalid_action_reward: float = -1.0):
+    def __init__(self, env_id: str, env: gymnasium.Env, invalid_action_reward: float = -1.0, image: bool = False):
         self.env_id, self.env, self.invalid_action_reward = env_id, env, float(invalid_action_reward)
+        self.image = image  # each observation carries the env's rgb_array frame
         self.known = KNOWN.get(env.spec.name if env.spec else "")
         space = env.action_space
         if isinstance(space, spaces.Discrete):
@@ -151,26 +171,35 @@ class GymnasiumEnv:
     def reset(self, seed: int):
         obs, _ = self.env.reset(seed=seed)
         about = self.known.about if self.known else f"You are acting in the Gymnasium environment {self.env_id}."
-        messages = [
-            {"role": "system", "content": f"{about} {self.how_to_act}"},
-            {"role": "user", "content": self._show(obs)},
-        ]
+        if self.image:
+            about = self.known.picture if self.known and self.known.picture else f"{about} The picture shows it."
+        messages = [{"role": "system", "content": f"{about} {self.how_to_act}"}, self._user("", obs, "")]
         return messages, {"task": {"env_id": self.env_id, "seed": seed}}
 
     def step(self, action: str):
         chosen = self._parse(action)
         if chosen is None:
             reward = self.invalid_action_reward
-            feedback = f"Invalid action. {self.how_to_act}\n{self._show(self.last_obs)}\nReward: {reward:g}"
-            return feedback, reward, False, False, {"valid": False}
+            feedback = self._user(f"Invalid action. {self.how_to_act}", self.last_obs, f"Reward: {reward:g}")
+            return _reply(feedback), reward, False, False, {"valid": False}
         obs, reward, terminated, truncated, _ = self.env.step(chosen)
         reward = float(reward)
-        text = f"{self._show(obs)}\nReward: {reward:g}"
+        after = f"Reward: {reward:g}"
         info: dict[str, Any] = {"valid": True}
         if terminated or truncated:
             info["success"] = self._success(reward, terminated, truncated)
-            text += "\nThe episode is over."
-        return text, reward, bool(terminated), bool(truncated), info
+            after += "\nThe episode is over."
+        return _reply(self._user("", obs, after)), reward, bool(terminated), bool(truncated), info
+
+    def _user(self, before: str, obs: Any, after: str) -> dict[str, Any]:
+        """The user message showing `obs` between two texts; with ?render=image, the frame after them."""
+        text = "\n".join(t for t in (before, self._show(obs), after) if t)
+        if not self.image:
+            return {"role": "user", "content": text}
+        from PIL import Image
+
+        frame = Image.fromarray(self.env.render())
+        return {"role": "user", "content": [{"type": "text", "text": text}, {"type": "image", "image": frame}]}
 
     def _show(self, obs: Any) -> str:
         self.last_obs = obs
@@ -178,6 +207,8 @@ class GymnasiumEnv:
             return ansi_to_text(self.env.render())
         if isinstance(self.env.observation_space, spaces.Text):
             return str(obs)
+        if not is_text_representable(self.env.observation_space):
+            return ""  # only with ?render=image (make_env refuses it otherwise): the frame shows it
         return f"Observation: {describe(self.env.observation_space, obs)}"
 
     def _parse(self, action: str) -> Any:
@@ -199,24 +230,42 @@ class GymnasiumEnv:
         return terminated and reward > 0
 
 
-def make_env(name: str, invalid_action_reward: float = -1.0, **kwargs: Any) -> GymnasiumEnv:
+def _reply(message: dict[str, Any]) -> str | list[dict[str, Any]]:
+    """A step's observation: the text alone as before, or the message whose parts hold the frame."""
+    return message["content"] if isinstance(message["content"], str) else [message]
+
+
+def make_env(uri: str, invalid_action_reward: float = -1.0, **kwargs: Any) -> GymnasiumEnv:
+    """uri: the env id, optionally with ?render=image (see the module's docstring)."""
     if isinstance(invalid_action_reward, bool) or not isinstance(invalid_action_reward, (int, float)):
         raise UsageError(f"env.kwargs.invalid_action_reward: expected a number, got {invalid_action_reward!r}.")
+    name, image = uri_options(uri)
     try:
         spec = gymnasium.spec(name)
-        if "render_mode" not in kwargs and "ansi" in _render_modes(spec):
+        if image:
+            if kwargs.get("render_mode", "rgb_array") != "rgb_array":
+                raise UsageError(
+                    f"gymnasium:{uri}: render=image makes the env with render_mode rgb_array; "
+                    f"drop env.kwargs.render_mode ({kwargs['render_mode']!r})."
+                )
+            if "rgb_array" not in _render_modes(spec):
+                raise UsageError(f"gymnasium:{name} has no rgb_array render mode, so render=image cannot show it.")
+            kwargs["render_mode"] = "rgb_array"
+            # pygame (the toy-text envs draw with it) greets on stdout when imported: not into --json output.
+            os.environ.setdefault("PYGAME_HIDE_SUPPORT_PROMPT", "1")
+        elif "render_mode" not in kwargs and "ansi" in _render_modes(spec):
             kwargs["render_mode"] = "ansi"
         env = gymnasium.make(name, **kwargs)
     except gymnasium.error.Error as exc:
         raise UsageError(f"gymnasium:{name}: {exc}") from None
     except TypeError as exc:
         raise UsageError(f"env.kwargs do not fit gymnasium:{name}: {exc}") from None
-    if not is_text_representable(env.observation_space):
+    if not is_text_representable(env.observation_space) and not image:
         env.close()
         raise UsageError(
             f"gymnasium:{name} observations are {env.observation_space}, which cannot be written as text "
             "(images and large arrays are not supported). Supported: Discrete, Text, 1-D vectors of at most "
-            f"{MAX_VECTOR} numbers, and Tuple/Dict of those."
+            f"{MAX_VECTOR} numbers, and Tuple/Dict of those; or add ?render=image to show the env's frames."
         )
     if not isinstance(env.action_space, (spaces.Discrete, spaces.Text)):
         env.close()
@@ -224,7 +273,20 @@ def make_env(name: str, invalid_action_reward: float = -1.0, **kwargs: Any) -> G
             f"gymnasium:{name} actions are {env.action_space}; only Discrete (an index or a name) "
             "and Text actions can be chosen by a text reply."
         )
-    return GymnasiumEnv(name, env, invalid_action_reward)
+    return GymnasiumEnv(name, env, invalid_action_reward, image)
+
+
+def uri_options(uri: str) -> tuple[str, bool]:
+    """<EnvId>[?render=text|image] -> (the env id, whether frames are shown as images)."""
+    name, _, query = uri.partition("?")
+    options = dict(parse_qsl(query, keep_blank_values=True))
+    unknown = sorted(set(options) - {"render"})
+    if unknown:
+        raise UsageError(f"gymnasium:{uri}: unknown option {unknown[0]!r}; the one option is render=text|image.")
+    render = options.get("render", "text")
+    if render not in RENDERS:
+        raise UsageError(f"gymnasium:{uri}: render must be text or image, got {render!r}.")
+    return name, render == "image"
 
 
 def _render_modes(spec: gymnasium.envs.registration.EnvSpec) -> list[str]:

@@ -1,0 +1,78 @@
+"""`rlcli envs try --policy model`: one episode played by a model through the rollout code, shown turn by turn."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from typer.testing import CliRunner
+
+from helpers import make_ctx, write_recipe
+from rlcli.cli.envs import app
+from rlcli.errors import UsageError
+from rlcli.recipe import load_recipe
+
+
+def play(*args: str):
+    return CliRunner().invoke(app, ["try", "guess_number", "--policy", "model", *args])
+
+
+def episode(output: str) -> str:
+    """The transcript, from the line naming the model (the first call also says it built tiny-random)."""
+    return output[output.index("model tiny-random") :]
+
+
+def agent_turns(output: str) -> list[str]:
+    return re.findall(r"agent \(turn (\d+)\)", output)
+
+
+def test_a_model_plays_an_episode_the_same_way_twice():
+    args = ["--model", "tiny-random", "--seed", "3", "--max-turns", "3"]
+    first, again = play(*args), play(*args)
+    assert first.exit_code == 0, first.output
+    assert agent_turns(first.output) == ["1", "2", "3"]  # a random model does not guess right: every turn
+    assert "not solved in 3 turns, return 0 (ended: " in first.output
+    assert "engine hf" in first.output  # vLLM's CPU attention refuses tiny-random's head size
+    assert episode(first.output) == episode(again.output)  # the seeds fix the samples
+    other_seed = play("--model", "tiny-random", "--seed", "4", "--max-turns", "3")
+    assert other_seed.exit_code == 0 and episode(other_seed.output) != episode(first.output)
+
+
+def test_a_checkpoint_of_a_run_plays_with_its_weights(tmp_path, monkeypatch):
+    """-c takes a checkpoint folder, or a checkpoint of a run; its adapter, not the base model, writes the replies."""
+    from rlcli.models.loading import load_policy, save_checkpoint
+    from rlcli.store.checkpoints import add_checkpoint
+
+    recipe = write_recipe(tmp_path / "r.yaml", env={"name": "guess_number"}, rollout={"max_new_tokens": 12})
+    cfg = load_recipe(recipe)
+    model, tokenizer = load_policy(cfg.model, cfg.lora, cfg.quantization, trainable=True)  # a fresh LoRA
+    with torch.no_grad():  # a trained adapter: B no longer zero
+        torch.manual_seed(0)
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.add_(torch.randn_like(p))
+    folder = save_checkpoint(model, tokenizer, tmp_path / "ckpt")
+
+    base = play("-r", str(recipe), "--seed", "1", "--max-turns", "2")
+    trained = play("-r", str(recipe), "--seed", "1", "--max-turns", "2", "-c", str(folder))
+    assert base.exit_code == 0 and trained.exit_code == 0, trained.output
+    assert f"checkpoint {folder}" in trained.output.replace("\n", "")
+    assert base.output.split("agent (turn 1)")[1] != trained.output.split("agent (turn 1)")[1]
+
+    # The same checkpoint named by its run: the run's recipe and the recorded folder.
+    ctx = make_ctx(recipe, tmp_path / "runs")
+    add_checkpoint(ctx.rundb, ctx.run, "train/0", 0, folder, "lora")
+    ctx.rundb.close()
+    monkeypatch.setenv("RLCLI_HOME", str(tmp_path / "runs"))
+    by_run = play("--run", ctx.run, "-c", "latest", "--seed", "1", "--max-turns", "2")
+    assert by_run.exit_code == 0, by_run.output
+    assert by_run.output.split("agent (turn 1)")[1] == trained.output.split("agent (turn 1)")[1]
+
+
+def test_model_options_need_the_model_policy_and_a_known_run(tmp_path, monkeypatch):
+    # The sub-app raises; rlcli's main turns a UsageError into its sentence and exit code 2.
+    out = CliRunner().invoke(app, ["try", "guess_number", "--model", "tiny-random"])
+    assert isinstance(out.exception, UsageError) and "choose the model of --policy model" in str(out.exception)
+    monkeypatch.setenv("RLCLI_HOME", str(tmp_path))
+    out = play("--model", "tiny-random", "-c", "latest")
+    assert isinstance(out.exception, UsageError) and "no run database" in str(out.exception)
