@@ -55,10 +55,41 @@ def cli_env(runs_dir: Path) -> dict[str, str]:
     return env
 
 
+def cli(capsys, *args) -> tuple[int, str, str]:
+    """Run `rlcli ARGS` in-process; return (exit code, stdout, stderr)."""
+    from rlcli.cli.app import main
+
+    try:
+        main([str(a) for a in args])
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
 def run_cli(args: list[str], runs_dir: Path, cwd: Path | None = None, timeout: int = 600):
     return subprocess.run(
         RLCLI + args, env=cli_env(runs_dir), cwd=cwd or REPO, capture_output=True, text=True, timeout=timeout
     )
+
+
+def kill_sft_at_a_checkpoint_and_resume(recipe: Path, runs: Path, run: str = "t") -> subprocess.CompletedProcess:
+    """Start `rlcli sft`, kill -9 it as soon as its first Trainer checkpoint is complete, run the same
+    command again and return that run (which should resume from the checkpoint)."""
+    command = [str(Path(sys.executable).parent / "rlcli"), "sft", "-r", str(recipe)]
+    checkpoints = runs / run / "sft"
+    proc = subprocess.Popen(command, env=cli_env(runs), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    # Wait for a complete checkpoint (its trainer_state.json is written last), then kill at once.
+    while (
+        time.time() < deadline and proc.poll() is None and not list(checkpoints.glob("checkpoint-*/trainer_state.json"))
+    ):
+        time.sleep(0.05)
+    assert proc.poll() is None, "sft ended before a checkpoint appeared; give it more steps"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    return subprocess.run(command, env=cli_env(runs), cwd=REPO, capture_output=True, text=True, timeout=300)
 
 
 def write_env_file(path: Path, body: str) -> Path:

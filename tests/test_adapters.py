@@ -117,6 +117,26 @@ def test_textarena_is_deterministic_even_when_episodes_interleave():
     assert interleaved_a != interleaved_b
 
 
+def test_textarena_blackjack_expert_wins_far_more_than_always_hitting():
+    def win_rate(policy) -> float:
+        wins = 0
+        for seed in range(200):
+            env = load_env("textarena:Blackjack-v0", {"num_hands": 1})()
+            env.reset(10_000 + seed)
+            done, turns = False, 0
+            while not done:
+                _, _, done, _, info = env.step(policy(env))
+                turns += 1
+            wins += info["success"]
+            assert not info["invalid_move"] and turns <= 12
+        return wins / 200
+
+    expert = win_rate(lambda env: env.expert_action())
+    assert expert >= 0.35, "basic strategy wins about 4 hands in 10"
+    assert win_rate(lambda env: "[Hit]") < expert - 0.2
+    assert not hasattr(load_env("textarena:GuessTheNumber-v0", {})(), "expert_action"), "only where one exists"
+
+
 def test_textarena_clear_errors():
     with pytest.raises(UsageError, match="no game 'GuessTheNumbr-v0'.*GuessTheNumber-v0"):
         load_env("textarena:GuessTheNumbr-v0", {})()

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import cli
 from rlcli.cli.app import main
 from rlcli.cli.common import open_run
 from rlcli.engine.context import RunContext
@@ -47,17 +48,6 @@ def bad(tmp_path) -> Path:
     path = tmp_path / "bad.yaml"
     path.write_text("grpo:\n  lrr: 1\n")
     return path
-
-
-def cli(capsys, *args: str) -> tuple[int, str, str]:
-    """Run `rlcli ARGS` in-process; return (exit code, stdout, stderr)."""
-    try:
-        main([str(a) for a in args])
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def one_line(err: str) -> str:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rlcli.cli.app import main
+from helpers import cli
 from rlcli.errors import UsageError
 from rlcli.recipe import Recipe
 from rlcli.store.blobs import pack_floats, pack_ids
@@ -200,16 +200,6 @@ def wide_console(monkeypatch):
     from rlcli.cli.common import console
 
     monkeypatch.setattr(console, "width", 160)
-
-
-def cli(capsys, *args: str) -> tuple[int, str, str]:
-    try:
-        main([str(a) for a in args])
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_show_json_has_stable_keys_and_evals(capsys, runs_dir):

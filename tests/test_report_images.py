@@ -12,7 +12,7 @@ from html.parser import HTMLParser
 
 import pytest
 
-from rlcli.cli.app import main
+from helpers import cli
 from rlcli.recipe import Recipe
 from rlcli.store.db import RunDB
 from rlcli.store.episodes import store_episodes
@@ -90,16 +90,6 @@ def runs_dir(rlcli_home, tmp_path, monkeypatch):
     )
     rundb.close()
     return {"sha1": sha1, "sha2": sha2, "first": first, "second": second, "expert": expert}
-
-
-def cli(capsys, *args) -> tuple[int, str, str]:
-    try:
-        main([str(a) for a in args])
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 class Page(HTMLParser):

@@ -4,17 +4,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import signal
 import sqlite3
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import REPO, cli_env, make_ctx, write_recipe
+from helpers import REPO, kill_sft_at_a_checkpoint_and_resume, make_ctx, write_recipe
 from rlcli.engine.sft import (
     build_trainer,
     encode_conversations,
@@ -28,7 +23,6 @@ from rlcli.engine.sft_data import Conversation, conversation_from_row, read_conv
 from rlcli.errors import UsageError
 from rlcli.store.checkpoints import checkpoints, resolve_checkpoint
 
-RLCLI_BIN = Path(sys.executable).parent / "rlcli"
 CHAT = [
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "What is 2 + 3?"},
@@ -442,21 +436,7 @@ def test_kill_during_sft_resumes_from_its_checkpoint(tmp_path):
         },
     )
     runs = tmp_path / "runs"
-    command = [str(RLCLI_BIN), "sft", "-r", str(recipe)]
-    checkpoints = runs / "t" / "sft"
-
-    proc = subprocess.Popen(command, env=cli_env(runs), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    # Wait for a complete checkpoint (its trainer_state.json is written last), then kill at once.
-    while (
-        time.time() < deadline and proc.poll() is None and not list(checkpoints.glob("checkpoint-*/trainer_state.json"))
-    ):
-        time.sleep(0.05)
-    assert proc.poll() is None, "sft ended before a checkpoint appeared; give it more steps"
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-
-    resumed = subprocess.run(command, env=cli_env(runs), cwd=REPO, capture_output=True, text=True, timeout=300)
+    resumed = kill_sft_at_a_checkpoint_and_resume(recipe, runs)
     assert resumed.returncode == 0, resumed.stderr
     assert "sft: resuming from" in resumed.stderr
     with sqlite3.connect(runs / "rlcli.db") as conn:
@@ -470,7 +450,7 @@ def test_kill_during_sft_resumes_from_its_checkpoint(tmp_path):
     assert stored_demos == demos and sft_checkpoints == 1
     # Steps before the kill are kept, steps redone after it overwrite their rows: one row per step.
     assert loss_steps == list(range(1, steps + 1))
-    state = json.loads((checkpoints / f"checkpoint-{steps}" / "trainer_state.json").read_text())
+    state = json.loads((runs / "t" / "sft" / f"checkpoint-{steps}" / "trainer_state.json").read_text())
     assert state["global_step"] == steps
     assert [h["step"] for h in state["log_history"] if "loss" in h] == list(range(1, steps + 1))
 

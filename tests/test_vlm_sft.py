@@ -5,17 +5,12 @@ as pixels, and training raises the demos' likelihood; a kill -9 resumes from the
 from __future__ import annotations
 
 import json
-import signal
 import sqlite3
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import REPO, cli_env, make_ctx, write_recipe
+from helpers import kill_sft_at_a_checkpoint_and_resume, make_ctx, write_recipe
 from rlcli.engine.sft import (
     ImageBatches,
     encode_image_conversations,
@@ -26,7 +21,6 @@ from rlcli.engine.sft import (
 )
 from rlcli.store.episodes import stage_episodes
 
-RLCLI_BIN = Path(sys.executable).parent / "rlcli"
 GUI_CLICK = {"name": "gui_click", "kwargs": {"width": 112, "height": 112, "buttons": 2}, "max_turns": 1}
 IMAGE_TOKENS_PER_IMAGE = 16  # tiny-random-vlm: 112x112 pixels, 8x8 patches merged 2x2
 
@@ -237,20 +231,7 @@ def test_kill_during_vlm_sft_resumes_from_its_checkpoint(tmp_path):
         | {"eval_fraction": 0.0},
     )
     runs = tmp_path / "runs"
-    command = [str(RLCLI_BIN), "sft", "-r", str(recipe)]
-    checkpoints = runs / "t" / "sft"
-    proc = subprocess.Popen(command, env=cli_env(runs), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    # Wait for a complete checkpoint (its trainer_state.json is written last), then kill at once.
-    while (
-        time.time() < deadline and proc.poll() is None and not list(checkpoints.glob("checkpoint-*/trainer_state.json"))
-    ):
-        time.sleep(0.05)
-    assert proc.poll() is None, "sft ended before a checkpoint appeared; give it more steps"
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-
-    resumed = subprocess.run(command, env=cli_env(runs), cwd=REPO, capture_output=True, text=True, timeout=300)
+    resumed = kill_sft_at_a_checkpoint_and_resume(recipe, runs)
     assert resumed.returncode == 0, resumed.stderr
     assert "sft: resuming from" in resumed.stderr
     with sqlite3.connect(runs / "rlcli.db") as conn:
@@ -263,6 +244,5 @@ def test_kill_during_vlm_sft_resumes_from_its_checkpoint(tmp_path):
     assert stored_demos == 8
     assert loss_steps == list(range(1, steps + 1))
     # The checkpoint carries the processor, image processor included.
-    assert (checkpoints / f"checkpoint-{steps}" / "processor_config.json").is_file() or (
-        checkpoints / f"checkpoint-{steps}" / "preprocessor_config.json"
-    ).is_file()
+    last = runs / "t" / "sft" / f"checkpoint-{steps}"
+    assert (last / "processor_config.json").is_file() or (last / "preprocessor_config.json").is_file()

@@ -14,7 +14,11 @@ The game's own rules end it (a turn limit, or a second invalid move in a row); r
 env.max_turns can end it sooner. env.kwargs override the game's constructor arguments
 (e.g. {max_number: 50, max_turns: 8} for GuessTheNumber-v0).
 
-Limits: single-player games only (the other seats would need opponents). No expert. Games that need
+Expert (for SFT demos and `envs try --policy expert`): only Blackjack-v0 has one, basic strategy
+read off the game state: hit to 11, stand from 17, and from 12 to 16 stand against a dealer's 2-6
+(the dealer must draw and may bust), else hit. It wins about 4 hands in 10, near the game's best.
+
+Limits: single-player games only (the other seats would need opponents). Games that need
 NLTK corpora (Wordle, Hangman, WordLadder, WordSearch, Crosswords...) work only if that data was
 installed beforehand - rlcli never lets a game download at run time; games that call a remote LLM
 (TwentyQuestions, GuessWho) need an OpenRouter key and the network, and are not for offline use.
@@ -63,6 +67,8 @@ class TextArenaEnv:
         while isinstance(self.inner, ta.Wrapper):
             self.inner = self.inner.env
         self._random_state: Any = None
+        if game_id in EXPERTS:  # looked up with getattr: games without one must not have the method
+            self.expert_action = lambda: EXPERTS[game_id](self.inner)
 
     @contextmanager
     def _own_random(self, seed: int | None = None) -> Iterator[None]:
@@ -113,6 +119,17 @@ class TextArenaEnv:
             for _, text, kind in messages
             if isinstance(text, str) and kind != ta.ObservationType.PLAYER_ACTION
         )
+
+
+def _blackjack_expert(game: Any) -> str:
+    state = game.state.game_state
+    score = game._hand_score(state["player_hand"])
+    dealer = game._hand_score(state["dealer_hand"][:1])  # the card the player sees
+    hit = score <= 11 or (score <= 16 and not 2 <= dealer <= 6)
+    return "[Hit]" if hit else "[Stand]"
+
+
+EXPERTS = {"Blackjack-v0": _blackjack_expert}
 
 
 def _build(game_id: str, game_kwargs: dict[str, Any]) -> Any:
