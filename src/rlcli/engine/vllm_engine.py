@@ -22,6 +22,12 @@ Sleep mode (rollout.vllm_sleep): when the engine shares its GPU with the trainer
 puts it to sleep before each update (its weights go to host memory and its KV cache is freed, so
 the update has that memory) and it wakes up when it is next used (the sync that follows the update).
 
+Images (a vision-language model): the rollout records each prompt with its image tokens expanded by
+the model's processor. vLLM expands image placeholders itself, so each prompt goes to it with every
+image's tokens folded back into one placeholder token and the images beside it; vLLM's expansion
+(which it reports) must give back the recorded ids, else sampling stops with an error. vLLM computes
+Qwen2-VL's 3-D positions itself. A weight sync also drops vLLM's cached image features.
+
 vllm is imported only when an engine is built; importing this module stays cheap.
 """
 
@@ -38,7 +44,8 @@ from typing import Any
 import torch
 
 from rlcli.engine.sampling import Sample, SamplingConfig
-from rlcli.errors import UsageError
+from rlcli.errors import RlcliError, UsageError
+from rlcli.models import vision
 
 # Sampled-token logprobs after temperature (and top-k/top-p, when they are on); see the module doc.
 LOGPROBS_MODE = "processed_logprobs"
@@ -74,6 +81,7 @@ class VllmEngine:
         seed: int = 0,
         max_lora_rank: int | None = None,
         sleep_mode: bool = False,
+        max_images: int | None = None,
     ) -> None:
         # Must be set before vllm reads it: the engine core then runs in this process, where its
         # model runner (and so in-place weight reload) is reachable without serialising tensors.
@@ -109,6 +117,8 @@ class VllmEngine:
             logprobs_mode=LOGPROBS_MODE,
             seed=seed,
             enable_sleep_mode=sleep_mode,
+            # A vision-language model's engine sizes its encoder budget for this many images per prompt.
+            **({"limit_mm_per_prompt": {"image": max_images}} if max_images is not None else {}),
             **lora,
         )
         self.sleep_mode, self.asleep = sleep_mode, False
@@ -124,8 +134,17 @@ class VllmEngine:
         seeds: list[int],
         config: SamplingConfig,
         max_new_tokens: list[int] | None = None,
+        images: list[list[Any]] | None = None,
+        expanded: list[list[int]] | None = None,
     ) -> list[Sample]:
-        """Continue each prompt by up to its own token budget (default `config.max_new_tokens`)."""
+        """Continue each prompt by up to its own token budget (default `config.max_new_tokens`).
+
+        images: a vision-language model's, each prompt's PIL images in the order of their placeholders
+        (vision.fold_image_tokens); vLLM's processor expands each placeholder into the image's tokens.
+        expanded: the prompts as the policy's processor expanded them (what the rollout records). The
+        logprobs belong to vLLM's expansion, so one that differs is an error rather than a silent
+        mismatch between what was sampled and what training recomputes.
+        """
         from vllm import TokensPrompt
 
         if len(seeds) != len(prompts):
@@ -133,9 +152,20 @@ class VllmEngine:
         self.wake_up()
         budgets = max_new_tokens or [config.max_new_tokens] * len(prompts)
         params = [_sampling_params(config, seed, budget) for seed, budget in zip(seeds, budgets)]
-        outputs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False, lora_request=self.adapter
-        )
+        requests = []
+        for i, prompt in enumerate(prompts):
+            request = TokensPrompt(prompt_token_ids=list(prompt))
+            if images is not None and images[i]:
+                request["multi_modal_data"] = {"image": list(images[i])}
+            requests.append(request)
+        outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self.adapter)
+        for i, output in enumerate(outputs if expanded is not None else []):
+            if list(output.prompt_token_ids) != list(expanded[i]):
+                raise RlcliError(
+                    f"vLLM expanded a prompt's images into {len(output.prompt_token_ids)} tokens where the model's "
+                    f"processor gave {len(expanded[i])}: its image processing differs from the processor's "
+                    "(preprocessor_config.json); set rollout.engine: hf for this model."
+                )
         return [_sample(output.outputs[0]) for output in outputs]
 
     def load_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -152,6 +182,8 @@ class VllmEngine:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(pairs)})
         self.llm.collective_rpc(_repack_tied_cpu_weights)
         self.llm.reset_prefix_cache()
+        # A vision tower that trains (full fine-tune, lora.target_vision) makes cached image features stale.
+        self.llm.llm_engine.reset_encoder_cache()
 
     def load_adapter(self, folder: str | os.PathLike) -> None:
         """Serve the LoRA adapter saved in `folder` (peft's save_pretrained) over the base weights.
@@ -229,22 +261,38 @@ class VllmSampler:
     cache finds their KV blocks: nothing is kept per chunk here.
     """
 
-    def __init__(self, engine: VllmEngine, config: SamplingConfig) -> None:
+    def __init__(self, engine: VllmEngine, config: SamplingConfig, processor: Any = None) -> None:
         self.engine, self.config = engine, config
+        self.processor = processor  # a vision-language model's; None for a text model
         self.seeds: list[int] = []
         self.turns: list[int] = []
+        self._expansions: dict[str, list[int]] = {}  # each image's tokens, by sha256 (fold_image_tokens)
 
     def start(self, seeds: list[int]) -> None:
         self.seeds, self.turns = list(seeds), [0] * len(seeds)
 
-    def sample(self, rows: list[int], prompts: list[list[int]], budgets: list[int]) -> list[Sample]:
+    def sample(
+        self,
+        rows: list[int],
+        prompts: list[list[int]],
+        budgets: list[int],
+        images: list[list[vision.ImageRef]] | None = None,
+    ) -> list[Sample]:
+        """images: a vision-language model's, those of each prompt in the order of their tokens. vLLM
+        takes the images beside prompts whose image tokens are folded back into placeholders."""
         from rlcli.engine.rollout import derive_seed
 
         seeds = []
         for row in rows:
             seeds.append(derive_seed(self.seeds[row], self.turns[row]))
             self.turns[row] += 1
-        return self.engine.generate(prompts, seeds, self.config, budgets)
+        if images is None:
+            return self.engine.generate(prompts, seeds, self.config, budgets)
+        folded = [
+            vision.fold_image_tokens(self.processor, p, refs, self._expansions) for p, refs in zip(prompts, images)
+        ]
+        pil = [[ref.image for ref in refs] for refs in images]
+        return self.engine.generate(folded, seeds, self.config, budgets, images=pil, expanded=prompts)
 
 
 # The engine of this process, with the options it was built with: starting one takes 8-40 s, so
@@ -296,8 +344,9 @@ def policy_engine(
     memory = recipe.rollout.vllm_memory
     if memory is None:
         memory = 0.5 if device.startswith("cuda") else float(1 << 30)
+    model_path = resolve_model(recipe.model.name)
     engine = shared_engine(
-        resolve_model(recipe.model.name),
+        model_path,
         max_model_len=recipe.model.max_length,
         dtype=str(resolve_dtype(recipe.model.dtype, device)).removeprefix("torch."),
         device=device,
@@ -305,6 +354,7 @@ def policy_engine(
         kv_cache_memory_bytes=int(memory) if memory > 1 else None,
         max_lora_rank=recipe.lora.r if recipe.rollout.vllm_sync == "adapter" else None,
         sleep_mode=sleep_mode or None,  # None: the default, so that the key matches an engine built without it
+        max_images=max_images_per_prompt(recipe, model_path),
     )
     if base and engine.adapter_sync:
         engine.serve_base()  # the base weights never left the engine
@@ -313,6 +363,13 @@ def policy_engine(
         sync_weights(engine, model, adapter_folder)
         engine.serves_base = base
     return engine
+
+
+def max_images_per_prompt(recipe: Any, model_path: str | os.PathLike) -> int | None:
+    """A vision-language model's env.keep_images when it is a number: no prompt holds more images.
+    None: vLLM's default, or a text model (whose engine takes no images)."""
+    keep = recipe.env.keep_images
+    return keep if isinstance(keep, int) and vision.vision_model_type(model_path) is not None else None
 
 
 def sleeps_around_updates(recipe: Any) -> bool:

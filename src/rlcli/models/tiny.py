@@ -81,11 +81,14 @@ IMAGE_TOKENS = ["<fake_token_around_image>", "<global-img>", "<image>", "<end_of
 TINY_VLM_IMAGE_SIZE = 112
 
 
-def build_tiny_random_vlm(out: Path) -> None:
+def build_tiny_random_vlm(out: Path, head_dim: int = 16) -> None:
     """Write a random Idefics3 (SmolVLM's architecture: a 2-layer Llama of hidden 64 after a 2-layer
     SigLIP-style vision tower of width 32) with its processor (Idefics3's image processor, a byte-level
     tokenizer with its image tokens, and a ChatML template that renders image parts as <image>) into
     `out`, as one `from_pretrained` folder.
+
+    head_dim: as for build_tiny_random (64 gives the Llama hidden 128 and 2 heads, which vLLM's CPU
+    attention takes: the vLLM tests build that one).
 
     (build_tiny_random_qwen2_vl builds the other family rlcli drives.)
     """
@@ -96,14 +99,16 @@ def build_tiny_random_vlm(out: Path) -> None:
     tokenizer = _tiny_tokenizer([IM_START, IM_END, *IMAGE_TOKENS], VLM_CHAT_TEMPLATE, _VLM_CORPUS)
     bpe = tokenizer.backend_tokenizer
     end = bpe.token_to_id(IM_END)
+    hidden = max(64, 2 * head_dim)
+    heads = hidden // head_dim
     text = {
         "model_type": "llama",
         "vocab_size": bpe.get_vocab_size(),
-        "hidden_size": 64,
-        "intermediate_size": 128,
+        "hidden_size": hidden,
+        "intermediate_size": 2 * hidden,
         "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
+        "num_attention_heads": heads,
+        "num_key_value_heads": max(1, heads // 2),
         "max_position_embeddings": 4096,
         "tie_word_embeddings": True,
         "eos_token_id": end,

@@ -231,6 +231,43 @@ def tokenize(processor: Any, text: str, images: list[ImageRef]) -> list[int]:
     return list(out["input_ids"][0])
 
 
+def fold_image_tokens(processor: Any, ids: list[int], images: list[ImageRef], cache: dict[str, list[int]]) -> list[int]:
+    """`ids` with each image's tokens (as `tokenize` expanded them) folded back into the processor's one
+    image placeholder token: the prompt as vLLM takes it with the images beside it, since vLLM's own
+    processor expands every placeholder it finds. cache: each image's expansion, by sha256.
+
+    An image's expansion is found from where the previous one ended; the placeholder text alone,
+    expanded with the image, gives it (Idefics3 wraps the image tokens in marker tokens, Qwen2-VL
+    repeats its image token), so this needs no knowledge of the family."""
+    placeholder = processor.tokenizer(processor.image_token, add_special_tokens=False)["input_ids"]
+    out: list[int] = []
+    cursor = 0
+    for ref in images:
+        if ref.sha256 not in cache:
+            cache[ref.sha256] = tokenize(processor, processor.image_token, [ref])
+        expanded = cache[ref.sha256]
+        start = _find(ids, expanded, cursor)
+        if start < 0:
+            raise ValueError(f"image {ref.sha256[:12]}'s tokens are not in the prompt after token {cursor}")
+        out += ids[cursor:start] + placeholder
+        cursor = start + len(expanded)
+    return out + ids[cursor:]
+
+
+def _find(ids: list[int], part: list[int], start: int) -> int:
+    """The index of the first occurrence of `part` in `ids` at or after `start`; -1 if none."""
+    first, n = part[0], len(part)
+    i = start
+    while True:
+        try:
+            i = ids.index(first, i)
+        except ValueError:
+            return -1
+        if ids[i : i + n] == part:
+            return i
+        i += 1
+
+
 def pixel_inputs(processor: Any, images: list[Any], model: Any, input_ids: Any = None) -> dict[str, Any]:
     """The forward's pixel arguments for `images` (PIL images, in the order their tokens appear in the
     batch, row after row), on the model's device and in its dtype; {} without images.
