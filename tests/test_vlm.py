@@ -168,3 +168,45 @@ def test_grpo_on_gui_click_trains_the_tiny_vlm_end_to_end(tmp_path):
         if "vision_model" in n and not torch.equal(p, q)
     ]
     assert vision_changed  # the gradient reached the vision tower through the image tokens
+
+
+def test_the_policy_never_writes_image_slots_even_when_they_are_likely(tmp_path, monkeypatch):
+    """A sampled image token in a reply is a slot without an image: training's forward then fails
+    ("Number of elements of source < number of ones in mask"), as the tiny VLM's GRPO did at its 5th
+    iteration. Here the LM head favours the image token by 100 nats: the samplers must leave it out of
+    the policy's distribution, and training recompute the same distribution."""
+    import json
+    from pathlib import Path
+
+    import rlcli.models.loading as loading
+    from rlcli.engine.train import run_grpo
+    from rlcli.models.cache import resolve_model
+    from rlcli.store.blobs import unpack_ids
+
+    real_load_policy = loading.load_policy
+
+    def load_biased_policy(*args, **kwargs):
+        model, tokenizer = real_load_policy(*args, **kwargs)
+        image_token = model.config.image_token_id
+
+        def favour_image_token(module, inputs, logits):
+            return logits.index_add(-1, torch.tensor([image_token]), torch.full((*logits.shape[:-1], 1), 100.0))
+
+        model.get_output_embeddings().register_forward_hook(favour_image_token)
+        return model, tokenizer
+
+    monkeypatch.setattr(loading, "load_policy", load_biased_policy)
+    recipe = vlm_recipe(
+        tmp_path,
+        lora=None,
+        rewards=[{"fn": "env_return"}, {"fn": "format", "kwargs": {"pattern": r"(?s).*\d.*"}}],  # some spread
+        grpo={"iterations": 1, "lr": 1e-3},
+        rollout={"tasks": 2, "group_size": 4, "max_new_tokens": 6, "batch_size": 8, "temperature": 1.0},
+    )
+    ctx = make_ctx(recipe, tmp_path / "runs")
+    run_grpo(ctx)
+    image_token = json.loads((Path(resolve_model("tiny-random-vlm")) / "config.json").read_text())["image_token_id"]
+    completions = [unpack_ids(row["completion_ids"]) for row in ctx.rundb.db.query("select completion_ids from turns")]
+    assert len(completions) >= 4 and not any(image_token in ids for ids in completions)
+    (gap,) = [m.value for m in ctx.rundb.metrics(ctx.run, "train/engine_logprob_gap")]
+    assert gap < 1e-4

@@ -152,9 +152,12 @@ def chunked_token_logprobs(
     chunk_size: int,
     temperature: float = 1.0,
     entropy: bool = False,
+    unwritable: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log softmax(head(hidden) / temperature)[token_ids] for [N, H] hidden states and [N] ids, and, if asked,
     the entropy in nats of each position's distribution (detached: it is a statistic, not a loss term).
+    unwritable: token ids outside the policy's distribution (logit -inf), as the samplers leave them out
+    (a vision-language model's image slots, vision.slot_token_ids).
 
     Only `chunk_size` positions' logits ([chunk_size, V] in float32) exist at any time, in the forward and in
     the backward: with autograd on, each chunk runs under activation checkpointing, which keeps the chunk's
@@ -168,9 +171,9 @@ def chunked_token_logprobs(
     logps, entropies = [], []
     for h, ids in zip(hidden.split(chunk_size), token_ids.split(chunk_size)):
         if torch.is_grad_enabled():
-            logp, ent = checkpoint(_chunk_logprobs, h, ids, head, temperature, entropy, use_reentrant=False)
+            logp, ent = checkpoint(_chunk_logprobs, h, ids, head, temperature, entropy, unwritable, use_reentrant=False)
         else:
-            logp, ent = _chunk_logprobs(h, ids, head, temperature, entropy)
+            logp, ent = _chunk_logprobs(h, ids, head, temperature, entropy, unwritable)
         logps.append(logp)
         entropies.append(ent)
     empty = hidden.new_zeros((0,), dtype=torch.float32)
@@ -184,9 +187,12 @@ def _chunk_logprobs(
     head: Callable[[torch.Tensor], torch.Tensor],
     temperature: float,
     entropy: bool,
+    unwritable: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     logits = head(hidden)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
+    if unwritable is not None:
+        logits = logits.index_fill(-1, unwritable, float("-inf"))
     lse = torch.logsumexp(logits, dim=-1)
     logp = logits.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1) - lse
     ent = None

@@ -667,7 +667,9 @@ def make_sampler(recipe, model, tokenizer, sampling, *, base: bool, checkpoint_f
     from rlcli.engine.vllm_engine import VllmSampler, policy_engine
 
     engine = policy_engine(recipe, model, base=base, adapter_folder=checkpoint_folder)
-    return VllmSampler(engine, sampling, processor=vision.processor_of(tokenizer))
+    processor = vision.processor_of(tokenizer)
+    slots = vision.slot_token_ids(model.config) if processor is not None else []
+    return VllmSampler(engine, sampling, processor=processor, unwritable=tokenizer.convert_ids_to_tokens(slots))
 
 
 def run_rollout_stage(ctx: RunContext, *, stage: str, policy: str, split: str) -> EpisodeSummary:

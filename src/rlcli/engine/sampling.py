@@ -237,6 +237,8 @@ def sample_batch(
         positions = _mrope_rows(model, processor, fresh, fresh_images, pixels["image_grid_thw"], positions, shifts)
     attention = torch.cat([cached_attention, new_attention.to(device)], dim=-1)
     input_ids, positions = input_ids.to(device), positions.to(device)
+    slots = vision.slot_token_ids(model.config) if processor is not None else []
+    unwritable = torch.tensor(slots, dtype=torch.long, device=device) if slots else None
 
     # Only the last position's logits are needed; all of them would be a [batch, width, vocab] tensor
     # (hundreds of MB with a 49k-token vocabulary) and a fifth of the prefill's compute.
@@ -264,6 +266,8 @@ def sample_batch(
     done_rows = torch.zeros(batch, dtype=torch.bool, device=device)  # `done`, kept on the device too
     finished = [False] * batch
     for _ in range(max(budgets)):
+        if unwritable is not None:  # image slots: never in a reply (vision.slot_token_ids)
+            logits = logits.index_fill(-1, unwritable, float("-inf"))
         scores = logits.float() / cfg.logprob_temperature
         logprobs_all = torch.log_softmax(scores, dim=-1)
         if cfg.temperature > 0:

@@ -16,6 +16,7 @@ from rlcli.engine import grpo
 from rlcli.engine.context import RunContext
 from rlcli.engine.rollout import derive_seed, sampling_config
 from rlcli.errors import RlcliError
+from rlcli.models import vision
 
 
 @dataclass
@@ -280,7 +281,9 @@ def token_logprobs(model, batch: dict[str, Any], temperature: float, *, entropy:
     hidden = _hidden_states(model, batch)
     live = batch["mask"] > 0
     head = output_head(model)
-    vocab = _unwrap(model).config.get_text_config().vocab_size
+    config = _unwrap(model).config
+    vocab = config.get_text_config().vocab_size
+    slots = vision.slot_token_ids(config)  # as the samplers, which never draw them
     logp, ent = grpo.chunked_token_logprobs(
         hidden[live],
         head,
@@ -288,6 +291,7 @@ def token_logprobs(model, batch: dict[str, Any], temperature: float, *, entropy:
         chunk_size=max(1, LOGIT_CHUNK_VALUES // vocab),
         temperature=temperature,
         entropy=entropy,
+        unwritable=torch.tensor(slots, device=live.device) if slots else None,
     )
     zeros = torch.zeros(live.shape, device=live.device)
     return zeros.masked_scatter(live, logp), (zeros.masked_scatter(live, ent) if entropy else None)

@@ -136,6 +136,7 @@ class VllmEngine:
         max_new_tokens: list[int] | None = None,
         images: list[list[Any]] | None = None,
         expanded: list[list[int]] | None = None,
+        bad_words: list[str] | None = None,
     ) -> list[Sample]:
         """Continue each prompt by up to its own token budget (default `config.max_new_tokens`).
 
@@ -144,6 +145,7 @@ class VllmEngine:
         expanded: the prompts as the policy's processor expanded them (what the rollout records). The
         logprobs belong to vLLM's expansion, so one that differs is an error rather than a silent
         mismatch between what was sampled and what training recomputes.
+        bad_words: single tokens never sampled (vLLM sets their logits to -inf, in the recorded logprobs too).
         """
         from vllm import TokensPrompt
 
@@ -151,7 +153,7 @@ class VllmEngine:
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds.")
         self.wake_up()
         budgets = max_new_tokens or [config.max_new_tokens] * len(prompts)
-        params = [_sampling_params(config, seed, budget) for seed, budget in zip(seeds, budgets)]
+        params = [_sampling_params(config, seed, budget, bad_words) for seed, budget in zip(seeds, budgets)]
         requests = []
         for i, prompt in enumerate(prompts):
             request = TokensPrompt(prompt_token_ids=list(prompt))
@@ -261,9 +263,12 @@ class VllmSampler:
     cache finds their KV blocks: nothing is kept per chunk here.
     """
 
-    def __init__(self, engine: VllmEngine, config: SamplingConfig, processor: Any = None) -> None:
+    def __init__(
+        self, engine: VllmEngine, config: SamplingConfig, processor: Any = None, unwritable: list[str] | None = None
+    ) -> None:
         self.engine, self.config = engine, config
         self.processor = processor  # a vision-language model's; None for a text model
+        self.unwritable = unwritable or None  # tokens never sampled: a VLM's image slots (vision.slot_token_ids)
         self.seeds: list[int] = []
         self.turns: list[int] = []
         self._expansions: dict[str, list[int]] = {}  # each image's tokens, by sha256 (fold_image_tokens)
@@ -287,12 +292,14 @@ class VllmSampler:
             seeds.append(derive_seed(self.seeds[row], self.turns[row]))
             self.turns[row] += 1
         if images is None:
-            return self.engine.generate(prompts, seeds, self.config, budgets)
+            return self.engine.generate(prompts, seeds, self.config, budgets, bad_words=self.unwritable)
         folded = [
             vision.fold_image_tokens(self.processor, p, refs, self._expansions) for p, refs in zip(prompts, images)
         ]
         pil = [[ref.image for ref in refs] for refs in images]
-        return self.engine.generate(folded, seeds, self.config, budgets, images=pil, expanded=prompts)
+        return self.engine.generate(
+            folded, seeds, self.config, budgets, images=pil, expanded=prompts, bad_words=self.unwritable
+        )
 
 
 # The engine of this process, with the options it was built with: starting one takes 8-40 s, so
@@ -459,7 +466,7 @@ def _check_device(device: str, platform: str) -> None:
         )
 
 
-def _sampling_params(config: SamplingConfig, seed: int, max_tokens: int) -> Any:
+def _sampling_params(config: SamplingConfig, seed: int, max_tokens: int, bad_words: list[str] | None = None) -> Any:
     from vllm import SamplingParams
 
     return SamplingParams(
@@ -472,6 +479,7 @@ def _sampling_params(config: SamplingConfig, seed: int, max_tokens: int) -> Any:
         skip_special_tokens=False,
         seed=seed,
         logprobs=0,  # the sampled token's logprob only
+        bad_words=bad_words,
     )
 
 

@@ -291,6 +291,15 @@ def pixel_inputs(processor: Any, images: list[Any], model: Any, input_ids: Any =
     return pixels
 
 
+def slot_token_ids(config: Any) -> list[int]:
+    """The tokens a vision-language model's forward reads as image (or video) slots, to be filled with
+    features: the policy never writes them. One in a reply would be a slot without an image when
+    training forwards the sequence (the forward fails), so the samplers and the trainer both take
+    them out of the policy's distribution (their logits -inf). [] for a text model."""
+    ids = (getattr(config, name, None) for name in ("image_token_id", "video_token_id"))
+    return [i for i in ids if isinstance(i, int)]
+
+
 def uses_mrope(model: Any) -> bool:
     """Whether the model's language model takes 3-D (M-RoPE) positions (Qwen2-VL's family)."""
     return getattr(model.config, "model_type", None) in MROPE_FAMILIES
