@@ -110,6 +110,29 @@ def test_every_command_and_option_has_help():
     walk(typer.main.get_command(app), "rlcli")
 
 
+def test_no_help_text_loses_brackets_to_rich_markup():
+    """Typer renders help as rich markup, where "[image <sha256> WxH]" is a style tag and vanished
+    from `runs episodes --help`; such text must be escaped ("\\[")."""
+    import click
+    import typer.main
+    from rich.text import Text
+
+    from rlcli.cli.app import app
+
+    def check(text: str | None, where: str) -> None:
+        if text:
+            assert Text.from_markup(text).plain.count("[") == text.count("["), where
+
+    def walk(command: click.Command, path: str) -> None:
+        check(command.help, path)
+        for param in command.params:
+            check(getattr(param, "help", None), f"{path} {param.name}")
+        for name, sub in getattr(command, "commands", {}).items():
+            walk(sub, f"{path} {name}")
+
+    walk(typer.main.get_command(app), "rlcli")
+
+
 def test_help_lists_the_commands(capsys):
     code, out, _ = cli(capsys, "--help")
     assert code == 0

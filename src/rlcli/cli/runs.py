@@ -140,7 +140,7 @@ def runs_episodes(
     ] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace the --html file if it exists.")] = False,
 ) -> None:
-    """Read episodes: messages by role (images as [image <sha256> WxH]), reward components, end
+    """Read episodes: messages by role (images as \\[image <sha256> WxH]), reward components, end
     reason, and the error of failed ones."""
     from rlcli.report import tables, views
 
