@@ -214,6 +214,23 @@ def test_dpo_mistakes_are_one_sentence(tmp_path):
     assert result.returncode == 2 and "expected dpo or dpo/<name>" in result.stderr
 
 
+def test_dpo_on_a_vision_language_model_is_refused_before_any_stage_runs(tmp_path):
+    """It used to train on the pairs' image tokens as plain tokens, the pixels never seen."""
+    recipe = write_recipe(
+        tmp_path / "r.yaml",
+        model={"name": "tiny-random-vlm"},
+        env={"name": "gui_click", "kwargs": {"width": 112, "height": 112, "buttons": 2}},
+        run={"name": "t", "seed": 0, "stages": ["sft", "dpo"]},
+        sft={"source": "expert", "demos": 4},
+    )
+    runs = tmp_path / "runs"
+    for args in (["run", "-r", str(recipe)], ["train", "dpo", "-r", str(recipe)]):
+        result = run_cli(args, runs)
+        assert result.returncode == 2 and "rlcli's DPO trains text models only" in result.stderr, result.stderr
+        assert "Traceback" not in result.stderr
+    assert not (runs / "t" / "checkpoints" / "sft").exists()  # refused before SFT ran
+
+
 def test_kill_during_dpo_resumes_from_its_checkpoint(tmp_path):
     recipe = write_recipe(
         tmp_path / "r.yaml", dpo={"epochs": 6, "batch_size": 1, "micro_batch_size": 1, "save_steps": 3}

@@ -59,8 +59,24 @@ class DpoSummary:
     path: str | None
 
 
+def check_text_model(recipe) -> None:
+    """DPO trains text models only: the pairs' prompt ids of a vision-language model hold image
+    tokens, and TRL's DPO forward would read them as plain tokens, never seeing the pixels."""
+    from rlcli.models.cache import resolve_model
+    from rlcli.models.vision import vision_model_type
+
+    model_type = vision_model_type(resolve_model(recipe.model.name))
+    if model_type is not None:
+        raise UsageError(
+            f"dpo: model.name {recipe.model.name} is a {model_type} vision-language model, and rlcli's DPO "
+            "trains text models only (it would train on the image tokens without their pixels); drop dpo "
+            "from run.stages."
+        )
+
+
 def run_dpo(ctx: RunContext, stage: str = "dpo") -> DpoSummary:
     """`rlcli train dpo`: mine pairs (once), train on them, record the result as a checkpoint."""
+    check_text_model(ctx.recipe)
     cfg = ctx.recipe.dpo
     if cfg.batch_size % cfg.micro_batch_size:
         raise UsageError(

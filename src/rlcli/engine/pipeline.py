@@ -30,6 +30,10 @@ def run_all(ctx: RunContext, on_summary: Callable[[StageSummary], None] | None =
     show = on_summary or (lambda summary: None)
     recipe = ctx.recipe
     seen: Counter[str] = Counter()  # how many times each stage came before: its repeat's name
+    if "dpo" in planned_stages(recipe):  # refused before the stages ahead of it run, not after
+        from rlcli.engine.dpo import check_text_model
+
+        check_text_model(recipe)
     for stage in planned_stages(recipe):
         repeat = seen[stage]
         seen[stage] += 1
