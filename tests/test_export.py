@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from tests.helpers import make_ctx, write_recipe
 
+from helpers import make_ctx, write_recipe
 from rlcli.cli.app import main
 from rlcli.store.checkpoints import add_checkpoint
 

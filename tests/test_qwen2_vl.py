@@ -165,11 +165,14 @@ def test_a_checkpoint_folder_loads_its_processor_without_torchvision(tmp_path):
     assert not hasattr(processor, "video_processor")
 
 
-def test_grpo_on_gui_click_trains_the_tiny_qwen2_vl(tmp_path):
+# Qwen2.5-VL too: full fine-tuning backpropagates through its windowed vision attention.
+@pytest.mark.parametrize("name", [QWEN2_VL, QWEN2_5_VL])
+def test_grpo_on_gui_click_trains_the_tiny_qwen2_vl(tmp_path, name):
     from rlcli.engine.train import run_grpo
 
     recipe = qwen_recipe(
         tmp_path,
+        name,
         lora=None,  # full fine-tune: the vision tower trains too
         # As in test_vlm.py: a digit in the reply gives the groups a spread of rewards.
         rewards=[{"fn": "env_return"}, {"fn": "format", "kwargs": {"pattern": r"(?s).*\d.*"}}],
@@ -188,7 +191,8 @@ def test_grpo_on_gui_click_trains_the_tiny_qwen2_vl(tmp_path):
         assert metrics[(step, "train/tokens")] > 0
 
 
-def test_sft_on_gui_click_expert_demos_raises_their_likelihood(tmp_path):
+@pytest.mark.parametrize("name", [QWEN2_VL, QWEN2_5_VL])
+def test_sft_on_gui_click_expert_demos_raises_their_likelihood(tmp_path, name):
     """SFT's collator gives the forward `mm_token_type_ids` (pixel_inputs with input_ids), from which
     Qwen2-VL computes its 3-D positions; training raises the likelihood of the expert's clicks."""
     from rlcli.engine.sampling import _eos_ids
@@ -197,7 +201,7 @@ def test_sft_on_gui_click_expert_demos_raises_their_likelihood(tmp_path):
 
     env = {**GUI_CLICK, "kwargs": {**GUI_CLICK["kwargs"], "attempts": 1}, "max_turns": 1}
     sft = {"source": "expert", "demos": 8, "lr": 3e-3, "epochs": 3, "batch_size": 4, "micro_batch_size": 4}
-    recipe = qwen_recipe(tmp_path, env=env, lora=None, sft={**sft, "save_steps": 100, "eval_fraction": 0.0})
+    recipe = qwen_recipe(tmp_path, name, env=env, lora=None, sft={**sft, "save_steps": 100, "eval_fraction": 0.0})
     ctx = make_ctx(recipe, tmp_path / "runs")
     summary = run_sft(ctx)
     base, tokenizer = load(ctx)

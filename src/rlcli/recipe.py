@@ -94,7 +94,11 @@ class LoraSection(Section):
 
 
 class QuantizationSection(Section):
-    mode: Literal["none", "4bit", "8bit"] = Field("none", description="bitsandbytes quantisation of the base weights.")
+    mode: Literal["none", "4bit", "8bit"] = Field(
+        "none",
+        description="bitsandbytes quantisation of the base weights; a vision-language model's vision tower and "
+        "projector stay unquantised.",
+    )
     quant_type: Literal["nf4", "fp4"] = Field("nf4", description="4-bit data type.")
     double_quant: bool = Field(True, description="4-bit: quantise the quantisation constants too.")
     compute_dtype: Literal["float32", "bfloat16", "float16"] = Field(

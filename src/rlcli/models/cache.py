@@ -241,14 +241,17 @@ REGISTRY: dict[str, tuple[Callable[[Path], None], str]] = {
     ),
     "tiny-random-vlm": (
         build_tiny_random_vlm,
-        "random Idefics3 vision-language model (0.15M params) with its processor, built locally; for tests",
+        "random Idefics3 (SmolVLM-style) vision-language model (0.15M params, 1-D positions) with its "
+        "processor, built locally; for tests",
     ),
     "tiny-random-qwen2-vl": (
         build_tiny_random_qwen2_vl,
-        "random Qwen2-VL vision-language model (0.19M params, 3-D positions) with its processor, built locally; for tests",
+        "random Qwen2-VL vision-language model (0.19M params, 3-D M-RoPE positions) with its processor, "
+        "built locally; for tests",
     ),
     "tiny-random-qwen2.5-vl": (
         build_tiny_random_qwen2_5_vl,
-        "random Qwen2.5-VL vision-language model (0.19M params, 3-D positions) with its processor, built locally; for tests",
+        "random Qwen2.5-VL vision-language model (0.19M params, 3-D positions, windowed vision attention) "
+        "with its processor, built locally; for tests",
     ),
 }

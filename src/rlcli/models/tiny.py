@@ -1,6 +1,6 @@
 """tiny-random: a 2-layer random Llama with a byte-level ChatML tokenizer, built locally in about a second;
-tiny-random-vlm and tiny-random-qwen2-vl: the same idea for an Idefics3 (SmolVLM-style) and a Qwen2-VL
-vision-language model, each with its processor.
+tiny-random-vlm, tiny-random-qwen2-vl and tiny-random-qwen2.5-vl: the same idea for an Idefics3
+(SmolVLM-style), a Qwen2-VL and a Qwen2.5-VL vision-language model, each with its processor.
 
 Tests and demos run on them where the numbers need not mean anything: they load in a blink, every text
 round-trips through their tokenizer, and the chat template renders tool calls like Qwen2.5's (and,

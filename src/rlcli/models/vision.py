@@ -40,6 +40,15 @@ from rlcli.errors import UsageError
 MROPE_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
 # Model types whose processors and forwards rlcli drives (config.json's model_type).
 SUPPORTED_FAMILIES = ("idefics3", "smolvlm", *MROPE_FAMILIES)
+# Per family, the modules that read pixels (the vision tower and the projector into the language
+# model), by their names in the *ForConditionalGeneration model: quantisation leaves them alone.
+# Qwen2-VL's projector (`merger`) sits inside `model.visual`.
+PIXEL_MODULES = {
+    "idefics3": ("model.vision_model", "model.connector"),
+    "smolvlm": ("model.vision_model", "model.connector"),
+    "qwen2_vl": ("model.visual",),
+    "qwen2_5_vl": ("model.visual",),
+}
 
 # tokenizer -> its model's processor; load_policy registers it (rollouts, SFT and training get the
 # tokenizer everywhere, and only a vision model's needs the processor beside it).
