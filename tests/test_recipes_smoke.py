@@ -36,8 +36,11 @@ def test_recipe_runs_on_the_tiny_model(recipe: Path, tmp_path):
         pytest.importorskip("textarena")
     if "reasoning_gym" in recipe.read_text():
         pytest.importorskip("reasoning_gym")
-    # Screenshot environments need a vision-language model: their tiny stand-in is tiny-random-vlm.
-    small = [*SMALL, "model.name=tiny-random-vlm"] if "env:\n  name: gui_click" in recipe.read_text() else SMALL
+    # Screenshot environments need a vision-language model: the tiny one of the recipe's family.
+    small = SMALL
+    if "env:\n  name: gui_click" in recipe.read_text():
+        family = "qwen2.5-vl" if "Qwen2.5-VL" in recipe.read_text() else "vlm"
+        small = [*SMALL, f"model.name=tiny-random-{family}"]
     ctx = make_ctx(recipe, tmp_path / "runs", small)
     run_all(ctx)
     stages = {s.name: s.status for s in ctx.rundb.stages(ctx.run)}
