@@ -5,7 +5,8 @@ which one to click ("Click Save."); the agent answers `click(x, y)` in pixels of
 Reward (GUI-R1 / UI-R1 style): 0.1 for a well-formed click, plus 0.9 inside the target's box, or
 partial credit falling with the distance from its centre (up to 0.45) when outside. With
 attempts > 1 a miss (or a malformed reply) shows the screen again, misses marked, and the agent
-tries again: a multi-turn episode with a new screenshot each turn.
+tries again: a multi-turn episode with a new screenshot each turn. The episode pays its best try
+(each turn pays what it adds to the best so far), so missing first never pays more than hitting.
 The expert clicks the target's centre.
 
 fixed_layout=True keeps one screen for every seed (the same buttons in the same places) and varies
@@ -61,7 +62,7 @@ class GuiClick:
         self.labels = screen.sample(LABELS, self.buttons)
         self.boxes = self._layout(screen)
         self.target = rng.randrange(self.buttons)
-        self.tries = 0
+        self.tries, self.paid = 0, 0.0
         self.misses: list[tuple[int, int]] = []
         label = self.labels[self.target]
         user = [{"type": "text", "text": f"Click {label}."}, {"type": "image", "image": self.render()}]
@@ -105,15 +106,21 @@ class GuiClick:
         inside = x0 <= x <= x1 and y0 <= y <= y1
         info = {"format": True, "click": [x, y], "success": inside}
         if inside:
-            return "Clicked.", FORMAT_REWARD + (1 - FORMAT_REWARD), True, False, info
+            return "Clicked.", self._pay(1.0), True, False, info
         cx, cy = (x0 + x1) / 2, (y0 + y1) / 2
         distance = ((x - cx) ** 2 + (y - cy) ** 2) ** 0.5
         diagonal = (self.width**2 + self.height**2) ** 0.5
-        reward = FORMAT_REWARD + (1 - FORMAT_REWARD) * 0.5 * max(0.0, 1 - distance / diagonal)
+        reward = self._pay(FORMAT_REWARD + (1 - FORMAT_REWARD) * 0.5 * max(0.0, 1 - distance / diagonal))
         if out_of_tries:
             return "Missed.", reward, True, False, info
         self.misses.append((round(x), round(y)))
         return self._again("Missed: the red circle marks your click."), reward, False, False, info
+
+    def _pay(self, score: float) -> float:
+        """This try's reward: what its score adds to the best try so far, so an episode totals its best."""
+        reward = max(0.0, score - self.paid)
+        self.paid = max(self.paid, score)
+        return reward
 
     def _again(self, text: str) -> list[dict]:
         """The next attempt's observation: what went wrong, the task again, and a fresh screenshot."""

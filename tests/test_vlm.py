@@ -107,11 +107,15 @@ def test_gui_click_rewards_and_expert():
     messages, info = env.reset(5)
     assert messages[1]["content"][1]["image"].size == (112, 112)
     x0, y0, x1, y1 = info["task"]["box"]
-    obs, reward, terminated, _, step_info = env.step("I think click(0, 111)")
-    assert not terminated and 0.1 < reward < 0.55 and step_info["success"] is False
+    obs, miss, terminated, _, step_info = env.step("I think click(0, 111)")
+    assert not terminated and 0.1 < miss < 0.55 and step_info["success"] is False
     assert obs[0]["content"][1]["type"] == "image"  # the screen again, for the second attempt
-    _, reward, terminated, _, step_info = env.step(env.expert_action())
-    assert terminated and reward == 1.0 and step_info["success"]
+    _, hit, terminated, _, step_info = env.step(env.expert_action())
+    # The episode pays its best try: missing first must not pay more than hitting at once.
+    assert terminated and step_info["success"] and miss + hit == pytest.approx(1.0)
+    env.reset(5)
+    _, first_hit, terminated, _, _ = env.step(env.expert_action())
+    assert terminated and first_hit == 1.0
     env.reset(5)
     _, reward, terminated, _, _ = env.step("nothing to parse")
     assert reward == 0.0 and not terminated
