@@ -133,6 +133,44 @@ def test_lora_leaves_the_vision_tower_frozen_unless_asked(tmp_path):
         assert any("vision_model" in n for n in trained) == target_vision
 
 
+@pytest.mark.parametrize(
+    "name, lora",
+    [("tiny-random-vlm", {"r": 4}), ("tiny-random-qwen2-vl", None), ("tiny-random-qwen2.5-vl", {"r": 4})],
+)
+def test_a_checkpoint_holds_the_processor(tmp_path, name, lora):
+    """A VLM checkpoint (a LoRA adapter or a full model) saves the whole processor, so that the
+    family's processor class loads from the checkpoint alone and reads a screenshot as the run did."""
+    from transformers import AutoProcessor
+
+    from rlcli.envs.loading import load_env
+    from rlcli.models import vision
+    from rlcli.models.loading import load_policy, save_checkpoint
+    from rlcli.recipe import load_recipe
+
+    recipe = load_recipe(vlm_recipe(tmp_path, model={"name": name, "max_length": 1024}, lora=lora), [])
+    model, tokenizer = load_policy(recipe.model, recipe.lora, recipe.quantization)
+    folder = save_checkpoint(model, tokenizer, tmp_path / "ckpt")
+    model_type = model.config.model_type
+    # Qwen2-VL's AutoProcessor wants torchvision (its video processor); the image-only class does not.
+    processor_class = (
+        vision.image_only_processor_class(model_type) if model_type in vision.MROPE_FAMILIES else AutoProcessor
+    )
+    saved = processor_class.from_pretrained(folder)
+
+    run = vision.processor_of(tokenizer)
+    messages, _ = load_env("gui_click", GUI_CLICK["kwargs"])().reset(0)
+    named = vision.name_images(messages, {})
+    images = vision.message_images(named)
+    assert saved.chat_template == run.chat_template
+    ids = vision.tokenize(run, vision.render(run, named), images)
+    assert vision.tokenize(saved, vision.render(saved, named), images) == ids
+    batch = torch.tensor([ids])
+    torch.testing.assert_close(
+        vision.pixel_inputs(saved, [ref.image for ref in images], model, batch),
+        vision.pixel_inputs(run, [ref.image for ref in images], model, batch),
+    )
+
+
 def test_grpo_on_gui_click_trains_the_tiny_vlm_end_to_end(tmp_path):
     from rlcli.engine.train import run_grpo
     from rlcli.models.loading import load_policy

@@ -477,7 +477,8 @@ def _as_reference(model: Any) -> Iterator[None]:
 
 
 def save_checkpoint(model: Any, tokenizer: Any, path: str | Path) -> Path:
-    """Save the LoRA adapter (or the full model, without LoRA) and the tokenizer into `path`.
+    """Save the LoRA adapter (or the full model, without LoRA) and the tokenizer (a vision-language
+    model's processor) into `path`.
 
     The folder appears complete or not at all: it is written beside, fsynced and renamed into place.
     """
@@ -564,13 +565,17 @@ _tokenizer_files: weakref.WeakKeyDictionary[Any, dict[str, bytes]] = weakref.Wea
 
 
 def _save_tokenizer(tokenizer: Any, folder: Path) -> None:
-    """The tokenizer's files into `folder`, so that every checkpoint loads on its own. It is serialised
-    once per process (tens of ms per checkpoint otherwise, more for a 150k vocabulary; it does not
-    change while training) and its files' bytes are written into each folder after that."""
+    """The tokenizer's files into `folder`, so that every checkpoint loads on its own; a vision-language
+    model's whole processor (image processor, tokenizer, chat template), so that AutoProcessor loads
+    from the checkpoint too. They are serialised once per process (tens of ms per checkpoint otherwise,
+    more for a 150k vocabulary; they do not change while training) and their bytes are written into
+    each folder after that."""
+    from rlcli.models import vision
+
     files = _tokenizer_files.get(tokenizer)
     if files is None:
         with tempfile.TemporaryDirectory(prefix="rlcli-tokenizer-") as tmp:
-            tokenizer.save_pretrained(tmp)
+            (vision.processor_of(tokenizer) or tokenizer).save_pretrained(tmp)
             files = {path.name: path.read_bytes() for path in Path(tmp).iterdir() if path.is_file()}
         _tokenizer_files[tokenizer] = files
     for name, data in files.items():
