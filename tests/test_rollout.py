@@ -161,6 +161,38 @@ def test_raising_env_is_a_failed_episode_and_the_rest_go_on(tmp_path):
     assert all(e["env_return"] == 1.0 for e in eps if e["status"] == "ok")
 
 
+@pytest.mark.parametrize("reward", ["nan", "inf"])
+def test_a_non_finite_env_reward_fails_the_episode_and_eval_still_runs(tmp_path, reward):
+    # SQLite stores NaN as NULL, which later read as a 0 reward and broke eval's means for good.
+    env_file = write_env_file(
+        tmp_path / "nan_env.py",
+        f"""
+        class NanOnOdd:
+            def reset(self, seed):
+                self.seed = seed
+                return "Say anything.", {{"task": {{"seed": seed}}}}
+            def step(self, action):
+                return "ok", float("{reward}") if self.seed % 2 else 1.0, True, False, {{}}
+        def make_env():
+            return NanOnOdd()
+    """,
+    )
+    recipe = write_recipe(
+        tmp_path / "r.yaml", env={"name": str(env_file)}, rollout={"tasks": 4, "group_size": 1}, eval={"tasks": 4}
+    )
+    ctx = make_ctx(recipe, tmp_path / "runs")
+    run_rollout_stage(ctx, stage="rollout", policy="base", split="train")
+    eps = _episodes(ctx)
+    failed = [e for e in eps if e["status"] == "failed"]
+    assert 0 < len(failed) < 4
+    assert all(f"reward {reward}" in e["error"] and e["end_reason"] == "error" for e in failed)
+    assert all(e["env_return"] is not None for e in eps)
+    from rlcli.engine.evaluate import run_eval
+
+    (result,) = run_eval(ctx, ["base"])
+    assert result.details["failed_episodes"] > 0
+
+
 def test_context_budget_overflow_fails_the_episode(tmp_path):
     recipe = write_recipe(tmp_path / "r.yaml", model={"name": "tiny-random", "max_length": 8})
     ctx = make_ctx(recipe, tmp_path / "runs")

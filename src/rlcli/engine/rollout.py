@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
@@ -367,6 +368,9 @@ class EpisodeRunner:
             obs, reward, terminated, truncated, info = reply.value
             feedback = self._observe(ep, as_messages(obs)) if obs else []
             reward = float(reward)
+            if not math.isfinite(reward):
+                # SQLite would store NaN as NULL, later read as a reward of 0: fail the episode instead.
+                raise ValueError(f"reward {reward} is not a finite number")
         except EnvFailure as exc:
             ep.env_failed("env step", exc)
             feedback, reward, terminated, truncated, info = [], 0.0, False, False, {}
