@@ -451,6 +451,7 @@ def test_unexpected_error_is_one_line_without_debug(capsys, monkeypatch, good):
     import rlcli.engine.pipeline
 
     def boom(ctx, on_summary=None):
+        ctx.stage("sft", lambda: {})  # some work done, so the run is kept, marked failed
         raise RuntimeError("kaboom")
 
     monkeypatch.setattr(rlcli.engine.pipeline, "run_all", boom)
@@ -465,6 +466,97 @@ def test_unexpected_error_is_one_line_without_debug(capsys, monkeypatch, good):
         assert rundb.get_run("good").status == "failed"
     finally:
         rundb.close()
+    # `runs show` says why it failed.
+    code, out, _ = cli(capsys, "runs", "show", "good", "--json")
+    assert code == 0 and json.loads(out)["error"] == "RuntimeError: kaboom"
+    code, out, _ = cli(capsys, "runs", "show", "good")
+    assert code == 0 and "RuntimeError: kaboom" in out
+
+
+# --- a command that fails before doing work leaves the database as it was -------------------------
+
+
+def _run_rows(runs: Path, run: str) -> dict[str, list[tuple]]:
+    import sqlite3
+
+    with sqlite3.connect(runs / DB_NAME) as conn:
+        return {
+            table: conn.execute(f"select * from {table} where {key} = ? order by 1", [run]).fetchall()
+            for table, key in (("runs", "name"), ("run_recipes", "run"), ("stages", "run"))
+        }
+
+
+def test_commands_refused_before_work_leave_the_run_as_it_was(capsys, tmp_path, rlcli_home):
+    from helpers import write_recipe
+
+    recipe = write_recipe(tmp_path / "t.yaml")
+    with open_run(recipe, None, rlcli_home, []) as ctx:
+        ctx.stage("sft", lambda: {})
+        ctx.rundb.set_run_status("t", "done")
+    before = _run_rows(rlcli_home, "t")
+    refused = [
+        (["rollout", "--policy", "lastest"], "'lastest'"),
+        (["label", "--force", "rewards=[{fn: exact_mach}]"], "did you mean exact_match?"),
+        (["train", "grpo", "run.trackers=[wandb]"], "pip install wandb"),
+        (["rollout", "env.name=no_such_env"], "no_such_env"),
+    ]
+    for args, says in refused:
+        code, _, err = cli(capsys, *args, "-r", recipe)
+        assert code == 2 and says in one_line(err), (args, err)
+        assert _run_rows(rlcli_home, "t") == before, args
+    # Nothing was marked failed or changed: the same recipe continues the run, unforced.
+    with open_run(recipe, None, rlcli_home, []):
+        pass
+
+
+def test_a_new_run_refused_before_work_is_not_created(capsys, tmp_path, rlcli_home):
+    from helpers import write_recipe
+
+    recipe = write_recipe(tmp_path / "t.yaml")
+    RunDB.open(rlcli_home).close()
+    code, _, err = cli(capsys, "rollout", "-r", recipe, "--policy", "sft")
+    assert code == 2 and "no SFT checkpoint" in one_line(err)
+    assert _run_rows(rlcli_home, "t") == {"runs": [], "run_recipes": [], "stages": []}
+
+
+def test_runs_delete_removes_rows_and_folder_after_confirmation(capsys, tmp_path, rlcli_home, monkeypatch):
+    import io
+    import sqlite3
+
+    from helpers import write_recipe
+
+    recipe = write_recipe(tmp_path / "t.yaml")
+    for run in ("t", "keep"):
+        with open_run(recipe, run, rlcli_home, []) as ctx:
+            ctx.stage("sft", lambda: {})
+            ctx.rundb.log_metrics(run, "sft", 0, {"sft/loss": 1.0})
+            add_checkpoint(ctx.rundb, run, "sft", 0, ctx.run_dir / "sft", "lora")
+            (ctx.run_dir / "sft").mkdir()
+    monkeypatch.setattr("sys.stdin", io.StringIO("n\n"))
+    code, _, err = cli(capsys, "runs", "delete", "t")
+    assert code == 1 and (rlcli_home / "t").exists() and _run_rows(rlcli_home, "t")["runs"]
+    code, out, err = cli(capsys, "runs", "delete", "t", "--yes")
+    assert code == 0, err
+    assert not (rlcli_home / "t").exists() and (rlcli_home / "keep" / "sft").exists()
+    with sqlite3.connect(rlcli_home / DB_NAME) as conn:
+        tables = [r[0] for r in conn.execute("select name from sqlite_master where type = 'table'")]
+        for table in tables:
+            columns = [c[1] for c in conn.execute(f"pragma table_info({table})")]
+            if "run" in columns:
+                assert conn.execute(f"select count(*) from {table} where run = 't'").fetchone()[0] == 0, table
+        assert conn.execute("select count(*) from checkpoints where run = 'keep'").fetchone()[0] == 1
+    code, _, err = cli(capsys, "runs", "delete", "t", "--yes")
+    assert code == 2 and "'t'" in one_line(err)
+
+
+def test_runs_delete_refuses_a_run_in_use(capsys, tmp_path, rlcli_home):
+    from helpers import write_recipe
+
+    recipe = write_recipe(tmp_path / "t.yaml")
+    with open_run(recipe, None, rlcli_home, []):
+        code, _, err = cli(capsys, "runs", "delete", "t", "--yes")
+        assert code == 1 and "in use" in one_line(err)
+    assert _run_rows(rlcli_home, "t")["runs"]
 
 
 def test_lock_held_elsewhere_exits_1_naming_the_pid(capsys, rlcli_home, good):

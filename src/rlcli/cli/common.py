@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.console import Console
 
-from rlcli.errors import UsageError
+from rlcli.errors import RlcliError, UsageError
 
 if TYPE_CHECKING:  # the run machinery is imported when a command opens a run, not when the CLI starts
     from rlcli.engine.context import RunContext
@@ -71,8 +71,13 @@ def open_run(
     overrides: list[str] | None,
     force: bool = False,
 ) -> Iterator[RunContext]:
-    """Validate the recipe, open the database, lock the run, record it; yield a RunContext."""
+    """Validate the recipe, open the database, lock the run, record it; yield a RunContext.
+
+    A command that fails before any stage of the run has started leaves the run as it found it (or
+    absent, if it made it): a typo in a command line must not mark a run failed or rewrite its recipe.
+    """
     from rlcli.engine.context import RunContext
+    from rlcli.engine.preflight import check_recipe
     from rlcli.recipe import load_recipe
     from rlcli.store.db import RunDB, check_run_name, default_runs_dir
     from rlcli.store.stages import RunLock
@@ -80,8 +85,13 @@ def open_run(
 
     if recipe_path is None and run is None:
         raise UsageError("Give a recipe with --recipe/-r FILE (or --run NAME to continue a recorded run).")
-    # A bad recipe must fail before anything is written, the database file included.
+    # A bad recipe or run name must fail before anything is written, the database file included.
+    if run is not None:
+        check_run_name(run)
     recipe = load_recipe(recipe_path, overrides or []) if recipe_path is not None else None
+    if recipe is not None:
+        recipe.run.name = check_run_name(run or recipe.run.name)
+        check_recipe(recipe)
     runs_dir = Path(runs_dir) if runs_dir else default_runs_dir()
     rundb = RunDB.open(runs_dir)
     try:
@@ -89,12 +99,13 @@ def open_run(
             # Continue a recorded run with its stored recipe.
             from rlcli.recipe import apply_override, validate_recipe
 
-            data = rundb.run_recipe(check_run_name(run)).to_dict()
+            data = rundb.run_recipe(run).to_dict()
             for item in overrides or []:
                 apply_override(data, item)
             recipe = validate_recipe(data, f"run {run!r}")
-        name = check_run_name(run or recipe.run.name)
-        recipe.run.name = name
+            recipe.run.name = run
+            check_recipe(recipe)
+        name = recipe.run.name
         with RunLock(runs_dir, name):
             # User env and reward files are loaded from the working directory, like the recipe's paths.
             code = code_hashes(recipe.env.name, [r.fn for r in recipe.rewards], Path.cwd())
@@ -104,8 +115,13 @@ def open_run(
                     "the new hash is recorded in its recipe history (rlcli runs show).",
                     highlight=False,
                 )
+            before = rundb.run_state(name)
             rundb.start_run(name, recipe, str(recipe_path) if recipe_path else None, force=force, code=code)
-            yield RunContext(recipe, rundb, name, runs_dir, console=err_console)
+            try:
+                yield RunContext(recipe, rundb, name, runs_dir, console=err_console)
+            except BaseException:
+                rundb.restore_run(before)
+                raise
     finally:
         rundb.close()
 
@@ -118,11 +134,13 @@ def tracked(ctx: RunContext) -> Iterator[None]:
         yield
     except KeyboardInterrupt:
         # Typer turns Ctrl-C into exit 130 before main() could say how to go on.
-        ctx.rundb.set_run_status(ctx.run, "failed")
+        ctx.rundb.set_run_status(ctx.run, "failed", "interrupted")
         err_console.print("Interrupted; run the same command again to resume.")
         raise
-    except BaseException:
-        ctx.rundb.set_run_status(ctx.run, "failed")
+    except BaseException as exc:
+        # As main() reports it: an RlcliError's sentence, else the exception's type too.
+        error = str(exc) if isinstance(exc, RlcliError) else f"{type(exc).__name__}: {exc}"
+        ctx.rundb.set_run_status(ctx.run, "failed", error)
         raise
     ctx.rundb.set_run_status(ctx.run, "done")
 

@@ -237,6 +237,36 @@ def runs_export(
     print(folder)
 
 
+@app.command("delete")
+def runs_delete(
+    cli_ctx: typer.Context,
+    run: RunArg,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Delete without asking for confirmation.")] = False,
+) -> None:
+    """Delete a run: its rows in every table of the run database, then its folder (checkpoints, exports)."""
+    import shutil
+
+    from rlcli.store.db import check_run_name
+    from rlcli.store.stages import RunLock
+
+    check_run_name(run)
+    rundb = open_existing(cli_ctx, f"No run named {run!r}")
+    try:
+        rundb.require_run(run)
+        folder = rundb.path.parent / run
+        if not yes:
+            typer.confirm(f"Delete run {run!r}: its rows in {rundb.path} and its folder {folder}?", abort=True)
+        # The lock keeps a process working on the run from losing its rows halfway.
+        with RunLock(rundb.path.parent, run):
+            rundb.delete_run(run)
+            # The rows first: a folder left behind by a failure here is harmless, rows pointing at
+            # deleted checkpoints are not.
+            shutil.rmtree(folder)
+    finally:
+        rundb.close()
+    err_console.print(f"Deleted run {run!r} and {folder}.", highlight=False)
+
+
 @app.command("resume")
 def runs_resume(cli_ctx: typer.Context, run: RunArg) -> None:
     """Continue a recorded run with its stored recipe (every stage of it)."""

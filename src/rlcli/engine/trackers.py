@@ -69,6 +69,14 @@ def open_trackers(
     from rlcli.store.db import default_runs_dir
 
     names = list(dict.fromkeys(names))
+    check_trackers(names)
+    folder = Path(log_dir) if log_dir is not None else default_runs_dir() / run_name
+    openers = {"tensorboard": _TensorBoard, "trackio": _Trackio, "wandb": _Wandb}
+    return Tracker([openers[name](run_name, config, folder) for name in names])
+
+
+def check_trackers(names: list[str]) -> None:
+    """Every tracker is known and its package installed (found, not imported: wandb takes seconds)."""
     for name in names:
         if name not in PACKAGES:
             raise UsageError(f"Unknown tracker {name!r} in run.trackers: expected {', '.join(PACKAGES)}.")
@@ -78,9 +86,6 @@ def open_trackers(
                 f"run.trackers lists {name} but the {package} package is not installed: "
                 f"`pip install {package}`, or remove {name} from run.trackers."
             )
-    folder = Path(log_dir) if log_dir is not None else default_runs_dir() / run_name
-    openers = {"tensorboard": _TensorBoard, "trackio": _Trackio, "wandb": _Wandb}
-    return Tracker([openers[name](run_name, config, folder) for name in names])
 
 
 class _TensorBoard:

@@ -56,6 +56,8 @@ def print_run(console: Console, data: dict[str, Any], series: dict[str, dict[str
     header = Text.assemble((data["name"], "bold"), f"  status: {data['status']}  created: {data['created_at'][:19]}")
     if data.get("description"):
         header.append(f"\n{data['description']}", style="italic")
+    if data.get("error"):
+        header.append(f"\nfailed: {data['error']}", style="red")
     header.append(
         f"\nrecipe sha256: {data['recipe_sha256'][:12]}  seed: {data['seed']}  host: {data['hostname']}  "
         f"git: {(data['git_sha'] or '–')[:10]}  "

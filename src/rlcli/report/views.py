@@ -64,6 +64,7 @@ def run_details(rundb: RunDB, name: str) -> dict[str, Any]:
     return {
         "name": run.name,
         "status": status,
+        "error": run.error,  # why the last command on it failed
         "description": run.description,
         "created_at": run.created_at,
         "recipe_sha256": run.recipe_sha256,

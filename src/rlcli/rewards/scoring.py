@@ -100,6 +100,17 @@ def build_reward_fns(specs: list[RewardSpec], root: Path | None = None, device: 
     return fns
 
 
+def check_reward_fns(specs: list[RewardSpec], root: Path | None = None) -> None:
+    """Resolve every reward that needs no model (a name, user code, kwargs), as build_reward_fns
+    would: a misspelt one is refused before a command writes anything. Loading a judge or reward
+    model is the stage's work; those are checked when the stage builds them."""
+    build_reward_fns([s for s in specs if not _loads_a_model(s)], root)
+
+
+def _loads_a_model(spec: RewardSpec) -> bool:
+    return spec.fn in BUILTINS and "device" in inspect.signature(BUILTINS[spec.fn]).parameters
+
+
 def label_episodes(fns: list[RewardFn], episodes: list[EpisodeDict]) -> list[dict[str, float]]:
     """For each episode, every component's value and their weighted sum under "total".
 

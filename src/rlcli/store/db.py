@@ -14,6 +14,7 @@ import socket
 import sqlite3
 import subprocess
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -223,9 +224,51 @@ class RunDB:
         recorded = history[-1].code if history else {}
         return [path for path, digest in code.items() if path in recorded and recorded[path] != digest]
 
-    def set_run_status(self, name: str, status: str) -> None:
+    def set_run_status(self, name: str, status: str, error: str | None = None) -> None:
+        """Set the run's status; `error` says why it failed, and any other status clears it."""
         with self.transaction():
-            self.db["runs"].update(name, {"status": status, "updated_at": now()})
+            self.db["runs"].update(name, {"status": status, "error": error, "updated_at": now()})
+
+    def run_state(self, name: str) -> RunState:
+        """What a command may change in a run before it does any work, to put back if it fails there."""
+        rows = list(self.db["runs"].rows_where("name = ?", [name]))
+        last = self.db.execute("select max(id) from run_recipes where run = ?", [name]).fetchone()[0]
+        return RunState(name, rows[0] if rows else None, last or 0, self._stage_rows(name))
+
+    def restore_run(self, state: RunState) -> bool:
+        """Put the run back as `state` found it, unless a stage of it has started or changed since
+        (then work was done, and the run keeps it); True when it was put back."""
+        with self.transaction():
+            if self._stage_rows(state.name) != state.stages:
+                return False
+            self.db.execute("delete from run_recipes where run = ? and id > ?", [state.name, state.last_recipe_id])
+            if state.row is None:
+                self.db.execute("delete from runs where name = ?", [state.name])
+            else:
+                self.db["runs"].update(state.name, state.row)
+        return True
+
+    def _stage_rows(self, name: str) -> list[tuple]:
+        return self.db.execute("select * from stages where run = ? order by id", [name]).fetchall()
+
+    def delete_run(self, name: str) -> None:
+        """Delete every row of the run, in every table, and the images no other episode shows."""
+        tables = {t.name: {c.name for c in t.columns} for t in self.db.tables}
+        with self.transaction() as db:
+            # Rows are deleted table by table; foreign keys are checked once, at the commit.
+            db.execute("PRAGMA defer_foreign_keys = ON")
+            episodes = "select id from episodes where run = ?"
+            for table, columns in tables.items():
+                if "episode_id" in columns:
+                    db.execute(f"delete from [{table}] where episode_id in ({episodes})", [name])
+            for table, columns in tables.items():
+                if "run" in columns:
+                    db.execute(f"delete from [{table}] where run = ?", [name])
+            db.execute("delete from runs where name = ?", [name])
+            db.execute(
+                "delete from images where sha256 not in "
+                "(select value from turns, json_each(turns.images) where turns.images is not null)"
+            )
 
     def list_runs(self) -> list[Run]:
         return [_run(row) for row in self.db["runs"].rows_where(order_by="created_at")]
@@ -279,6 +322,16 @@ class RunDB:
             ) order by key
         """
         return {k: v for k, v in self.db.execute(sql, [run]).fetchall()}
+
+
+@dataclass(frozen=True)
+class RunState:
+    """A run as RunDB.run_state found it: its row (None: no run yet), its last recipe-history id, its stages."""
+
+    name: str
+    row: dict[str, Any] | None
+    last_recipe_id: int
+    stages: list[tuple]
 
 
 def _run(row: dict[str, Any]) -> Run:

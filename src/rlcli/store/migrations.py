@@ -277,3 +277,9 @@ def replays(db: Database) -> None:
         foreign_keys=[("run", "runs", "name"), ("episode_id", "episodes", "id")],
     )
     db["replays"].create_index(["run", "iteration", "episode_id"], unique=True)
+
+
+@migrations(name="009_run_error")
+def run_error(db: Database) -> None:
+    # Why the run's last command failed (`rlcli runs show`); null while it runs and once it is done.
+    db["runs"].add_column("error", str)

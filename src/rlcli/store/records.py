@@ -43,6 +43,7 @@ class Run:
     versions: dict[str, str | None]
     git_sha: str | None
     hostname: str
+    error: str | None = None  # why the last command on it failed
 
     @property
     def description(self) -> str:

@@ -1,0 +1,24 @@
+"""What a stage command checks before it writes its run: every mistake found here leaves the run
+database as it was, instead of a run marked failed by a command that did nothing."""
+
+from __future__ import annotations
+
+from rlcli.recipe import Recipe
+
+
+def check_recipe(recipe: Recipe) -> None:
+    """Trackers installed, rewards resolvable, env loadable with its kwargs, engine able to serve the model.
+
+    Only what is cheap is checked: no model is loaded and no env constructed (an env may start a browser).
+    """
+    from rlcli.engine.trackers import check_trackers
+    from rlcli.envs.loading import load_env
+    from rlcli.rewards.scoring import check_reward_fns
+
+    check_trackers(recipe.run.trackers)
+    check_reward_fns(recipe.rewards)
+    load_env(recipe.env.name, recipe.env.kwargs)  # finds the factory and checks the kwargs it takes
+    if recipe.rollout.engine == "vllm":
+        from rlcli.engine.rollout import generation_engine
+
+        generation_engine(recipe)
