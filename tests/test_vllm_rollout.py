@@ -10,7 +10,7 @@ import sqlite3
 
 import pytest
 
-from helpers import kill_when, make_ctx, run_cli, sequence_logprobs, write_recipe
+from helpers import DEVICE, kill_when, make_ctx, run_cli, sequence_logprobs, write_recipe
 from rlcli.engine.rollout import generation_engine, load_rollout_policy, run_rollout_stage
 from rlcli.errors import UsageError
 from rlcli.recipe import load_recipe
@@ -29,7 +29,7 @@ TURNS = (
 def vllm_recipe(tmp_path, model, **sections):
     """A recipe on `model` (tiny64) that the session's shared engine serves."""
     base = dict(
-        model={"name": str(model), "max_length": 1024, "dtype": "float32", "device": "cpu"},
+        model={"name": str(model), "max_length": 1024, "dtype": "float32", "device": DEVICE},
         env={"name": "guess_number", "max_turns": 2},  # two turns: the second extends the first's ids
         rollout={
             "tasks": 3,

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import make_ctx, write_recipe
+from helpers import DEVICE, make_ctx, write_recipe
 from rlcli.errors import UsageError
 from rlcli.recipe import load_recipe
 from test_vllm_engine import (  # noqa: F401 (fixtures)
@@ -164,6 +164,7 @@ def test_auto_sleeps_only_when_the_engine_shares_the_trainers_gpu(tmp_path):
 
 
 @needs_vllm
+@pytest.mark.skipif(DEVICE != "cpu", reason="the CUDA build of vLLM has a sleep mode, and no CPU engine to refuse it")
 def test_sleep_mode_on_a_cpu_is_refused_in_one_sentence(tmp_path):
     from helpers import run_cli
 

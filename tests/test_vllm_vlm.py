@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import make_ctx, write_recipe
+from helpers import DEVICE, make_ctx, write_recipe
 from rlcli.engine.rollout import generation_engine, run_rollout_stage
 from rlcli.errors import RlcliError, UsageError
 from rlcli.models import vision
@@ -35,7 +35,7 @@ def tiny_vlm64(tmp_path_factory):
 
 def vlm_vllm_recipe(tmp_path, model, **sections):
     base = dict(
-        model={"name": str(model), "max_length": 1024, "dtype": "float32", "device": "cpu"},
+        model={"name": str(model), "max_length": 1024, "dtype": "float32", "device": DEVICE},
         env=GUI_CLICK,
         rollout={
             "tasks": 3,

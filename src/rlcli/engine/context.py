@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,6 +12,7 @@ from rich.console import Console
 
 from rlcli.recipe import Recipe
 from rlcli.store.db import RunDB
+from rlcli.store.records import GPU_MEMORY_KEYS
 from rlcli.store.stages import run_stage
 
 
@@ -33,5 +35,71 @@ class RunContext:
     def stage(
         self, name: str, work: Callable[[], dict[str, Any] | None], params: dict[str, Any] | None = None, **options: Any
     ) -> dict[str, Any]:
-        """`run_stage` on this run; options are run_stage's keywords (identity, new_stage_hint, commit)."""
-        return run_stage(self.rundb, self.run, name, work, params, **options)
+        """`run_stage` on this run; options are run_stage's keywords (identity, new_stage_hint, commit).
+
+        On a GPU the stage's peak memory is recorded with it (GPU_MEMORY_KEYS), in the transaction
+        that marks it done."""
+        peak = GpuPeak()
+        commit = options.pop("commit", None)
+
+        def commit_with_memory(result: dict[str, Any]) -> None:
+            if commit is not None:
+                commit(result)
+            memory = peak.metrics()
+            if memory:
+                self.rundb.log_metrics(self.run, name, 0, memory)
+
+        return run_stage(
+            self.rundb, self.run, name, lambda: peak.measure(work), params, commit=commit_with_memory, **options
+        )
+
+
+# The peak seen so far by each stage in progress, outermost first: a stage inside another (train/3
+# inside grpo/1) resets torch's peak counter, so it hands its own peak on to the stage around it.
+_open_peaks: list[int] = []
+
+
+class GpuPeak:
+    """A stage's peak GPU memory. Nothing is measured unless this process has initialised CUDA, so
+    CPU runs (and commands that never import torch) pay nothing."""
+
+    def __init__(self) -> None:
+        self.bytes: int | None = None
+
+    def measure(self, work: Callable[[], dict[str, Any] | None]) -> dict[str, Any] | None:
+        torch = _cuda_torch()
+        if torch is not None:
+            if _open_peaks:
+                _open_peaks[-1] = max(_open_peaks[-1], _allocated_peak(torch))
+            for index in range(torch.cuda.device_count()):
+                torch.cuda.reset_peak_memory_stats(index)
+        _open_peaks.append(0)
+        try:
+            result = work()
+        finally:
+            inner = _open_peaks.pop()
+        torch = _cuda_torch()  # the stage may have been the first to use CUDA
+        if torch is not None:
+            self.bytes = max(inner, _allocated_peak(torch))
+            if _open_peaks:
+                _open_peaks[-1] = max(_open_peaks[-1], self.bytes)
+        return result
+
+    def metrics(self) -> dict[str, float | None]:
+        if self.bytes is None:
+            return {}
+        engine_gb = None
+        if "rlcli.engine.vllm_engine" in sys.modules:  # never import vLLM's module just to ask
+            from rlcli.engine.vllm_engine import shared_engine_reserved_gb
+
+            engine_gb = shared_engine_reserved_gb()
+        return {GPU_MEMORY_KEYS[0]: self.bytes / 1e9, GPU_MEMORY_KEYS[1]: engine_gb}
+
+
+def _cuda_torch() -> Any:
+    torch = sys.modules.get("torch")
+    return torch if torch is not None and torch.cuda.is_initialized() else None
+
+
+def _allocated_peak(torch: Any) -> int:
+    return sum(torch.cuda.max_memory_allocated(index) for index in range(torch.cuda.device_count()))

@@ -76,7 +76,10 @@ def check_text_model(recipe) -> None:
 
 def run_dpo(ctx: RunContext, stage: str = "dpo") -> DpoSummary:
     """`rlcli train dpo`: mine pairs (once), train on them, record the result as a checkpoint."""
+    from rlcli.models.loading import check_trainer_device
+
     check_text_model(ctx.recipe)
+    check_trainer_device(ctx.recipe.model.device, "DPO")
     cfg = ctx.recipe.dpo
     if cfg.batch_size % cfg.micro_batch_size:
         raise UsageError(

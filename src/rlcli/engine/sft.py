@@ -65,9 +65,12 @@ SFT_DATA_FIELDS = {"expert": ("demos",), "episodes": ("from_run", "min_reward")}
 
 def run_sft(ctx: RunContext) -> SftSummary:
     """`rlcli sft`: train the policy on conversations, record the result as checkpoint `sft`."""
+    from rlcli.models.loading import check_trainer_device
+
     cfg = ctx.recipe.sft
     if cfg.source == "none":
         raise UsageError("sft.source is none: set it to expert, episodes, or a data file or folder to run SFT.")
+    check_trainer_device(ctx.recipe.model.device, "SFT")
     if cfg.batch_size % cfg.micro_batch_size:
         raise UsageError(
             f"sft.batch_size ({cfg.batch_size}) must be a multiple of sft.micro_batch_size ({cfg.micro_batch_size})."

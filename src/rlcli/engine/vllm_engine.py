@@ -33,6 +33,7 @@ vllm is imported only when an engine is built; importing this module stays cheap
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -105,6 +106,10 @@ class VllmEngine:
         if max_lora_rank is not None:
             # One adapter at a time: the policy's latest. vLLM sizes its LoRA buffers for a fixed rank.
             lora = dict(enable_lora=True, max_loras=1, max_lora_rank=_vllm_lora_rank(max_lora_rank))
+        # run.threads. vLLM on CUDA sets this process's torch threads to 1 for serving, which would
+        # leave the trainer beside it one core; on a CPU it binds its OpenMP threads (as many, above).
+        threads = torch.get_num_threads()
+        free_before = _free_gpu_bytes(current_platform)
         self.llm = LLM(
             model=str(model_path),
             max_model_len=max_model_len,
@@ -121,8 +126,15 @@ class VllmEngine:
             **({"limit_mm_per_prompt": {"image": max_images}} if max_images is not None else {}),
             **lora,
         )
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        # What vLLM holds on the GPU (weights, KV cache, CUDA graphs): perf/vllm_mem_gb. None on a CPU.
+        self.reserved_gb = None if free_before is None else (free_before - _free_gpu_bytes(current_platform)) / 1e9
         self.sleep_mode, self.asleep = sleep_mode, False
         self.serves_base = True  # the policy of model_path; False once other weights or an adapter are served
+        # The base weights under the policy: model_path's as loaded ("none"), or their copy through
+        # a 4-bit or 8-bit quantisation (what a quantised trainer's base computes with).
+        self.base_quantization = "none"
         self.adapter_sync = max_lora_rank is not None
         self.adapter: Any = None  # the LoRARequest every request is sampled with; None: the base weights
         self._adapters_loaded = 0  # vLLM caches adapters by integer id: each sync gets a new one
@@ -180,9 +192,9 @@ class VllmEngine:
         Cached prefixes were computed with the old weights: dropped.
         """
         pairs = weights.items() if isinstance(weights, Mapping) else weights
-        self.wake_up()
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(pairs)})
-        self.llm.collective_rpc(_repack_tied_cpu_weights)
+        with self._weights_awake():
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(pairs)})
+            self.llm.collective_rpc(_repack_tied_cpu_weights)
         self.llm.reset_prefix_cache()
         # A vision tower that trains (full fine-tune, lora.target_vision) makes cached image features stale.
         self.llm.llm_engine.reset_encoder_cache()
@@ -200,8 +212,8 @@ class VllmEngine:
         self._adapters_loaded += 1
         n = self._adapters_loaded
         request = LoRARequest(f"rlcli-policy-{n}", n, str(folder))
-        self.wake_up()
-        self.llm.llm_engine.add_lora(request)
+        with self._weights_awake():
+            self.llm.llm_engine.add_lora(request)
         self.serve_base()
         self.adapter = request
 
@@ -231,6 +243,35 @@ class VllmEngine:
         if self.asleep:
             self.llm.wake_up()
             self.asleep = False
+
+    @contextlib.contextmanager
+    def _weights_awake(self) -> Iterator[None]:
+        """Wake the weights alone for a weight or adapter load, then the KV cache.
+
+        The load's temporaries (merged or dequantised layers) are freed before the KV cache comes back,
+        so the cache is not refused the memory they held; and the cache is not restored only to sit
+        beside them. The order TRL and verl use.
+        """
+        if not self.asleep:
+            yield
+            return
+        self.llm.wake_up(tags=["weights"])
+        yield
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        self.llm.wake_up(tags=["kv_cache"])
+        self.asleep = False
+
+    def shutdown(self) -> None:
+        """Stop the engine and give back its memory (GPU memory, KV cache, the distributed state that
+        vLLM keeps per process), so that another engine can start in this process."""
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        if self.llm is None:
+            return
+        self.llm.llm_engine.engine_core.shutdown()
+        self.llm = None
+        cleanup_dist_env_and_memory()
 
     def save_adapter(self, model: Any) -> Path:
         """Save model's active LoRA adapter into a new folder of this engine's scratch directory.
@@ -316,13 +357,26 @@ def shared_engine(model_path: str, **options: Any) -> VllmEngine:
     if _shared is None or _shared[0] != key:
         from rlcli.models.loading import console
 
-        _shared = None  # vLLM cannot hold two engines' memory at once: drop the old one first
+        shutdown_shared_engine()  # vLLM cannot hold two engines' memory at once: free the old one first
         # Say so: `auto` may have picked vLLM, and its start takes seconds.
         console.print(
             f"vLLM engine: starting on {options.get('device', 'the default device')} (rollout.engine=hf avoids it)"
         )
         _shared = (key, VllmEngine(model_path, **options))
     return _shared[1]
+
+
+def shared_engine_reserved_gb() -> float | None:
+    """What this process's engine took from its GPU when it started; None without one, or on a CPU."""
+    return None if _shared is None else _shared[1].reserved_gb
+
+
+def shutdown_shared_engine() -> None:
+    """Shut down this process's engine, if it has one (at the end of a command, or before another)."""
+    global _shared
+    if _shared is not None:
+        engine, _shared = _shared[1], None
+        engine.shutdown()
 
 
 def policy_engine(
@@ -363,6 +417,15 @@ def policy_engine(
         sleep_mode=sleep_mode or None,  # None: the default, so that the key matches an engine built without it
         max_images=max_images_per_prompt(recipe, model_path),
     )
+    if engine.base_quantization != recipe.quantization.mode:
+        # A quantised trainer's base is the checkpoint through 4 or 8 bits, where a fresh engine holds
+        # its dense weights. Serve the base the trainer computes with, as every later sync does, so that
+        # `base` and the trained checkpoints are sampled at one precision (and an adapter is served
+        # over the weights it was trained over).
+        engine.load_weights(merged_weights(model, with_adapters=False))
+        engine.base_quantization = recipe.quantization.mode
+        engine.serve_base()
+        engine.serves_base = True
     if base and engine.adapter_sync:
         engine.serve_base()  # the base weights never left the engine
         engine.serves_base = True
@@ -466,6 +529,13 @@ def _check_device(device: str, platform: str) -> None:
         )
 
 
+def _free_gpu_bytes(platform: Any) -> int | None:
+    """Free memory on the current CUDA device, or None where vLLM does not run on CUDA."""
+    if not platform.is_cuda():
+        return None
+    return torch.cuda.mem_get_info()[0]
+
+
 def _sampling_params(config: SamplingConfig, seed: int, max_tokens: int, bad_words: list[str] | None = None) -> Any:
     from vllm import SamplingParams
 
@@ -491,8 +561,9 @@ def _sample(completion: Any) -> Sample:
 
 
 @torch.no_grad()
-def merged_weights(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """The model's full weights under its Hugging Face names, with active LoRA adapters merged in.
+def merged_weights(model: Any, with_adapters: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's full weights under its Hugging Face names, with active LoRA adapters merged in
+    (with_adapters False: the base weights under them).
 
     Works on a peft model (LoRA over a dense, 4-bit or 8-bit base: quantised weights are dequantised,
     since vLLM serves the dense model) or a plain transformers model. The model is not modified: a
@@ -512,7 +583,7 @@ def merged_weights(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
             lora_prefixes.append(f"{name}.")
             layer = module.get_base_layer()
             weight = _dense_weight(layer)
-            if not module.merged and not module.disable_adapters:
+            if with_adapters and not module.merged and not module.disable_adapters:
                 for adapter in module.active_adapters:
                     if adapter in module.lora_A:
                         delta = module.get_delta_weight(adapter)

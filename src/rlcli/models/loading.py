@@ -126,15 +126,36 @@ def resolve_device(name: str) -> str:
     raise UsageError(f"model.device: expected auto, cpu, cuda or cuda:N, got {name!r}.")
 
 
+def check_trainer_device(device: str, stage: str) -> None:
+    """Refuse model.device cuda:N (N > 0) for a stage that trains with the HF Trainer (SFT, DPO).
+
+    In a single process the Trainer puts each batch on the current CUDA device (cuda:0) and, seeing
+    the model on another GPU, leaves it there: the first step would fail on tensors on two devices.
+    """
+    if re.fullmatch(r"cuda:\d+", device) and device != "cuda:0":
+        raise UsageError(
+            f"model.device {device}: {stage} trains with the Hugging Face Trainer, which puts its batches on the "
+            f"first visible GPU; run it with CUDA_VISIBLE_DEVICES={device.partition(':')[2]} and model.device: cuda."
+        )
+
+
 def resolve_dtype(name: str, device: str) -> Any:
     import torch
 
     if name == "auto":
         # bfloat16 halves memory and is fast on recent GPUs; on CPUs float32 is the safe default.
-        if device.startswith("cuda") and torch.cuda.is_bf16_supported():
-            return torch.bfloat16
-        return torch.float32
+        return torch.bfloat16 if device.startswith("cuda") and has_native_bf16(device) else torch.float32
     return getattr(torch, name)
+
+
+def has_native_bf16(device: str) -> bool:
+    """Whether the GPU `device` (cuda or cuda:N) computes in bfloat16 natively: compute capability 8.0
+    (Ampere) or newer. torch.cuda.is_bf16_supported() also counts emulation (a T4 or V100 says yes), and
+    vLLM refuses bfloat16 below 8.0; and it asks about the current device, not the one the run uses."""
+    import torch
+
+    index = int(device.partition(":")[2] or 0)
+    return torch.cuda.get_device_capability(index) >= (8, 0)
 
 
 def load_dtype(model_cfg: ModelSection, quant_cfg: QuantizationSection, device: str) -> Any:

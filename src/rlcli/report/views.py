@@ -15,7 +15,7 @@ from rlcli.store.episodes import episode_counts, labelled_episodes
 from rlcli.store.evals import eval_results
 from rlcli.store.events import list_events
 from rlcli.store.images import image_sizes, load_images
-from rlcli.store.records import Checkpoint, EvalResult, LabelledEpisode, Run
+from rlcli.store.records import GPU_MEMORY_KEYS, Checkpoint, EvalResult, LabelledEpisode, Run
 from rlcli.store.stages import displayed_status
 
 KEY_METRICS = ("rollout/reward_mean", "rollout/success_rate", "train/loss")
@@ -47,6 +47,8 @@ def runs_summary(rundb: RunDB) -> list[dict[str, Any]]:
 def run_details(rundb: RunDB, name: str) -> dict[str, Any]:
     run = rundb.require_run(name)
     status = _status(rundb, run)
+    # Recorded on a GPU only (engine/context.py): the stage's peak, and the vLLM engine's share.
+    memory = {key: {m.stage: m.value for m in rundb.metrics(name, key)} for key in GPU_MEMORY_KEYS}
     stages = [
         {
             "name": s.name,
@@ -57,6 +59,8 @@ def run_details(rundb: RunDB, name: str) -> dict[str, Any]:
             "duration_s": s.duration_s,
             "error": s.error,
             "result": s.result,
+            "gpu_mem_peak_gb": memory["perf/gpu_mem_peak_gb"].get(s.name),
+            "vllm_mem_gb": memory["perf/vllm_mem_gb"].get(s.name),
         }
         for s in rundb.stages(name)
     ]
