@@ -492,3 +492,85 @@ def test_tensorboard_tracker_writes_scalars(tmp_path):
         (2, 0.2),
     ]
     assert "train/kl" not in events.Tags()["scalars"]
+
+
+# --- hostile text ---------------------------------------------------------------------------------
+
+TITLE = "\x1b]0;TITLE\x1b\\"  # sets the window title in most terminals
+CLEAR = "\x1b[2J"  # clears the screen
+
+
+def test_terminal_views_escape_control_characters_and_never_read_names_as_markup(capsys, rlcli_home, tmp_path):
+    monkey_text = f"{TITLE}{CLEAR}\x07hi\x9b"
+    rundb = RunDB.open(rlcli_home)
+    try:
+        recipe = Recipe()
+        recipe.run.description = f"[/x] desc {CLEAR}"
+        rundb.start_run("h", recipe, None)
+        db = rundb.db
+        stage = "mine[/x]"
+        db["stages"].insert({"run": "h", "name": stage, "status": "failed", "error": f"[/x] {CLEAR}"})
+        episode = (
+            db["episodes"]
+            .insert(
+                {
+                    "run": "h",
+                    "stage": stage,
+                    "iteration": None,
+                    "split": "train",
+                    "task_index": 0,
+                    "sample_index": 0,
+                    "seed": 7,
+                    "policy": "base",
+                    "status": "ok",
+                    "end_reason": "terminated",
+                    "env_return": 0.0,
+                    "success": 0,
+                    "num_turns": 1,
+                    "num_tokens": 1,
+                    "task": json.dumps({"q": monkey_text}),
+                    "messages": json.dumps(
+                        [{"role": "user", "content": monkey_text}, {"role": "assistant", "content": monkey_text}]
+                    ),
+                    "template_consistent": 1,
+                    "created_at": stamp(1),
+                }
+            )
+            .last_pk
+        )
+        db["rewards"].insert_all(
+            {"episode_id": episode, "label_set": "[/x]", "component": component, "value": 1.0, "weight": 1.0}
+            for component in ("[/x]c", "total")
+        )
+        add_event(rundb, "h", stage, 0, "[/x]kind", f"[/x] {CLEAR}", {})
+        add_checkpoint(rundb, "h", stage, 0, tmp_path / "[/x]", "lora")
+    finally:
+        rundb.close()
+    for args in (["episodes", "h"], ["show", "h"], ["list"], ["compare", "h"], ["tasks", "h"]):
+        code, out, err = cli(capsys, "runs", *args)
+        assert code == 0, (args, err)
+        assert "\x1b" not in out + err and "\x07" not in out and "\x9b" not in out, args
+        if args[0] in ("episodes", "show"):
+            assert "[/x]" in out, args
+    code, out, _ = cli(capsys, "runs", "episodes", "h")
+    assert "\\x1b]0;TITLE\\x1b\\" in out and "\\x1b[2J" in out and "[/x]c" in out and "mine[/x]" in out
+
+
+def test_envs_try_escapes_control_characters_of_the_env_and_the_error(capsys, tmp_path):
+    env = tmp_path / "hostile.py"
+    env.write_text(
+        "class Hostile:\n"
+        "    def reset(self, seed):\n"
+        f"        return {TITLE + '[/x]'!r}, {{}}\n"
+        "    def step(self, action):\n"
+        f"        return {CLEAR!r}, 1.0, True, False, {{}}\n"
+        "def make_env():\n"
+        "    return Hostile()\n"
+    )
+    code, out, err = cli(capsys, "envs", "try", env, "--policy", "random")
+    assert code == 0, err
+    assert "\x1b" not in out and "\\x1b]0;TITLE" in out and "[/x]" in out and "\\x1b[2J" in out
+    broken = tmp_path / "broken.py"
+    broken.write_text(f"def make_env():\n    raise RuntimeError({CLEAR!r})\n")
+    code, out, err = cli(capsys, "envs", "try", broken, "--policy", "random")
+    assert code == 1 and "\x1b" not in err and "\\x1b[2J" in err

@@ -385,3 +385,16 @@ def test_a_grpo_iteration_whose_episodes_timed_out_trains_on_resume(tmp_path):
     run_grpo(ctx)
     assert ctx.rundb.stage(ctx.run, "train/0").done
     assert {e["status"] for e in _episodes(ctx, "rollout/0")} == {"ok"}
+
+
+def test_markup_in_user_chosen_names_is_shown_as_written(tmp_path, capsys):
+    from helpers import cli
+
+    recipe = write_recipe(tmp_path / "r.yaml", rewards=[{"fn": "env_return", "name": "[/x]c"}])
+    runs = tmp_path / "runs"
+    code, _, err = cli(capsys, "--runs-dir", runs, "rollout", "-r", recipe, "--stage", "mine[red]")
+    assert code == 0, err
+    assert err.count("mine[red]") == 2  # the progress bar and the summary table
+    code, _, err = cli(capsys, "--runs-dir", runs, "label", "-r", recipe, "--label-set", "[red]")
+    assert code == 0, err
+    assert "[red]" in err and "[/x]c" in err

@@ -18,6 +18,7 @@ from rich.markup import escape
 from rlcli.cli import envs, export, models, recipes, runs, stages
 from rlcli.cli.common import SharedOptions, err_console, shared
 from rlcli.errors import RlcliError
+from rlcli.report.text import printable
 
 app = typer.Typer(
     name="rlcli",
@@ -81,20 +82,23 @@ def main(argv: list[str] | None = None) -> None:
     except RlcliError as exc:
         if options.debug:
             raise
-        # escape: messages quote brackets ("pip install 'rlcli[envs]'") that are not terminal markup
-        err_console.print(f"[red]Error:[/red] {escape(str(exc))}", highlight=False)
+        # escape: messages quote brackets ("pip install 'rlcli[envs]'") that are not terminal markup;
+        # printable: they quote env and model text, which may hold terminal escapes
+        err_console.print(f"[red]Error:[/red] {escape(printable(exc))}", highlight=False)
         sys.exit(exc.exit_code)
     except sqlite3.OperationalError as exc:
         if options.debug:
             raise
         hint = " (another process holds it; try again)" if "locked" in str(exc) else ""
-        err_console.print(f"[red]Error:[/red] the run database failed: {escape(str(exc))}{hint}.", highlight=False)
+        err_console.print(
+            f"[red]Error:[/red] the run database failed: {escape(printable(exc))}{hint}.", highlight=False
+        )
         sys.exit(1)
     except Exception as exc:  # a bug: say so in one line unless asked for the traceback
         if options.debug:
             raise
         err_console.print(
-            f"[red]Error:[/red] unexpected {type(exc).__name__}: {escape(str(exc))} "
+            f"[red]Error:[/red] unexpected {type(exc).__name__}: {escape(printable(exc))} "
             "(rlcli --debug COMMAND ... shows the traceback).",
             highlight=False,
         )

@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.panel import Panel
-from rich.text import Text
 
 from rlcli.cli.common import JsonOpt, RecipeOpt, RunOpt, console, open_existing
 from rlcli.errors import RlcliError, UsageError
+from rlcli.report.text import literal
 
 if TYPE_CHECKING:
     from rlcli.recipe import Recipe
@@ -124,7 +124,7 @@ def try_env(
                 break
             action = action.rstrip("\n")
         turn += 1
-        console.print(Panel(Text(action), title=f"agent (turn {turn})", border_style="cyan", expand=False))
+        console.print(Panel(literal(action), title=f"agent (turn {turn})", border_style="cyan", expand=False))
         observation, reward, terminated, truncated, info = env.step(action)
         total += reward
         _show(as_messages(observation), reward)
@@ -182,7 +182,7 @@ def _play_model(
     _show(episode.messages[:first_reply])
     for turn in episode.turns:
         console.print(
-            Panel(Text(turn.text), title=f"agent (turn {turn.turn_index + 1})", border_style="cyan", expand=False)
+            Panel(literal(turn.text), title=f"agent (turn {turn.turn_index + 1})", border_style="cyan", expand=False)
         )
         _show(json.loads(turn.observation), turn.reward)
     if episode.error:
@@ -231,4 +231,4 @@ def _show(messages: list[dict], reward: float | None = None) -> None:
             content = " ".join(p.get("text", "[image]") for p in content)
         title = message["role"] + (f" (reward {reward:g})" if reward is not None else "")
         style = {"system": "dim", "tool": "magenta"}.get(message["role"], "green")
-        console.print(Panel(Text(str(content)), title=title, border_style=style, expand=False))
+        console.print(Panel(literal(content), title=title, border_style=style, expand=False))

@@ -293,7 +293,8 @@ class DpoProgress(TrainerCallback):
 
         self.ctx, self.stage = ctx, stage
         self.progress = Progress(
-            TextColumn(f"[bold]{stage}"),
+            # markup=False: dpo/<name> is a name the user chose, e.g. dpo/[red]
+            TextColumn("{task.description}", style="bold", markup=False),
             BarColumn(),
             MofNCompleteColumn(),
             TextColumn("steps"),

@@ -547,7 +547,8 @@ class _progress:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         self.progress = Progress(
-            TextColumn("[bold]{task.description}"),
+            # markup=False: the description is a stage name the user chose, e.g. mine[red]
+            TextColumn("{task.description}", style="bold", markup=False),
             BarColumn(),
             MofNCompleteColumn(),
             TextColumn("episodes"),

@@ -18,6 +18,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from rlcli.report.text import literal, printable
 from rlcli.report.views import COMPARE_METRICS, KEY_METRICS, OTHER_CHECKPOINTS, ending_view, eval_view
 from rlcli.rewards.episodes import message_text
 from rlcli.store.checkpoints import BestAndLatest
@@ -55,9 +56,9 @@ def print_run(console: Console, data: dict[str, Any], series: dict[str, dict[str
     """The `runs show` view; `series` (from metric_series) adds a trend column to the metrics."""
     header = Text.assemble((data["name"], "bold"), f"  status: {data['status']}  created: {data['created_at'][:19]}")
     if data.get("description"):
-        header.append(f"\n{data['description']}", style="italic")
+        header.append(f"\n{printable(data['description'])}", style="italic")
     if data.get("error"):
-        header.append(f"\nfailed: {data['error']}", style="red")
+        header.append(f"\nfailed: {printable(data['error'])}", style="red")
     header.append(
         f"\nrecipe sha256: {data['recipe_sha256'][:12]}  seed: {data['seed']}  host: {data['hostname']}  "
         f"git: {(data['git_sha'] or '–')[:10]}  "
@@ -65,7 +66,7 @@ def print_run(console: Console, data: dict[str, Any], series: dict[str, dict[str
     )
     changes = data["recipe_history"][1:]  # the first entry is the recipe the run started with
     if changes:
-        header.append(f"\nrecipe history: {len(changes)} change(s); last: {changes[-1]['reason']}")
+        header.append(f"\nrecipe history: {len(changes)} change(s); last: {printable(changes[-1]['reason'])}")
     parts: list[Any] = [header]
     if data["stages"]:
         parts.append(stages_table(data["stages"]))
@@ -99,7 +100,7 @@ def events_table(events: list[dict[str, Any]]) -> Table:
     table.add_column("kind")
     table.add_column("message", style="yellow", overflow="fold")
     for event in events:
-        table.add_row(str(event["iteration"]), event["kind"], event["message"])
+        table.add_row(str(event["iteration"]), literal(event["kind"]), literal(event["message"]))
     return table
 
 
@@ -122,12 +123,12 @@ def stages_table(stages: list[dict[str, Any]]) -> Table:
             "" if failed is None else (failed["error"] if len(members) == 1 else f"{failed['name']}: {failed['error']}")
         )
         table.add_row(
-            name,
+            literal(name),
             Text(status, style=style),
             (members[0]["started_at"] or "")[11:19],
             (members[-1]["finished_at"] or "")[11:19],
             _fmt_duration(sum(durations)) if durations else "–",
-            Text(error[:80], style="red"),
+            literal(error[:80], style="red"),
         )
     return table
 
@@ -157,7 +158,7 @@ def metrics_table(latest: dict[str, float], series: dict[str, dict[str, Any]]) -
     for key, value in latest.items():
         entry = series.get(key)
         table.add_row(
-            key,
+            literal(key),
             str(entry["steps"][-1]) if entry else "",
             fmt(value),
             sparkline(entry["values"], 30) if entry and len(entry["values"]) > 1 else "",
@@ -173,11 +174,11 @@ def checkpoints_table(rows: list[dict[str, Any]], shown: int = 10) -> Table:
     for r in rows[hidden:]:
         table.add_row(
             str(r["id"]),
-            r["stage"],
+            literal(r["stage"]),
             fmt(r["iteration"]),
             r["kind"] or "",
             (r["created_at"] or "")[:19].replace("T", " "),
-            r["path"],
+            literal(r["path"]),
         )
     return table
 
@@ -195,7 +196,7 @@ def evals_table(rows: list[dict[str, Any]]) -> Table:
         table.add_column(col, justify="left" if col == "checkpoint" else "right", min_width=min(len(col), 8))
     for r, n_failed in zip(rows, failed):
         cells = [
-            str(r.get("label") or r["checkpoint"]),
+            literal(r.get("label") or r["checkpoint"]),
             f"{r['tasks']}×{r['k']}",
             f"{r['success_rate']:.1%}",
             f"{r['ci_low']:.0%}–{r['ci_high']:.0%}",
@@ -223,7 +224,7 @@ def compare_table(rows: list[dict[str, Any]]) -> Table:
             table.add_row(key, *(fmt(r["latest_metrics"].get(key)) for r in rows))
     labels = dict.fromkeys(label for r in rows for label in r["best_evals"])
     for label in labels:
-        table.add_row(f"eval success: {label}", *(_fmt_eval(r["best_evals"].get(label), label) for r in rows))
+        table.add_row(literal(f"eval success: {label}"), *(_fmt_eval(r["best_evals"].get(label), label) for r in rows))
     table.add_row("reward curve", *(sparkline(r["reward_curve"], 24) or "–" for r in rows))
     return table
 
@@ -247,26 +248,30 @@ def print_episodes(console: Console, episodes: list[dict[str, Any]]) -> None:
 
 
 def episode_panel(ep: dict[str, Any]) -> Panel:
-    title = f"episode {ep['id']} · {ep['stage']} · task {ep['task_index']} sample {ep['sample_index']}"
+    title = f"episode {ep['id']} · {printable(ep['stage'])} · task {ep['task_index']} sample {ep['sample_index']}"
     if ep["reward"] is not None:
         title += f" · reward {fmt(ep['reward'])}"
-    facts = Text(
+    facts = literal(
         f"status {ep['status']} · end {ep['end_reason'] or '–'} · success {'yes' if ep['success'] else 'no'} · "
         f"return {fmt(ep['env_return'])} · turns {ep['num_turns']} · tokens {ep['num_tokens']} · policy {ep['policy']}"
     )
     parts: list[Any] = [facts]
     if ep["error"]:
-        parts.append(Text(f"error: {ep['error']}", style="bold red"))
+        parts.append(literal(f"error: {ep['error']}", style="bold red"))
     if ep["rewards"]:
         # A note column only when some value is a fallback (e.g. a judge reply without a score).
         notes = any(r["error"] for r in ep["rewards"].values())
-        rewards = Table(title=f"rewards ({ep['label_set']})", title_justify="left", show_edge=False)
+        rewards = Table(title=literal(f"rewards ({ep['label_set']})"), title_justify="left", show_edge=False)
         for col in ("component", "value", "weight", *(["note"] if notes else [])):
             rewards.add_column(col, justify="right" if col in ("value", "weight") else "left")
         for component, r in ep["rewards"].items():
-            note = [Text(r["error"] or "", style="yellow")] if notes else []
+            note = [literal(r["error"] or "", style="yellow")] if notes else []
             rewards.add_row(
-                component, fmt(r["value"]), fmt(r["weight"]), *note, style="bold" if component == "total" else None
+                literal(component),
+                fmt(r["value"]),
+                fmt(r["weight"]),
+                *note,
+                style="bold" if component == "total" else None,
             )
         parts.append(rewards)
     parts.append(Text(""))
@@ -278,17 +283,17 @@ def episode_panel(ep: dict[str, Any]) -> Panel:
         body = message_body(m)
         if m.get("tool_calls"):
             body.append(("\n" if body else "") + f"tool calls: {json.dumps(m['tool_calls'])}", style="italic")
-        messages.add_row(Text(role, style=f"bold {ROLE_STYLES.get(role, '')}"), body)
+        messages.add_row(literal(role, style=f"bold {ROLE_STYLES.get(role, '')}"), body)
     parts.append(messages)
     border = "red" if ep["status"] == "failed" else "green" if ep["success"] else "blue"
-    return Panel(Group(*parts), title=title, title_align="left", border_style=border)
+    return Panel(Group(*parts), title=Text(title), title_align="left", border_style=border)
 
 
 def message_body(message: dict[str, Any]) -> Text:
     """A message's text, with a marker where each of its images was."""
     content = message.get("content")
     if not isinstance(content, list):
-        return Text(message_text(message))
+        return literal(message_text(message))
     body, after_image = Text(), False
     for part in content:
         if not isinstance(part, dict):
@@ -300,7 +305,7 @@ def message_body(message: dict[str, Any]) -> Text:
         if touching and (after_image or is_image):
             body.append(" ")
         after_image = is_image
-        body.append(piece, style="magenta" if after_image else None)
+        body.append(printable(piece), style="magenta" if after_image else None)
     return body
 
 
@@ -317,7 +322,7 @@ def image_marker(part: dict[str, Any]) -> str:
 
 
 def episodes_table(title: str, summary: EpisodeSummary) -> Table:
-    table = Table(title=f"{title}: episodes")
+    table = Table(title=literal(f"{title}: episodes"))
     values = asdict(summary)
     for key in values:
         table.add_column(key, justify="right")
@@ -330,9 +335,11 @@ def labels_table(summaries: list[Any]) -> Table:
     keys = sorted({k for s in summaries for k in s.means})
     table = Table(title="Labels")
     for col in ("stage", "label set", "episodes", *keys):
-        table.add_column(col)
+        table.add_column(literal(col))
     for s in summaries:
-        table.add_row(s.stage, s.label_set, str(s.episodes), *(fmt(s.means.get(k), digits=3) for k in keys))
+        table.add_row(
+            literal(s.stage), literal(s.label_set), str(s.episodes), *(fmt(s.means.get(k), digits=3) for k in keys)
+        )
     return table
 
 
@@ -353,13 +360,13 @@ def sft_table(summary: Any) -> Table:
     ]
     for name, value in rows:
         if value is not None:
-            table.add_row(name, str(value))
+            table.add_row(name, literal(value))
     return table
 
 
 def dpo_table(summary: Any) -> Table:
     """A DPO stage's summary (engine.dpo.DpoSummary)."""
-    table = Table(title=summary.stage, show_header=False)
+    table = Table(title=literal(summary.stage), show_header=False)
     table.add_column(style="bold")
     table.add_column(justify="right")
     rows = [
@@ -378,7 +385,7 @@ def dpo_table(summary: Any) -> Table:
     ]
     for name, value in rows:
         if value is not None:
-            table.add_row(name, str(value))
+            table.add_row(name, literal(value))
     return table
 
 
@@ -438,8 +445,8 @@ def best_latest_table(ending: dict[str, Any]) -> Table:
         success = "–" if row["success_rate"] is None else f"{row['success_rate']:.1%} ({row['tasks']} tasks)"
         table.add_row(
             role,
-            row["name"],
-            row["stage"] or "",
+            literal(row["name"]),
+            literal(row["stage"] or ""),
             fmt(row["iteration"]),
             success,
         )
