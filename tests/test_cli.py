@@ -519,6 +519,17 @@ def test_a_new_run_refused_before_work_is_not_created(capsys, tmp_path, rlcli_ho
     assert _run_rows(rlcli_home, "t") == {"runs": [], "run_recipes": [], "stages": []}
 
 
+@pytest.mark.parametrize("stage", ["dpo", "sft", "grpo"])
+def test_a_rollout_stage_may_not_take_a_name_rlcli_owns(capsys, tmp_path, rlcli_home, stage):
+    # `rollout --stage dpo` then `train dpo` failed on the rollout's summary as if it were DPO's.
+    from helpers import write_recipe
+
+    recipe = write_recipe(tmp_path / "t.yaml")
+    code, _, err = cli(capsys, "rollout", "-r", recipe, "--stage", stage)
+    assert code == 2 and f"--stage {stage!r} is not allowed" in one_line(err)
+    assert _run_rows(rlcli_home, "t")["stages"] == []
+
+
 def test_runs_delete_removes_rows_and_folder_after_confirmation(capsys, tmp_path, rlcli_home, monkeypatch):
     import io
     import sqlite3

@@ -99,7 +99,7 @@ def run_label_stage(ctx: RunContext, *, label_set: str) -> list[LabelSummary]:
     """`rlcli label`: label every rollout stage of the run that has episodes, under one label set."""
     from rlcli.rewards.scoring import build_reward_fns
 
-    check_user_name("--label-set", label_set, reserved=GRPO_LABEL_SET)
+    check_user_name("--label-set", label_set, reserved=(GRPO_LABEL_SET,))
     stages = stages_with_episodes(ctx.rundb, ctx.run)
     if not stages:
         raise UsageError(f"Run {ctx.run!r} has no episodes to label; run `rlcli rollout` first.")

@@ -43,7 +43,7 @@ from rlcli.store.checkpoints import resolve_checkpoint
 from rlcli.store.db import now
 from rlcli.store.episodes import episode_summary, retryable_episodes, store_episodes, stored_episode_keys
 from rlcli.store.records import EndReason, Episode, EpisodeSummary, Turn
-from rlcli.store.stages import check_user_name
+from rlcli.store.stages import OWN_STAGES, check_user_name
 
 EXPERT = "expert"
 MAX_ATTEMPTS = 3  # plays of an episode that keeps failing transiently, the first one included
@@ -681,7 +681,7 @@ def run_rollout_stage(ctx: RunContext, *, stage: str, policy: str, split: str) -
     """`rlcli rollout`: tasks x group size episodes with one policy, stored token by token."""
     if split not in ("train", "eval"):
         raise UsageError(f"--split must be train or eval, got {split!r}.")
-    check_user_name("--stage", stage, reserved="sft")
+    check_user_name("--stage", stage, reserved=OWN_STAGES)
     recipe = ctx.recipe
     # The weights, resolved now, define the stage: `latest` after more training is another policy.
     checkpoint = resolve_checkpoint(ctx.rundb, ctx.run, policy) if policy not in (EXPERT, "base") else None

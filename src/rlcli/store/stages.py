@@ -151,12 +151,17 @@ def _check_identity(run: str, row: Stage, identity: dict[str, Any], new_stage_hi
         raise UsageError(f"Stage {row.name!r} of run {run!r} was run with {was}, not {asked}; {new_stage_hint}.")
 
 
-def check_user_name(option: str, name: str, reserved: str) -> str:
+# The stage names without a '/' that rlcli's own stages use (grpo is the GRPO metrics' stage): a user
+# stage under one of them would take that stage over, its summary read as the other stage's.
+OWN_STAGES = ("sft", "dpo", "grpo")
+
+
+def check_user_name(option: str, name: str, reserved: tuple[str, ...]) -> str:
     """A stage or label-set name a user gives must stay out of the names rlcli's own stages use."""
-    if not name or "/" in name or name == reserved:
+    if not name or "/" in name or name in reserved:
         raise UsageError(
             f"{option} {name!r} is not allowed: names with '/' (rollout/<i>, train/<i>, eval/..., label/...) "
-            f"and {reserved!r} belong to rlcli's own stages; choose another name."
+            f"and {', '.join(map(repr, reserved))} belong to rlcli's own stages; choose another name."
         )
     return name
 
