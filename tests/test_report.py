@@ -287,6 +287,19 @@ def test_plot_default_path_and_chosen_metrics(capsys, runs_dir):
     assert Path(out.strip()).stat().st_size > 5_000
 
 
+def test_plot_never_replaces_a_file_unasked_and_writes_atomically(capsys, runs_dir, tmp_path):
+    out = tmp_path / "mine.png"
+    out.write_text("my notes")
+    code, _, err = cli(capsys, "runs", "plot", "demo", "--out", out)
+    assert code == 2 and "pass --overwrite" in err and len(err.strip().splitlines()) == 1
+    assert out.read_text() == "my notes"
+    code, _, err = cli(capsys, "runs", "plot", "demo", "--out", out, "--overwrite")
+    assert code == 0, err
+    assert out.read_bytes().startswith(b"\x89PNG") and list(tmp_path.glob(".mine.png.*")) == []
+    code, _, err = cli(capsys, "runs", "plot", "demo", "--out", tmp_path)
+    assert code == 2 and "it is a folder" in err
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

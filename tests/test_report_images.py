@@ -7,6 +7,7 @@ import base64
 import hashlib
 import io
 import json
+import os
 import re
 from html.parser import HTMLParser
 
@@ -169,6 +170,20 @@ def test_html_never_replaces_a_file_unasked(capsys, runs_dir, tmp_path):
     assert code == 2 and "it is a folder" in err
     code, _, err = cli(capsys, "runs", "episodes", "vis", "--html", tmp_path / "x.html", "--json")
     assert code == 2 and "exclude each other" in err
+
+
+def test_html_never_writes_through_a_planted_symlink(capsys, runs_dir, tmp_path):
+    # The temporary page was named .<name>.<pid>.partial: a symlink planted there redirected the write.
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    page_path = tmp_path / "page.html"
+    planted = tmp_path / f".page.html.{os.getpid()}.partial"
+    planted.symlink_to(victim)
+    code, _, err = cli(capsys, "runs", "episodes", "vis", "--html", page_path)
+    assert code == 0, err
+    assert victim.read_text() == "precious" and page_path.read_text().startswith("<!DOCTYPE html>")
+    assert planted.is_symlink() and not page_path.is_symlink()
+    assert sorted(p.name for p in tmp_path.glob(".page.html.*")) == [planted.name]
 
 
 def test_html_of_a_vision_language_rollout(capsys, rlcli_home, tmp_path, monkeypatch):

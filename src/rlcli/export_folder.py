@@ -1,12 +1,15 @@
-"""The folder an export writes: never one rlcli did not write, and replaced whole or not at all.
+"""The folders and files an export writes: never one rlcli did not write, and replaced whole or not at all.
 
 An export is written into a temporary folder beside its target and renamed into place, so a kill
 leaves either the old folder or the new one (plus a hidden temporary folder), never a mix. A marker
 file tells rlcli's exports from the user's folders: only those may be replaced, and only when asked.
+A single file (an HTML page, a plot) is staged the same way, and replaced only with --overwrite.
 """
 
 from __future__ import annotations
 
+import os
+import secrets
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -60,3 +63,32 @@ def export_folder(target: Path, option: str, overwrite: bool) -> Iterator[Path]:
             staging.rename(target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def check_file_target(path: Path, option: str, overwrite: bool) -> None:
+    """Refuse, with one sentence, a file path that is a folder or an existing file not to replace."""
+    if path.is_dir():
+        raise UsageError(f"Cannot write {path}: it is a folder; give {option} a file name.")
+    if (path.exists() or path.is_symlink()) and not overwrite:
+        raise UsageError(f"{path} already exists; pass --overwrite to replace it.")
+
+
+def write_file(path: Path, data: bytes, option: str, overwrite: bool) -> None:
+    """Write `data` to `path` through a temporary file renamed into place: a kill leaves the old file
+    or the new one.
+
+    The temporary file gets an unguessable name and is created new, never through a link
+    (O_EXCL|O_NOFOLLOW): a file or symlink planted beside the target is never written through. It
+    gets the permissions any file the user writes gets (mkstemp's would be private to the owner).
+    """
+    check_file_target(path, option, overwrite)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.{secrets.token_hex(8)}.partial")
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        os.replace(partial, path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise

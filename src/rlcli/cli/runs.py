@@ -91,17 +91,24 @@ def runs_plot(
         typer.Option(
             "--out",
             "-o",
-            help="Image file to write: .png, .pdf or .svg (default: <runs-dir>/<run>/metrics.png).",
+            help="Image file to write: .png, .pdf or .svg (default: <runs-dir>/<run>/metrics.png, replaced each time).",
             show_default=False,
         ),
     ] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace the --out file if it exists.")] = False,
 ) -> None:
     """Plot reward, success, loss, KL and entropy curves and eval success (95% CI) to an image."""
+    from rlcli.export_folder import check_file_target
     from rlcli.report import plot
 
+    if out is not None:
+        check_file_target(out, "--out", overwrite)  # before reading the database
     rundb = open_existing(cli_ctx, f"No run named {run!r}")
     try:
-        path = plot.plot_run(rundb, run, out or rundb.path.parent / run / "metrics.png", metric)
+        # The default file lives in the run's folder, where rlcli owns it: it is replaced unasked.
+        path = plot.plot_run(
+            rundb, run, out or rundb.path.parent / run / "metrics.png", metric, overwrite or out is None
+        )
     finally:
         rundb.close()
     print(path)
@@ -149,9 +156,9 @@ def runs_episodes(
     if html is not None and as_json:
         raise UsageError("--html and --json exclude each other; give one of them.")
     if html is not None:
-        from rlcli.report.html import check_target
+        from rlcli.export_folder import check_file_target
 
-        check_target(html, overwrite)  # before reading the database
+        check_file_target(html, "--html", overwrite)  # before reading the database
     rundb = open_existing(cli_ctx, f"No run named {run!r}")
     try:
         episodes = views.select_episodes(
@@ -167,9 +174,10 @@ def runs_episodes(
     finally:
         rundb.close()
     if html is not None:
-        from rlcli.report.html import episodes_page, write_page
+        from rlcli.export_folder import write_file
+        from rlcli.report.html import episodes_page
 
-        write_page(html, episodes_page(run, episodes, pngs), overwrite)
+        write_file(html, episodes_page(run, episodes, pngs).encode(), "--html", overwrite)
         print(html)
     elif as_json:
         print(json.dumps(episodes, indent=2))

@@ -9,12 +9,9 @@ from __future__ import annotations
 
 import base64
 import html
-import os
 import re
-from pathlib import Path
 from typing import Any
 
-from rlcli.errors import UsageError
 from rlcli.report.tables import fmt
 
 CLICK = re.compile(r"click\(\s*(-?\d+(?:\.\d+)?)\s*,\s*(-?\d+(?:\.\d+)?)\s*\)", re.I)
@@ -39,29 +36,6 @@ table.rewards td, table.rewards th { border-bottom: 1px solid #ddd; padding: 2px
   background: #fff; padding: 0 2px; }
 .absent { display: inline-block; padding: 1em; border: 1px dashed #999; color: #777; }
 """
-
-
-def check_target(path: Path, overwrite: bool) -> None:
-    """Refuse, with one sentence, a page path that is a folder or an existing file not to replace."""
-    if path.is_dir():
-        raise UsageError(f"Cannot write {path}: it is a folder; give --html a file name such as episodes.html.")
-    if path.exists() and not overwrite:
-        raise UsageError(f"{path} already exists; pass --overwrite to replace it.")
-
-
-def write_page(path: Path, page: str, overwrite: bool) -> None:
-    """Write the page through a temporary file renamed into place: a kill leaves the old file or the new one."""
-    check_target(path, overwrite)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Named by the process (not mkstemp, whose files are private to their owner): the page gets the
-    # permissions any file the user writes gets.
-    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    try:
-        partial.write_text(page, encoding="utf-8")
-        os.replace(partial, path)
-    except BaseException:
-        partial.unlink(missing_ok=True)
-        raise
 
 
 def episodes_page(run: str, episodes: list[dict[str, Any]], pngs: dict[str, bytes]) -> str:

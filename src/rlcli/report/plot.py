@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import io
 import math
 from pathlib import Path
 from typing import Any
 
 from rlcli.errors import UsageError
+from rlcli.export_folder import write_file
 from rlcli.report.views import HELDOUT_KEY, REWARD_KEY, SUCCESS_KEY, metric_series
 from rlcli.store.db import RunDB
 from rlcli.store.evals import eval_results
@@ -25,8 +27,9 @@ DEFAULT_PANELS = (
 )
 
 
-def plot_run(rundb: RunDB, name: str, out: Path, metrics: list[str] | None = None) -> Path:
-    """Write a PNG (or any format matplotlib knows by the suffix) of a run's curves and evals."""
+def plot_run(rundb: RunDB, name: str, out: Path, metrics: list[str] | None = None, overwrite: bool = False) -> Path:
+    """Write a PNG (or any format matplotlib knows by the suffix) of a run's curves and evals; an
+    existing `out` is replaced only with `overwrite`, and whole (export_folder.write_file)."""
     run = rundb.require_run(name)
     series = metric_series(rundb, name)
     evals = eval_results(rundb, name)
@@ -73,8 +76,9 @@ def plot_run(rundb: RunDB, name: str, out: Path, metrics: list[str] | None = Non
         _plot_evals(axes[len(panels)], evals)
     for ax in axes[count:]:
         ax.set_visible(False)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
+    image = io.BytesIO()
+    fig.savefig(image, format=suffix, dpi=110)
+    write_file(out, image.getvalue(), "--out", overwrite)
     return out
 
 
