@@ -206,6 +206,27 @@ def test_bad_run_name_via_run_option(capsys, good, name):
     assert "not valid" in line and repr(name) in line
 
 
+def test_a_run_name_differing_only_in_case_is_refused(capsys, tmp_path, rlcli_home):
+    # On a case-insensitive file system (macOS) Exp1 and exp1 share a folder, and so their checkpoints.
+    from helpers import write_recipe
+
+    recipe = write_recipe(tmp_path / "t.yaml")
+    with open_run(recipe, "exp1", rlcli_home, []):
+        pass
+    code, _, err = cli(capsys, "rollout", "-r", recipe, "--run", "Exp1")
+    assert code == 2 and "'exp1'" in one_line(err) and "case" in one_line(err)
+    assert _run_rows(rlcli_home, "Exp1")["runs"] == [] and not (rlcli_home / "Exp1").exists()
+
+
+def test_an_invalid_run_name_is_refused_before_the_database_is_created(capsys, rlcli_home, good):
+    for name in ("bad/name", "a" * 300):
+        code, _, err = cli(capsys, "rollout", "-r", good, "--run", name)
+        assert code == 2 and "not valid" in one_line(err)
+        assert not rlcli_home.exists()
+    code, _, err = cli(capsys, "rollout", "-r", good, "--run", "a" * 300)
+    assert "at most 100 characters" in err
+
+
 def test_bad_run_name_via_runs_resume(capsys):
     code, _, err = cli(capsys, "runs", "resume", "bad/name")
     assert code == 2 and "not valid" in one_line(err)

@@ -106,6 +106,7 @@ def open_run(
             recipe.run.name = run
             check_recipe(recipe)
         name = recipe.run.name
+        rundb.check_case_twin(name)  # before the lock, which makes the run's folder
         with RunLock(runs_dir, name):
             # User env and reward files are loaded from the working directory, like the recipe's paths.
             code = code_hashes(recipe.env.name, [r.fn for r in recipe.rewards], Path.cwd())

@@ -224,6 +224,19 @@ class RunDB:
         recorded = history[-1].code if history else {}
         return [path for path, digest in code.items() if path in recorded and recorded[path] != digest]
 
+    def check_case_twin(self, name: str) -> None:
+        """Refuse a new run whose name differs from a recorded run's only in case: on a case-insensitive
+        file system (macOS) the two would share one folder, and one run would resume from, and
+        overwrite, the other's checkpoints."""
+        twin = self.db.execute(
+            "select name from runs where lower(name) = lower(?) and name != ? limit 1", [name, name]
+        ).fetchone()
+        if twin and self.get_run(name) is None:
+            raise UsageError(
+                f"Run name {name!r} differs from the recorded run {twin[0]!r} only in case, and the two would share "
+                f"a folder on a case-insensitive file system; use {twin[0]!r} or another name."
+            )
+
     def set_run_status(self, name: str, status: str, error: str | None = None) -> None:
         """Set the run's status; `error` says why it failed, and any other status clears it."""
         with self.transaction():
@@ -373,8 +386,11 @@ def git_sha(folder: Path) -> str | None:
 def check_run_name(name: str) -> str:
     import re
 
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name or ""):
+    # The name is a folder name: file systems take 255 bytes; 100 leaves room and keeps listings readable.
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}", name or ""):
+        shown = name if len(name or "") <= 40 else f"{name[:40]}... ({len(name)} characters)"
         raise UsageError(
-            f"Run name {name!r} is not valid: use letters, digits and -_. only, starting with a letter or digit."
+            f"Run name {shown!r} is not valid: use letters, digits and -_. only, starting with a letter or digit, "
+            "at most 100 characters."
         )
     return name
