@@ -6,6 +6,7 @@ import errno
 import fcntl
 import hashlib
 import os
+import shutil
 import socket
 import sqlite3
 import subprocess
@@ -18,7 +19,7 @@ import pytest
 
 from rlcli.errors import RlcliError, UsageError
 from rlcli.recipe import Recipe, load_recipe
-from rlcli.store.checkpoints import add_checkpoint, checkpoints, resolve_checkpoint
+from rlcli.store.checkpoints import add_checkpoint, checkpoints, require_folder, resolve_checkpoint
 from rlcli.store.db import DB_NAME, RunDB, check_run_name, package_versions
 from rlcli.store.stages import RunLock, run_stage, stage_done
 
@@ -416,6 +417,22 @@ def test_checkpoint_paths_are_relative_to_the_runs_dir_and_old_rows_still_resolv
         assert [c.path for c in checkpoints(rundb, run1)] == [str(folder)] * 3
     # Re-recording a folder (a redone stage) keeps its row and id.
     assert add_checkpoint(rundb, run1, "train/0", 0, folder, "lora") == checkpoints(rundb, run1)[0].id
+
+
+def test_a_missing_checkpoint_folder_is_never_replaced_by_a_same_named_folder_in_the_cwd(
+    rundb, run1, runs_dir, tmp_path, monkeypatch
+):
+    folder = runs_dir / "r1" / "checkpoints" / "iter-0000"
+    folder.mkdir(parents=True)
+    add_checkpoint(rundb, run1, "train/0", 0, folder, "lora")
+    shutil.rmtree(folder)
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "r1" / "checkpoints" / "iter-0000").mkdir(parents=True)
+    monkeypatch.chdir(elsewhere)
+    [row] = checkpoints(rundb, run1)
+    assert row.path == str(folder)
+    with pytest.raises(UsageError, match="does not exist"):
+        require_folder(row)
 
 
 # --- stages ------------------------------------------------------------------------------

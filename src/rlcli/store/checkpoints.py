@@ -204,12 +204,19 @@ def _stored_path(rundb: RunDB, path: Path) -> str:
 def _resolved_path(rundb: RunDB, stored: str, run: str) -> Path:
     """The absolute folder of a stored path, whichever rlcli wrote it.
 
-    Older rows: relative to the working directory they were written from (which is where they
-    are found when it is this one), or absolute. Either way, a folder that has since moved with
-    its runs dir is found below this runs dir, from the run's own folder on.
+    Rows rlcli writes now are relative to the runs dir, from the run's folder on: they resolve there
+    only, so a missing checkpoint is an error (require_folder), never a same-named folder below the
+    working directory. Older rows: relative to the working directory they were written from (which
+    is where they are found when it is this one), or absolute. Either way, a folder that has since
+    moved with its runs dir is found below this runs dir, from the run's own folder on.
     """
     path, runs_dir = Path(stored), _runs_dir(rundb)
-    candidates = [path] if path.is_absolute() else [runs_dir / path, Path.cwd() / path]
+    if path.is_absolute():
+        candidates = [path]
+    elif path.parts[0] == run:
+        return runs_dir / path
+    else:
+        candidates = [runs_dir / path, Path.cwd() / path]
     run_folders = [i for i, part in enumerate(path.parts[:-1]) if part == run]
     if run_folders:
         candidates.append(runs_dir.joinpath(*path.parts[run_folders[-1] :]))
