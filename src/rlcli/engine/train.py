@@ -76,7 +76,7 @@ from rlcli.engine.rollout import (
 )
 from rlcli.engine.update import TrainSequence, minibatches_per_epoch, update
 from rlcli.errors import RlcliError, UsageError
-from rlcli.models.loading import fsync_folder
+from rlcli.models.loading import fsync_folder, replace_folder
 from rlcli.store.checkpoints import add_checkpoint, checkpoints, require_folder, train_checkpoints
 from rlcli.store.episodes import episodes_for_training, set_aside_count
 from rlcli.store.records import Checkpoint, LabelledEpisode, Turn
@@ -777,9 +777,7 @@ def save_train_checkpoint(
         tmp / TRAINER_STATE,
     )
     fsync_folder(tmp)
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
-    fsync_folder(final.parent, files=False)
+    replace_folder(tmp, final)
 
 
 # --- live view -----------------------------------------------------------------------

@@ -574,10 +574,7 @@ def _save_folder(model: Any, tokenizer: Any, path: Path) -> Path:
         model.save_pretrained(tmp)
     _save_tokenizer(tokenizer, tmp)
     fsync_folder(tmp)
-    if path.exists():
-        shutil.rmtree(path)
-    tmp.rename(path)
-    fsync_folder(path.parent, files=False)
+    replace_folder(tmp, path)
     return path
 
 
@@ -611,6 +608,49 @@ def fsync_folder(folder: Path, *, files: bool = True) -> None:
         for path in sorted(folder.rglob("*")):
             _fsync(path)
     _fsync(folder)
+
+
+def replace_folder(new: Path, target: Path) -> None:
+    """Put the folder `new` in place of `target` (which may be missing), its parent fsynced after.
+
+    A folder cannot be renamed over a non-empty one, and deleting the old one first would leave, for
+    a kill in between, no checkpoint at all. So the two are swapped in one step (renameat2
+    RENAME_EXCHANGE on Linux, renamex_np RENAME_SWAP on macOS) and the old one, now at `new`, is
+    removed: a kill leaves the old folder or the new one, and at worst a stale `new` that the next
+    save removes first. A file system that cannot swap gets the old folder moved aside first.
+    """
+    if not target.exists():
+        new.rename(target)
+    elif not _swap(new, target):
+        retired = target.with_name(target.name + ".old")
+        shutil.rmtree(retired, ignore_errors=True)
+        target.rename(retired)
+        new.rename(target)
+        new = retired
+    shutil.rmtree(new, ignore_errors=True)  # the old folder, if there was one
+    fsync_folder(target.parent, files=False)
+
+
+def _swap(a: Path, b: Path) -> bool:
+    """Exchange two paths atomically; False where the OS or the file system cannot."""
+    import ctypes
+    import errno
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if hasattr(libc, "renameat2"):  # Linux
+        at_fdcwd, rename_exchange = -100, 2
+        done = libc.renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+    elif hasattr(libc, "renamex_np"):  # macOS
+        rename_swap = 2
+        done = libc.renamex_np(os.fsencode(a), os.fsencode(b), rename_swap) == 0
+    else:
+        return False
+    if done:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, os.strerror(code), str(b))
 
 
 def _fsync(path: Path) -> None:
