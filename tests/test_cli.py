@@ -186,6 +186,8 @@ def test_bad_override_through_a_stage_command(capsys, good):
     assert code == 2 and "section.field=value" in one_line(err)
     code, _, err = cli(capsys, "eval", "-r", good, "rollout.group_size=many")
     assert code == 2 and "rollout.group_size" in one_line(err)
+    code, _, err = cli(capsys, "eval", "-r", good, "rollout.stop=[")  # was an "unexpected ScannerError"
+    assert code == 2 and "'rollout.stop=['" in one_line(err) and "not valid YAML" in one_line(err)
 
 
 def test_missing_recipe_file(capsys, tmp_path):

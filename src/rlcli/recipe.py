@@ -668,7 +668,13 @@ def apply_override(data: dict[str, Any], item: str) -> None:
     elif text_field == "optional-str" and raw.strip() not in ("null", "~"):
         value = raw
     else:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as exc:
+            raise UsageError(
+                f"Override {item!r}: the value is not valid YAML ({getattr(exc, 'problem', None) or exc}); "
+                "quote it, e.g. 'rollout.stop=[\"\\n\"]'."
+            ) from None
         if isinstance(value, str) and _looks_like_float(value):
             value = float(value)  # YAML 1.1 reads 1e-5 as a string; users mean a number.
     node = data
