@@ -587,3 +587,58 @@ def test_envs_try_escapes_control_characters_of_the_env_and_the_error(capsys, tm
     broken.write_text(f"def make_env():\n    raise RuntimeError({CLEAR!r})\n")
     code, out, err = cli(capsys, "envs", "try", broken, "--policy", "random")
     assert code == 1 and "\x1b" not in err and "\\x1b[2J" in err
+
+
+def test_episodes_beyond_sqlites_variable_limit(capsys, rlcli_home, monkeypatch):
+    # `runs episodes -n 40000` failed with "too many SQL variables": one parameter per episode shown,
+    # over SQLite's limit (32766 by default, 999 before 3.32). Here the limit is 999, with 1200 episodes.
+    import sqlite3
+
+    from rlcli.store import db as store_db
+
+    connect = sqlite3.connect
+
+    def low_limit(*args, **kwargs):
+        conn = connect(*args, **kwargs)
+        conn.setlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER, 999)
+        return conn
+
+    rundb = RunDB.open(rlcli_home)
+    try:
+        rundb.start_run("big", Recipe(), None)
+        with rundb.transaction() as db:
+            for i in range(1200):
+                episode = (
+                    db["episodes"]
+                    .insert(
+                        {
+                            "run": "big",
+                            "stage": "rollout",
+                            "split": "train",
+                            "task_index": i,
+                            "sample_index": 0,
+                            "seed": i,
+                            "policy": "base",
+                            "status": "ok",
+                            "end_reason": "terminated",
+                            "env_return": 1.0,
+                            "success": 1,
+                            "num_turns": 1,
+                            "num_tokens": 1,
+                            "task": "{}",
+                            "messages": "[]",
+                            "template_consistent": 1,
+                            "created_at": stamp(1),
+                        }
+                    )
+                    .last_pk
+                )
+                db["rewards"].insert(
+                    {"episode_id": episode, "label_set": "l", "component": "total", "value": 1.0, "weight": None}
+                )
+    finally:
+        rundb.close()
+    monkeypatch.setattr(store_db.sqlite3, "connect", low_limit)
+    code, out, err = cli(capsys, "runs", "episodes", "big", "-n", "1200", "--json")
+    assert code == 0, err
+    assert len(json.loads(out)) == 1200

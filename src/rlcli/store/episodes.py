@@ -78,8 +78,11 @@ def set_aside_episodes(rundb: RunDB, run: str, stage: str, episode_ids: list[int
             "select count(distinct stage) from episodes where run = ? and stage like ?", [run, f"stale/{stage}/%"]
         ).fetchone()
         aside = f"stale/{stage}/{earlier + 1}"
-        marks = ", ".join("?" * len(episode_ids))
-        db.execute(f"update episodes set stage = ? where id in ({marks})", [aside, *episode_ids])
+        # One JSON parameter, not one per episode: a large rollout would pass SQLite's parameter cap.
+        db.execute(
+            "update episodes set stage = ? where id in (select value from json_each(?))",
+            [aside, json.dumps(episode_ids)],
+        )
     return aside
 
 
@@ -262,10 +265,11 @@ def labelled_episodes(
     )
     components: dict[int, dict[str, RewardRow]] = {row["id"]: {} for row in rows}
     if rows and label_set is not None:
-        marks = ", ".join("?" * len(rows))
+        # The ids travel as one JSON parameter: one parameter each would pass SQLite's cap on a
+        # query's parameters (32766, or 999 before 3.32) for `runs episodes -n 40000`.
         for r in rundb.db.query(
-            f"select * from rewards where label_set = ? and episode_id in ({marks}) order by id",
-            [label_set, *components],
+            "select * from rewards where label_set = ? and episode_id in (select value from json_each(?)) order by id",
+            [label_set, json.dumps(list(components))],
         ):
             r.pop("id")
             components[r["episode_id"]][r["component"]] = RewardRow(**r)

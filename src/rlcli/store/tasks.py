@@ -7,6 +7,7 @@ any time and a stage that is redone after a kill writes the same numbers again.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from rlcli.store.db import RunDB, now
@@ -47,8 +48,9 @@ def compute_task_stats(
         extra += " and e.iteration is not null and e.iteration < ?"
         params.append(before_iteration)
     if tasks is not None:
-        extra += f" and e.task_index in ({', '.join('?' * len(tasks))})"
-        params.extend(tasks)
+        # One JSON parameter, not one per task: a large task set would pass SQLite's parameter cap.
+        extra += " and e.task_index in (select value from json_each(?))"
+        params.append(json.dumps(tasks))
     rows = rundb.db.execute(_AGGREGATE.format(extra=extra), params).fetchall()
     return [TaskStats(t, n, int(s or 0), float(r), it) for t, n, s, r, it in rows]
 
