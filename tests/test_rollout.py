@@ -270,7 +270,7 @@ def test_relabelling_adds_a_label_set_without_touching_episodes(tmp_path):
         assert vals["total"] == pytest.approx(0.5 * vals["env_return"] + vals["brevity"])
 
 
-# --- transient failures: retried on resume, a bounded number of times ----------------------
+# --- timeouts: settled within the stage, the same whether it runs once or is resumed ---------
 
 SLOW_ENV = """
 from pathlib import Path
@@ -304,55 +304,39 @@ def slow_env_recipe(tmp_path, **sections):
     )
 
 
-def test_timed_out_episodes_are_played_again_on_resume_and_others_stay_failed(tmp_path):
-    from rlcli.engine.labelling import run_label_stage
-
+def test_a_stored_timed_out_episode_is_final_when_its_stage_runs_again(tmp_path):
+    # Before, running the stage again played it again: a resumed run then held other episodes than
+    # an uninterrupted one.
     recipe = slow_env_recipe(tmp_path)
     (tmp_path / "under-load").touch()
     ctx = make_ctx(recipe, tmp_path / "runs")
     first = run_rollout_stage(ctx, stage="rollout", policy="base", split="train")
     assert (first.episodes, first.failed) == (4, 2)
-    by_seed = {e["seed"]: e for e in _episodes(ctx)}
-    assert "step time limit" in by_seed[1]["error"] and by_seed[1]["attempts"] == 1
-    run_label_stage(ctx, label_set="v1")
+    stored = _episodes(ctx)
+    by_seed = {e["seed"]: e for e in stored}
+    assert "step time limit" in by_seed[1]["error"] and by_seed[1]["end_reason"] == "env_timeout"
+    assert by_seed[1]["attempts"] == 1 and by_seed[1]["transient"] == 1
 
     (tmp_path / "under-load").unlink()
     again = run_rollout_stage(ctx, stage="rollout", policy="base", split="train")
-    assert (again.episodes, again.failed) == (4, 1)
-    run_label_stage(ctx, label_set="v1")  # labels the episode that finished on its retry
-    labelled = {r["episode_id"] for r in ctx.rundb.db.query("select episode_id from rewards where label_set = 'v1'")}
-    by_seed = {e["seed"]: e for e in _episodes(ctx)}
-    assert labelled == {by_seed[0]["id"], by_seed[1]["id"], by_seed[2]["id"]}
-    assert by_seed[1]["status"] == "ok" and by_seed[1]["attempts"] == 2 and by_seed[1]["error"] is None
-    assert by_seed[3]["status"] == "failed" and by_seed[3]["attempts"] == 1  # the env raised: not retried
-    assert by_seed[0]["id"] == 1 and by_seed[0]["attempts"] == 1  # finished episodes are untouched
-
-    # Played again with the same seeds, the episode is what an uninterrupted run records.
-    clean = make_ctx(recipe, tmp_path / "clean-runs")
-    run_rollout_stage(clean, stage="rollout", policy="base", split="train")
-    [retried] = [e for e in _episodes(ctx) if e["seed"] == 1]
-    [reference] = [e for e in _episodes(clean) if e["seed"] == 1]
-    assert [t["completion_ids"] for t in _turns(ctx, retried["id"])] == [
-        t["completion_ids"] for t in _turns(clean, reference["id"])
-    ]
-    assert retried["messages"] == reference["messages"]
+    assert (again.episodes, again.failed) == (4, 2)
+    assert _episodes(ctx) == stored
 
 
-def test_retries_of_a_timed_out_episode_are_bounded(tmp_path):
-    from rlcli.engine.rollout import MAX_ATTEMPTS
-
+def test_timeout_retries_plays_a_timed_out_episode_again_within_the_stage(tmp_path):
     recipe = slow_env_recipe(tmp_path)
     (tmp_path / "under-load").touch()
-    ctx = make_ctx(recipe, tmp_path / "runs")
-    for _ in range(MAX_ATTEMPTS + 1):
-        summary = run_rollout_stage(ctx, stage="rollout", policy="base", split="train")
+    ctx = make_ctx(recipe, tmp_path / "runs", ["env.timeout_retries=2"])
+    summary = run_rollout_stage(ctx, stage="rollout", policy="base", split="train")
     assert (summary.episodes, summary.failed) == (4, 2)
     by_seed = {e["seed"]: e for e in _episodes(ctx)}
-    assert by_seed[1]["attempts"] == MAX_ATTEMPTS and "step time limit" in by_seed[1]["error"]
+    assert by_seed[1]["attempts"] == 3 and by_seed[1]["end_reason"] == "env_timeout" and by_seed[1]["lost"] == 0
+    assert by_seed[1]["earlier_errors"].count("step time limit") == 2
+    assert by_seed[3]["attempts"] == 1 and "seed 3 is broken" in by_seed[3]["error"]  # the env raised: not retried
     assert ctx.rundb.db["turns"].count == sum(e["num_turns"] for e in _episodes(ctx))  # no orphaned turns
 
 
-def test_a_grpo_iteration_whose_episodes_timed_out_trains_on_resume(tmp_path):
+def test_a_grpo_iteration_whose_episodes_all_timed_out_is_not_replayed_on_resume(tmp_path):
     from rlcli.engine.train import run_grpo
     from rlcli.errors import RlcliError
 
@@ -381,10 +365,11 @@ def test_a_grpo_iteration_whose_episodes_timed_out_trains_on_resume(tmp_path):
     ctx = make_ctx(recipe, tmp_path / "runs")
     with pytest.raises(RlcliError, match="no successfully finished"):
         run_grpo(ctx)
+    # A resume trains on what an uninterrupted run had: the stored rollout, not a new one.
     (tmp_path / "under-load").unlink()
-    run_grpo(ctx)
-    assert ctx.rundb.stage(ctx.run, "train/0").done
-    assert {e["status"] for e in _episodes(ctx, "rollout/0")} == {"ok"}
+    with pytest.raises(RlcliError, match="no successfully finished"):
+        run_grpo(ctx)
+    assert {e["end_reason"] for e in _episodes(ctx, "rollout/0")} == {"env_timeout"}
 
 
 def test_markup_in_user_chosen_names_is_shown_as_written(tmp_path, capsys):

@@ -130,8 +130,15 @@ class EnvSection(Section):
     step_timeout_s: float = Field(
         30.0,
         gt=0,
-        description="An env reset or step slower than this fails the episode (end_reason env_timeout; played again "
-        "when the stage runs again). With env.workers the worker running it is killed and replaced.",
+        description="An env reset or step slower than this fails the episode (end_reason env_timeout). With "
+        "env.workers the worker running it is killed and replaced, and the episodes whose envs it also held are "
+        "played again from their start in the same stage.",
+    )
+    timeout_retries: int = Field(
+        0,
+        ge=0,
+        description="Times an episode that hit env.step_timeout_s is played again from its start, in the same "
+        "stage, before it is stored as env_timeout. 0: never, since a deterministic env that hung once hangs again.",
     )
     eval_seed_start: int = Field(
         1_000_000, gt=0, description="Eval tasks use seeds from here on; train tasks use seeds below it."
@@ -166,6 +173,13 @@ class EnvSection(Section):
         "all",
         description="Vision-language models: the images of an episode's conversation the model sees each turn; "
         "all, or a number k to keep the last k (older screenshots become the text [earlier screenshot omitted]).",
+    )
+    isolation: Literal["worker", "episode"] = Field(
+        "worker",
+        description="env.workers: worker (each worker process or Ray actor hosts several live envs) or episode "
+        "(each live env has one to itself, so a timeout or crash kills no other episode's env; at most env.workers "
+        "episodes are live at once). Browsers and tool servers want episode.",
+        json_schema_extra=RESUME_SAFE,
     )
     worker_memory_mb: int | None = Field(
         None,
@@ -226,6 +240,8 @@ class EnvSection(Section):
 
     @model_validator(mode="after")
     def _limits_need_workers(self) -> EnvSection:
+        if self.workers == 0 and self.isolation == "episode":
+            raise ValueError("env.isolation episode gives each live env a worker process of its own; set env.workers")
         if self.workers == 0 and (self.worker_memory_mb is not None or self.worker_cpu_s is not None):
             raise ValueError("env.worker_memory_mb and env.worker_cpu_s limit worker processes; set env.workers too")
         if self.workers_backend == "ray" and self.workers == 0:

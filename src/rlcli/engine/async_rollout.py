@@ -204,16 +204,12 @@ class RolloutWorker:
     def ask_through(self, it: int) -> None:
         """Ask for rollout/it..it+k, those not asked for yet (see the module docstring)."""
         from rlcli.engine.curriculum import iteration_tasks
-        from rlcli.engine.rollout import reopen_for_retries
         from rlcli.store.stages import stage_done
 
         for j in range(it, min(it + self.k, self.ctx.recipe.grpo.iterations - 1) + 1):
             if j in self.asked:
                 continue
             set_aside_stale(self.ctx, j, self.k)
-            # Episodes that timed out are played again, and labelled, before iteration j trains.
-            if reopen_for_retries(self.ctx, f"rollout/{j}"):
-                self.ctx.rundb.mark_stage(self.ctx.run, f"label/{j}", "pending")
             self.fresh[j] = not stage_done(self.ctx.rundb, self.ctx.run, f"rollout/{j}")
             self._send(("rollout", j, iteration_tasks(self.ctx, j)))
             self.asked.add(j)

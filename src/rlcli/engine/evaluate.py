@@ -13,7 +13,7 @@ from collections import defaultdict
 from typing import Any
 
 from rlcli.engine.context import RunContext
-from rlcli.engine.rollout import collect, make_sampler, reopen_for_retries, sampling_config
+from rlcli.engine.rollout import collect, make_sampler, sampling_config
 from rlcli.store.checkpoints import checkpoint_note, resolve_checkpoint
 from rlcli.store.db import now
 from rlcli.store.episodes import stage_episodes
@@ -123,7 +123,6 @@ def evaluate_checkpoint(
         tasks = max(tasks, row.params.get("tasks", 0))
     if row is not None and row.done and row.params.get("tasks", 0) < tasks:
         ctx.rundb.mark_stage(ctx.run, stage, "pending")  # more tasks asked for: add the missing ones
-    reopen_for_retries(ctx, stage)
     ctx.stage(
         stage,
         lambda: _evaluate(ctx, stage, which, ckpt, tasks, policy),

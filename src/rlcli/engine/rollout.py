@@ -16,11 +16,11 @@ are committed in one transaction when the chunk finishes. A resumed stage skips 
 and replays the first missing one with the same composition and seeds, so resumed results are
 identical to uninterrupted ones.
 
-Transient failures: an episode whose env call timed out (end_reason env_timeout), or whose env was
-lost with a worker killed for another episode, failed for a reason that need not recur (a loaded
-machine), so running its stage again plays it again with the same seeds, up to MAX_ATTEMPTS times
-in all; the new row replaces the failed one and counts its attempts. An episode whose env raised or
-whose worker crashed during its own call stays failed.
+Failures are settled within the stage, so that a stage run once and a stage resumed store the
+same episodes: an episode whose env was lost with a worker killed during another episode's call is
+played again from its start, in the same chunk, with the same seeds (EpisodeRunner.run); one whose
+own call timed out is played again env.timeout_retries times, then stored as env_timeout. A stored
+episode is final: running its stage again plays only the episodes it has not stored.
 """
 
 from __future__ import annotations
@@ -41,12 +41,11 @@ from rlcli.errors import UsageError
 from rlcli.models import vision
 from rlcli.store.checkpoints import resolve_checkpoint
 from rlcli.store.db import now
-from rlcli.store.episodes import episode_summary, retryable_episodes, store_episodes, stored_episode_keys
+from rlcli.store.episodes import episode_summary, store_episodes, stored_episode_keys
 from rlcli.store.records import EndReason, Episode, EpisodeSummary, Turn
 from rlcli.store.stages import OWN_STAGES, check_user_name
 
 EXPERT = "expert"
-MAX_ATTEMPTS = 3  # plays of an episode that keeps failing transiently, the first one included
 LINGER = 0.1  # share of the last sampling call's time spent waiting for more envs to answer
 
 
@@ -62,7 +61,7 @@ class EpisodeSpec:
     sample_index: int
     env_seed: int  # the task: shared by the samples of a group
     sample_seed: int  # the sampling randomness: differs per sample
-    attempt: int = 1  # 2 and up: a transient failure played again
+    attempt: int = 1  # 2 and up: played again after a lost env or a timeout
 
 
 @dataclass
@@ -79,7 +78,10 @@ class LiveEpisode:
     status: str = "ok"
     end_reason: EndReason | None = None
     error: str | None = None
-    transient: bool = False  # failed in a way that need not recur: worth playing again
+    transient: bool = False  # failed in a way that need not recur (a timeout, a lost env)
+    env_lost: bool = False  # its env was lost with a worker killed during another episode's call
+    lost: int = 0  # earlier attempts whose env was lost so
+    earlier_errors: list[str] = field(default_factory=list)  # how each earlier attempt ended
     env_return: float = 0.0
     success: bool | None = None
     template_consistent: bool = True
@@ -100,6 +102,15 @@ class LiveEpisode:
         self.finish(reason, f"{what} failed: {exc}")
         # A timeout, or an env lost with a worker that another episode's call killed, need not recur.
         self.transient = isinstance(exc, (EnvTimeout, EnvLost))
+        self.env_lost = isinstance(exc, EnvLost)
+
+    def again(self) -> LiveEpisode:
+        """The next attempt at this episode: played from its start with the same seeds."""
+        return LiveEpisode(
+            replace(self.spec, attempt=self.spec.attempt + 1),
+            lost=self.lost + self.env_lost,
+            earlier_errors=[*self.earlier_errors, f"attempt {self.spec.attempt}: {self.error}"],
+        )
 
     def to_record(self, run: str, stage: str, iteration: int | None, split: str, policy: str) -> Episode:
         success = self.success if self.success is not None else self.env_return > 0
@@ -126,6 +137,8 @@ class LiveEpisode:
             created_at=now(),
             attempts=self.spec.attempt,
             transient=self.transient,
+            lost=self.lost,
+            earlier_errors="\n".join(self.earlier_errors) or None,
             turns=self.turns,
             images=self.pngs,
         )
@@ -167,6 +180,7 @@ class RolloutLimits:
     max_length: int
     step_timeout_s: float
     keep_images: int | None = None  # a vision-language model sees the last k images of an episode; None: all
+    timeout_retries: int = 0  # env.timeout_retries: plays again, in the stage, of an episode that timed out
 
 
 class EpisodeRunner:
@@ -188,7 +202,29 @@ class EpisodeRunner:
         self.processor = vision.processor_of(tokenizer)  # None for a text model
 
     def run(self, specs: list[EpisodeSpec], on_turns: Callable[[int], None] | None = None) -> list[LiveEpisode]:
+        """Play these episodes to their end, in order. An episode whose env was lost with a worker killed
+        during another episode's call is played again from its start, on a fresh worker, as is one that
+        timed out while env.timeout_retries allows; its seeds make it sample what the lost attempt would
+        have, so the chunk ends as if nothing had been lost. The passes end: a pass loses envs only when
+        one of its episodes' calls times out or crashes, and such an episode is played again a bounded
+        number of times (a crash never, a timeout env.timeout_retries times)."""
         episodes = [LiveEpisode(spec) for spec in specs]
+        todo = list(range(len(episodes)))
+        while todo:
+            self._play([episodes[i] for i in todo], on_turns)
+            todo = [i for i in todo if self._again(episodes[i])]
+            for i in todo:
+                episodes[i] = episodes[i].again()
+        return episodes
+
+    def _again(self, ep: LiveEpisode) -> bool:
+        if ep.env_lost:
+            return True
+        timeouts = ep.spec.attempt - ep.lost  # this attempt's included
+        return ep.end_reason == EndReason.ENV_TIMEOUT and timeouts <= self.limits.timeout_retries
+
+    def _play(self, episodes: list[LiveEpisode], on_turns: Callable[[int], None] | None) -> None:
+        """One pass: every episode from its reset to its end, the sampler started afresh for them."""
         by_key = {self.envs.reset(ep.spec.env_seed): ep for ep in episodes}
         key_of = {id(ep): key for key, ep in by_key.items()}
         if self.sampler is not None:
@@ -231,7 +267,6 @@ class EpisodeRunner:
                 in_env += 1
             if on_turns:
                 on_turns(sum(len(a.ids) for a in actions))
-        return episodes
 
     def _gather(self, waiting: int, linger_s: float) -> list[EnvReply]:
         """Replies to some of the `waiting` calls: wait for a first one, then up to linger_s for more,
@@ -431,6 +466,7 @@ def env_host(env_cfg, factory: Callable[[], Any]) -> EnvHost:
             env_cfg.step_timeout_s,
             address=env_cfg.ray_address,
             cpu_s=env_cfg.worker_cpu_s,
+            isolation=env_cfg.isolation,
         )
     return EnvWorkerPool(
         env_cfg.name,
@@ -439,6 +475,7 @@ def env_host(env_cfg, factory: Callable[[], Any]) -> EnvHost:
         env_cfg.step_timeout_s,
         memory_mb=env_cfg.worker_memory_mb,
         cpu_s=env_cfg.worker_cpu_s,
+        isolation=env_cfg.isolation,
     )
 
 
@@ -491,24 +528,19 @@ def collect(
     env_factory = load_env(recipe.env.name, recipe.env.kwargs)
     specs = episode_specs(recipe.run.seed, stage, task_indices, group_size, split, recipe.env.eval_seed_start)
     have = stored_episode_keys(ctx.rundb, ctx.run, stage)
-    retry = retryable_episodes(ctx.rundb, ctx.run, stage, MAX_ATTEMPTS)  # key -> attempts so far
     # A killed stage never leaves a chunk half stored (one transaction per chunk); a chunk is only
-    # partly stored when the stage was asked for more tasks (eval.tasks raised), or when some of its
-    # episodes failed transiently: play the missing ones and those again.
+    # partly stored when the stage was asked for more tasks (eval.tasks raised): play the missing ones.
     todo = []
     for chunk in chunks(specs, recipe.rollout.batch_size):
-        keys = [(s.task_index, s.sample_index) for s in chunk]
-        missing = [
-            replace(spec, attempt=retry.get(key, 0) + 1)
-            for spec, key in zip(chunk, keys)
-            if key not in have or key in retry
-        ]
+        missing = [spec for spec in chunk if (spec.task_index, spec.sample_index) not in have]
         if missing:
             todo.append(missing)
     keep_images = None if recipe.env.keep_images == "all" else recipe.env.keep_images
     # A GRPO iteration's rollouts follow env.max_turns's schedule; any other stage gets the final horizon.
     horizon = recipe.env.horizon(iteration if split == "train" else None)
-    limits = RolloutLimits(horizon, recipe.model.max_length, recipe.env.step_timeout_s, keep_images)
+    limits = RolloutLimits(
+        horizon, recipe.model.max_length, recipe.env.step_timeout_s, keep_images, recipe.env.timeout_retries
+    )
     done_before = len(specs) - sum(len(c) for c in todo)
     with _progress(ctx, progress_label or stage, len(specs), done_before) as advance:
         if todo:
@@ -520,24 +552,6 @@ def collect(
                     store_episodes(ctx.rundb, records)
                     advance(len(chunk), 0)
     return asdict(episode_summary(ctx.rundb, ctx.run, stage))
-
-
-def reopen_for_retries(ctx: RunContext, stage: str) -> bool:
-    """Mark a done stage pending again when it has transiently failed episodes left to play again,
-    so that running it retries them; return whether it did.
-
-    Its `rlcli label` stages (label/<label set>/<stage>) reopen too, so that an episode that
-    finishes on a retry gets labelled when they run again.
-    """
-    row = ctx.rundb.stage(ctx.run, stage)
-    if row is None or not row.done or not retryable_episodes(ctx.rundb, ctx.run, stage, MAX_ATTEMPTS):
-        return False
-    for other in ctx.rundb.stages(ctx.run):
-        prefix, _, rest = other.name.partition("/")
-        if prefix == "label" and rest.partition("/")[2] == stage and other.done:
-            ctx.rundb.mark_stage(ctx.run, other.name, "pending")
-    ctx.rundb.mark_stage(ctx.run, stage, "pending")
-    return True
 
 
 class _progress:
@@ -624,18 +638,28 @@ def generation_engine(recipe) -> str:
             f"rollout.engine vllm: vLLM's {model_type} model needs torchvision, which is not installed; install "
             "the torchvision build that matches your torch, or set rollout.engine: hf."
         )
-    if cfg.engine != "auto":
-        return cfg.engine
+    if cfg.engine == "hf":
+        return "hf"
     from rlcli.models.loading import resolve_device
 
+    on_cuda = resolve_device(cfg.device or recipe.model.device).startswith("cuda")
+    head_size = _head_size(recipe.model.name)
+    if cfg.engine == "vllm":
+        # Refused here, before any work: vLLM would fail only once its engine had started.
+        if not on_cuda and head_size is not None and head_size not in VLLM_CPU_HEAD_SIZES:
+            raise UsageError(
+                f"rollout.engine vllm: vLLM's CPU build cannot serve {recipe.model.name} (attention head size "
+                f"{head_size}; it takes {', '.join(map(str, VLLM_CPU_HEAD_SIZES))}); set rollout.engine: hf."
+            )
+        return "vllm"
     if cfg.top_k != 0 or cfg.top_p != 1 or importlib.util.find_spec("vllm") is None or needs_torchvision:
         return "hf"
-    if resolve_device(cfg.device or recipe.model.device).startswith("cuda"):
+    if on_cuda:
         return "vllm"
     if model_type is not None:
         return "hf"  # not measured against the HF sampler on a CPU, unlike text models (below)
     # On a CPU vLLM ran the quickstart 1.37x faster than the HF sampler, start-up and syncs included.
-    return "vllm" if _head_size(recipe.model.name) in VLLM_CPU_HEAD_SIZES else "hf"
+    return "vllm" if head_size in VLLM_CPU_HEAD_SIZES else "hf"
 
 
 def resolve_model_folder(model_name: str) -> Path:
@@ -706,7 +730,6 @@ def run_rollout_stage(ctx: RunContext, *, stage: str, policy: str, split: str) -
         )
         return {"policy": label, **summary}
 
-    reopen_for_retries(ctx, stage)
     ctx.stage(
         stage,
         work,

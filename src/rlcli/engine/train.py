@@ -71,7 +71,6 @@ from rlcli.engine.rollout import (
     derive_seed,
     generation_engine,
     make_sampler,
-    reopen_for_retries,
     sampling_config,
 )
 from rlcli.engine.update import TrainSequence, minibatches_per_epoch, update
@@ -339,9 +338,6 @@ def _sync_rollout(ctx: RunContext, it: int, sampler, tokenizer, model, uses_vllm
     sizes = group_sizes(ctx, it, f"rollout/{it}", tasks)  # rollout.group_size_hard, recorded likewise
     set_aside_stale(ctx, it, 0)  # sampled ahead by an asynchronous run that is resumed synchronously
     fresh_rollout = not stage_done(ctx.rundb, ctx.run, f"rollout/{it}")
-    # Episodes that timed out are played again, and labelled, before this iteration trains.
-    if reopen_for_retries(ctx, f"rollout/{it}"):
-        ctx.rundb.mark_stage(ctx.run, f"label/{it}", "pending")
 
     sync_s = None
     if uses_vllm:
@@ -400,8 +396,6 @@ def _refill(ctx: RunContext, it: int, sampler, tokenizer, reward_fns, policy_lab
         tasks = extra_tasks(ctx, it, r, played, short)
         if not tasks:  # the pool holds no task this iteration has not played
             break
-        if reopen_for_retries(ctx, stage):
-            ctx.rundb.mark_stage(ctx.run, f"label/{it}+{r}", "pending")
         sizes = group_sizes(ctx, it, stage, tasks)
         ctx.stage(
             stage,
@@ -484,6 +478,7 @@ def iteration_metrics(rollout_summary: dict[str, Any], result: dict[str, Any]) -
         "rollout/return_mean": rollout_summary.get("return_mean"),
         "rollout/turns_mean": rollout_summary.get("turns_mean"),
         "rollout/failed": rollout_summary.get("failed"),
+        "rollout/replayed_lost": rollout_summary.get("replayed_lost"),
         **{k: v for k, v in result.items() if k.startswith(("train/", "perf/"))},
     }
 

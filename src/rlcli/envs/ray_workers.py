@@ -9,7 +9,9 @@ one it talks to:
   the next is sent when the last has answered, because Ray may lose the answer of a finished call
   when its actor dies right after, and a crash must fail the call that crashed, not the one before;
 - a call that outlasts env.step_timeout_s gets its actor killed (`ray.kill`) and replaced, and
-  the episode ends env_timeout; the actor's other envs are lost (`EnvLost`, played again later);
+  the episode ends env_timeout; the actor's other envs are lost (`EnvLost`): the rollout engine
+  plays their episodes again from their start, in the same stage, on whichever actor is free;
+- env.isolation: episode gives each live env an actor of its own, as with worker processes;
 - an actor that dies (a segfault, os._exit, the node going away) fails the episode whose call was
   running and loses its other envs; the stage goes on.
 
@@ -115,8 +117,9 @@ class RayEnvHost(RemoteEnvs):
         address: str | None = None,
         cpu_s: float | None = None,
         root: Path | None = None,
+        isolation: str = "worker",
     ):
-        super().__init__()
+        super().__init__(isolation)
         self.ray = import_ray()
         _start_ray(self.ray, address, workers)
         self.spec = WorkerSpec(
@@ -138,13 +141,6 @@ class RayEnvHost(RemoteEnvs):
         return self.actors
 
     # --- calls ------------------------------------------------------------------
-
-    def release(self, key: int) -> None:
-        self.lost.pop(key, None)
-        for actor in self.actors:
-            if key in actor.hosted:
-                actor.hosted.discard(key)
-                actor.handle.close.remote(key)  # no answer needed; a dead actor just drops it
 
     def replies(self, timeout: float | None = None) -> list[EnvReply]:
         """The replies that have come. With none yet, wait for one up to `timeout` seconds (None: as
@@ -198,6 +194,9 @@ class RayEnvHost(RemoteEnvs):
         actor.ready_ref = None
         self._send_next(actor)
 
+    def _close(self, actor: _Actor, key: int) -> None:
+        actor.handle.close.remote(key)  # no answer needed; a dead actor just drops it
+
     def _send(self, actor: _Actor, request: _Request, arg: Any) -> None:
         actor.queue.append(_Pending(request, arg))
         self._send_next(actor)
@@ -247,6 +246,7 @@ class RayEnvHost(RemoteEnvs):
         self.ray.kill(actor.handle, no_restart=True)
         self._fail_queued([p.request for p in actor.queue], actor.hosted, failure, what)
         self.actors[self.actors.index(actor)] = self._start(actor.slot)
+        self._place()
 
 
 def _start_ray(ray, address: str | None, workers: int) -> None:

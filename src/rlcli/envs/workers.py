@@ -16,10 +16,13 @@ Worker processes (`EnvWorkerPool`):
   was doing meanwhile;
 - are killed (with their process group, so an env's own subprocesses go too) and replaced when a
   call outlasts env.step_timeout_s: this stops a step stuck in C code, which a thread cannot. The
-  other envs the worker hosted are lost with it; their episodes fail as transient (`EnvLost`) and
-  are played again when the stage runs again, like a timed-out episode;
+  other envs the worker hosted are lost with it (`EnvLost`): the rollout engine plays their
+  episodes again from their start, in the same stage (engine/rollout.py);
 - that die (a segfault, the out-of-memory killer) fail the episode whose call was running, with
   the signal in the error, and lose the others as above; the stage goes on;
+- host several live envs each (env.isolation: worker), or one at a time (env.isolation: episode):
+  then a reset waits for a worker without a live env, and a killed worker takes only its own
+  episode's env with it;
 - die with the main process: the kernel kills them when it dies (Linux), and they exit when their
   pipe to it closes;
 - may get limits: env.worker_memory_mb (address space, RLIMIT_AS: past it allocations fail with
@@ -180,13 +183,17 @@ class _Worker:
 
 class RemoteEnvs:
     """What the two remote backends (worker processes, Ray actors) share: which slot hosts which env,
-    the envs lost with a replaced slot, the answers waiting to be read, and how an answer or a
-    replacement becomes replies. A subclass keeps its slots (each with `.slot` and `.hosted`) in
-    `slots()` and sends with `_send(slot, request, arg)`."""
+    the resets waiting for a slot, the envs lost with a replaced slot, the answers waiting to be read,
+    and how an answer or a replacement becomes replies. A subclass keeps its slots (each with `.slot`
+    and `.hosted`) in `slots()`, sends with `_send(slot, request, arg)` and drops an env with
+    `_close(slot, key)`."""
 
     timeout_s: float
 
-    def __init__(self) -> None:
+    def __init__(self, isolation: str = "worker") -> None:
+        # episode: a slot hosts one live env at a time, so that killing it loses no other episode's env.
+        self.one_per_slot = isolation == "episode"
+        self.waiting: deque[tuple[int, int]] = deque()  # (key, seed) of resets not sent to a slot yet
         self.lost: dict[int, str] = {}  # key -> why its env is gone, told at the next call for it
         self.answered: list[EnvReply] = []
         self.next_key = 0
@@ -206,11 +213,13 @@ class RemoteEnvs:
     def _send(self, slot: Any, request: _Request, arg: Any) -> None:
         raise NotImplementedError
 
+    def _close(self, slot: Any, key: int) -> None:
+        raise NotImplementedError
+
     def reset(self, seed: int) -> int:
         key, self.next_key = self.next_key, self.next_key + 1
-        slot = min(self.slots(), key=lambda s: (len(s.hosted), s.slot))
-        slot.hosted.add(key)
-        self._send(slot, _Request(key, "reset"), seed)
+        self.waiting.append((key, seed))
+        self._place()
         return key
 
     def step(self, key: int, action: str) -> None:
@@ -218,6 +227,26 @@ class RemoteEnvs:
 
     def expert_step(self, key: int) -> None:
         self._call(key, "expert_step", None)
+
+    def release(self, key: int) -> None:
+        self.lost.pop(key, None)
+        for slot in self.slots():
+            if key in slot.hosted:
+                slot.hosted.discard(key)
+                self._close(slot, key)
+        self._place()
+
+    def _place(self) -> None:
+        """Send the waiting resets to the slots hosting the fewest envs (with isolation episode, to
+        slots hosting none: the others wait for a release or a replacement)."""
+        while self.waiting:
+            free = [s for s in self.slots() if not (self.one_per_slot and s.hosted)]
+            if not free:
+                return
+            slot = min(free, key=lambda s: (len(s.hosted), s.slot))
+            key, seed = self.waiting.popleft()
+            slot.hosted.add(key)
+            self._send(slot, _Request(key, "reset"), seed)
 
     def _call(self, key: int, op: str, arg: Any) -> None:
         if key in self.lost:
@@ -272,11 +301,12 @@ class EnvWorkerPool(RemoteEnvs):
         memory_mb: int | None = None,
         cpu_s: float | None = None,
         root: Path | None = None,
+        isolation: str = "worker",
     ):
         self.spec = WorkerSpec(
             env_name, dict(env_kwargs), str(root or Path.cwd()), list(sys.path), os.getpid(), memory_mb, cpu_s
         )
-        super().__init__()
+        super().__init__(isolation)
         self.timeout_s = timeout_s
         self.context = multiprocessing.get_context("spawn")
         self.workers: list[_Worker] = []
@@ -291,14 +321,6 @@ class EnvWorkerPool(RemoteEnvs):
         return self.workers
 
     # --- calls ------------------------------------------------------------------
-
-    def release(self, key: int) -> None:
-        self.lost.pop(key, None)
-        for worker in self.workers:
-            if key in worker.hosted:
-                worker.hosted.discard(key)
-                with contextlib.suppress(OSError):  # a dead worker: the next read notices
-                    worker.conn.send(("close", key, None))  # no answer: the worker just drops the env
 
     def replies(self, timeout: float | None = None) -> list[EnvReply]:
         """The replies that have come. With none yet, wait for one up to `timeout` seconds (None: as
@@ -331,6 +353,10 @@ class EnvWorkerPool(RemoteEnvs):
         process.start()
         theirs.close()  # only the worker holds its end now: its death reads as EOF here
         return _Worker(slot, process, mine)
+
+    def _close(self, worker: _Worker, key: int) -> None:
+        with contextlib.suppress(OSError):  # a dead worker: the next read notices
+            worker.conn.send(("close", key, None))  # no answer: the worker just drops the env
 
     def _send(self, worker: _Worker, request: _Request, arg: Any) -> None:
         if worker.ready and not worker.queue:
@@ -383,6 +409,7 @@ class EnvWorkerPool(RemoteEnvs):
         self._fail_queued(list(worker.queue), worker.hosted, failure, what)
         fresh = self._start(worker.slot)
         self.workers[self.workers.index(worker)] = fresh
+        self._place()
 
 
 def _over_time(verb: str, timeout_s: float) -> str:

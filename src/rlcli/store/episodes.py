@@ -6,8 +6,6 @@ import json
 from dataclasses import asdict
 from typing import Any
 
-from sqlite_utils import Database
-
 from rlcli.errors import UsageError
 from rlcli.store.blobs import pack_floats, pack_ids, unpack_floats, unpack_ids
 from rlcli.store.db import RunDB
@@ -21,17 +19,13 @@ TOTAL = "total"  # the reward component that holds a label set's weighted sum
 
 
 def store_episodes(rundb: RunDB, episodes: list[Episode]) -> None:
-    """Episodes with their turns, all in one transaction: a kill stores all of them or none.
-
-    An episode played again (attempts above 1) takes the place and the id of the failed row it retries.
-    """
+    """Episodes with their turns, all in one transaction: a kill stores all of them or none."""
     with rundb.transaction() as db:
         for episode in episodes:
             row = asdict(episode)
             turns = row.pop("turns")
             insert_images(db, row.pop("images"))
             row.update(
-                id=_remove_failed_attempt(db, episode) if episode.attempts > 1 else None,
                 end_reason=episode.end_reason.value if episode.end_reason else None,
                 success=int(episode.success),
                 template_consistent=int(episode.template_consistent),
@@ -53,20 +47,6 @@ def store_episodes(rundb: RunDB, episodes: list[Episode]) -> None:
                 }
                 for turn in turns
             )
-
-
-def _remove_failed_attempt(db: Database, episode: Episode) -> int:
-    """Delete the failed row an episode retries, with anything pointing at it; return its id."""
-    key = [episode.run, episode.stage, episode.task_index, episode.sample_index]
-    (episode_id,) = db.execute(
-        "select id from episodes where run = ? and stage = ? and task_index = ? and sample_index = ? "
-        "and status = 'failed'",
-        key,
-    ).fetchone()
-    for table in ("turns", "rewards"):
-        db.execute(f"delete from {table} where episode_id = ?", [episode_id])
-    db.execute("delete from episodes where id = ?", [episode_id])
-    return episode_id
 
 
 def set_aside_episodes(rundb: RunDB, run: str, stage: str, episode_ids: list[int]) -> str:
@@ -109,17 +89,6 @@ def stored_episode_keys(rundb: RunDB, run: str, stage: str) -> set[tuple[int, in
     return {(t, s) for t, s in rows.fetchall()}
 
 
-def retryable_episodes(rundb: RunDB, run: str, stage: str, max_attempts: int) -> dict[tuple[int, int], int]:
-    """(task_index, sample_index) -> attempts so far, of a stage's transiently failed episodes that
-    were played fewer than max_attempts times."""
-    rows = rundb.db.execute(
-        "select task_index, sample_index, attempts from episodes "
-        "where run = ? and stage = ? and status = 'failed' and transient = 1 and attempts < ?",
-        [run, stage, max_attempts],
-    )
-    return {(t, s): attempts for t, s, attempts in rows.fetchall()}
-
-
 def stage_episodes(rundb: RunDB, run: str, stage: str, *, finished_only: bool = False) -> list[Episode]:
     """A stage's episodes in the order they were stored; finished_only leaves out failed ones."""
     status = " and status = 'ok'" if finished_only else ""
@@ -143,8 +112,8 @@ def stages_with_episodes(rundb: RunDB, run: str) -> list[str]:
 
 def episode_summary(rundb: RunDB, run: str, stage: str) -> EpisodeSummary:
     row = rundb.db.execute(
-        """select count(*), sum(status = 'failed'), avg(env_return), avg(success), avg(num_turns), sum(num_tokens)
-           from episodes where run = ? and stage = ?""",
+        """select count(*), sum(status = 'failed'), avg(env_return), avg(success), avg(num_turns), sum(num_tokens),
+           sum(lost) from episodes where run = ? and stage = ?""",
         [run, stage],
     ).fetchone()
     return EpisodeSummary(
@@ -154,6 +123,7 @@ def episode_summary(rundb: RunDB, run: str, stage: str) -> EpisodeSummary:
         success_rate=row[3],
         turns_mean=row[4],
         tokens=row[5] or 0,
+        replayed_lost=row[6] or 0,
     )
 
 

@@ -283,3 +283,12 @@ def replays(db: Database) -> None:
 def run_error(db: Database) -> None:
     # Why the run's last command failed (`rlcli runs show`); null while it runs and once it is done.
     db["runs"].add_column("error", str)
+
+
+@migrations(name="010_episode_losses")
+def episode_losses(db: Database) -> None:
+    # An episode whose env was lost with a worker killed during another episode's call is played again
+    # in its stage (engine/rollout.py): how many of its attempts were lost so, and how each earlier
+    # attempt ended.
+    db["episodes"].add_column("lost", int, not_null_default=0)
+    db["episodes"].add_column("earlier_errors", str)

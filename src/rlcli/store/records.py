@@ -114,8 +114,10 @@ class Episode:
     template_consistent: bool
     error: str | None
     created_at: str
-    attempts: int = 1  # times it was played: a transient failure is played again on resume
-    transient: bool = False  # failed in a way that need not recur (an env call timed out)
+    attempts: int = 1  # times its stage played it: after a lost env, or a timeout with env.timeout_retries
+    transient: bool = False  # failed in a way that need not recur (an env call timed out); stored: final
+    lost: int = 0  # attempts whose env was lost with a worker killed for another episode, played again
+    earlier_errors: str | None = None  # how each earlier attempt ended, one line each
     turns: list[Turn] = field(default_factory=list, compare=False)  # loaded only by queries that need them
     # sha256 -> PNG of the images its turns show, to store with it (the images table); empty when read back
     images: dict[str, bytes] = field(default_factory=dict, compare=False)
@@ -155,6 +157,7 @@ class EpisodeSummary:
     success_rate: float | None
     turns_mean: float | None
     tokens: int
+    replayed_lost: int = 0  # plays again of episodes whose env was lost with a killed worker
 
 
 @dataclass(frozen=True)
