@@ -553,6 +553,22 @@ def test_a_rollout_stage_may_not_take_a_name_rlcli_owns(capsys, tmp_path, rlcli_
     assert _run_rows(rlcli_home, "t")["stages"] == []
 
 
+def test_vllm_on_a_model_its_cpu_build_cannot_serve_is_refused_before_work(capsys, tmp_path, rlcli_home):
+    # tiny-random's head size is 16, which vLLM's CPU attention does not take: this was
+    # "unexpected RuntimeError: Unsupported CPU attention configuration" after the engine started.
+    pytest.importorskip("vllm")
+    from helpers import write_recipe
+    from rlcli.models.cache import pull_model
+
+    pull_model("tiny-random")
+    recipe = write_recipe(tmp_path / "t.yaml", model={"name": "tiny-random", "device": "cpu"})
+    capsys.readouterr()
+    code, _, err = cli(capsys, "rollout", "-r", recipe, "rollout.engine=vllm")
+    line = one_line(err)
+    assert code == 2 and "head size 16" in line and "rollout.engine: hf" in line
+    assert not (rlcli_home / DB_NAME).exists()
+
+
 def test_runs_delete_removes_rows_and_folder_after_confirmation(capsys, tmp_path, rlcli_home, monkeypatch):
     import io
     import sqlite3

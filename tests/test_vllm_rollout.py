@@ -53,7 +53,10 @@ def stored_turns(runs_dir, stage="rollout"):
 # --- the recipe (no vllm needed) ------------------------------------------------------------------
 
 
-def test_vllm_refuses_truncated_sampling(tmp_path):
+def test_vllm_refuses_truncated_sampling(tmp_path, monkeypatch):
+    import rlcli.engine.rollout
+
+    monkeypatch.setattr(rlcli.engine.rollout, "_head_size", lambda name: 64)  # one vLLM's CPU build takes
     recipe = write_recipe(tmp_path / "r.yaml", rollout={"engine": "vllm", "top_p": 0.9})
     with pytest.raises(UsageError, match="truncated distribution"):
         load_recipe(recipe)
