@@ -50,6 +50,8 @@ from rlcli.models import vision
 
 # Sampled-token logprobs after temperature (and top-k/top-p, when they are on); see the module doc.
 LOGPROBS_MODE = "processed_logprobs"
+# vLLM's default token budget of a step on the CPU build (EngineArgs, LLM class), kept when prompts fit.
+CPU_STEP_TOKENS = 4096
 
 
 class VllmEngine:
@@ -125,6 +127,7 @@ class VllmEngine:
             # A vision-language model's engine sizes its encoder budget for this many images per prompt.
             **({"limit_mm_per_prompt": {"image": max_images}} if max_images is not None else {}),
             **lora,
+            **_whole_prefills_on_cpu(current_platform, max_model_len),
         )
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
@@ -499,6 +502,21 @@ def _repack_tied_cpu_weights(worker: Any) -> None:
             quant_method = getattr(module, "quant_method", None)
             if hasattr(module, "cpu_linear") and quant_method is not None:
                 quant_method.process_weights_after_loading(module)
+
+
+def _whole_prefills_on_cpu(platform: Any, max_model_len: int) -> dict[str, Any]:
+    """The CPU build's scheduling options: every prompt prefilled in one step, never in chunks.
+
+    After a chunk that does not finish its prompt, vLLM throws away the token sampled at its end and
+    rewinds the request's generator by moving its offset back. CPU generators have no offset: a
+    seeded request (every rlcli request has a seed) whose prompt was split died with "CPU Generator
+    does not use offset", so a batch of distinct prompts over the step's token budget (4096 tokens
+    on a CPU: 32 prompts of 130 tokens) crashed the engine. Without chunks, a step's budget must
+    hold the longest prompt.
+    """
+    if not platform.is_cpu():
+        return {}
+    return dict(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, CPU_STEP_TOKENS))
 
 
 def _vllm_lora_rank(rank: int) -> int:
