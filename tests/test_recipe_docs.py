@@ -91,3 +91,15 @@ def test_markdown_is_for_the_whole_schema(capsys):
     assert code == 0 and out == schema_markdown()
     code, _, err = cli(capsys, "recipes", "explain", "grpo", "--markdown")
     assert code == 2 and "--markdown" in err
+
+
+def test_database_docs_list_every_field_that_may_change_on_resume():
+    """docs/database.md names, field by field, what a resumed run may change without --force: exactly
+    the fields the code lets through (recipe.changed_fields)."""
+    import re
+
+    text = (DOCS.parent / "database.md").read_text()
+    paragraph = text[text.index("Continuing a run compares") : text.index("Any other change is refused")]
+    listed = set(re.findall(r"`([a-z_]+\.[a-z_]+)`", paragraph))
+    safe = {f.path for section in schema_docs() for f in section.fields if f.resume_safe}
+    assert listed == safe, f"missing: {sorted(safe - listed)}; not resume-safe: {sorted(listed - safe)}"
