@@ -203,6 +203,7 @@ def check_stuck_rollout(ctx, reference: list | None) -> list:
     return played
 
 
+@pytest.mark.slow
 def test_episodes_lost_with_a_killed_worker_are_played_again_in_the_stage(tmp_path):
     recipe = stuck_recipe(tmp_path)
     reference, replayed = None, {}
@@ -238,6 +239,7 @@ def test_timeout_retries_plays_a_timed_out_episode_again_in_the_stage(tmp_path):
     assert {ep["attempts"] for ep in by_seed[0]} == {1}
 
 
+@pytest.mark.slow
 def test_a_grpo_iteration_with_a_hanging_task_trains_on_every_other_episode(tmp_path):
     from rlcli.engine.train import run_grpo
 
@@ -252,6 +254,7 @@ def test_a_grpo_iteration_with_a_hanging_task_trains_on_every_other_episode(tmp_
     assert replayed.value == sum(e["lost"] for e in _episodes(ctx, "rollout/0")) > 0
 
 
+@pytest.mark.slow
 def test_kill_during_the_replays_of_lost_episodes_resumes_to_the_same_episodes(tmp_path, capsys, monkeypatch):
     recipe = stuck_recipe(tmp_path, workers=2)
     runs = tmp_path / "runs"

@@ -116,6 +116,7 @@ def test_a_hanging_step_ends_its_episode_as_env_timeout_with_ray(tmp_path, local
 
 
 @needs_ray
+@pytest.mark.slow
 def test_episodes_lost_with_a_killed_actor_are_played_again_on_another(tmp_path, local_ray):
     # A Ray call takes longer to come back than a pipe's message: on a busy machine, a non-hanging call
     # once outlasted a 1 s limit.
