@@ -270,6 +270,29 @@ def test_relabelling_adds_a_label_set_without_touching_episodes(tmp_path):
         assert vals["total"] == pytest.approx(0.5 * vals["env_return"] + vals["brevity"])
 
 
+def test_relabelling_labels_the_episodes_a_stage_gained_since(tmp_path):
+    # Raising eval.tasks adds episodes to eval/base; `rlcli label` used to find label/<set>/eval/base
+    # done and leave the new ones unlabelled, saying nothing.
+    from rlcli.engine.evaluate import run_eval
+    from rlcli.engine.labelling import run_label_stage
+
+    recipe = write_recipe(tmp_path / "r.yaml", rewards=[{"fn": "env_return"}], eval={"tasks": 2})
+    ctx = make_ctx(recipe, tmp_path / "runs")
+    run_eval(ctx, ["base"])
+    [summary] = run_label_stage(ctx, label_set="v1")
+    assert summary.episodes == 2
+    ctx = make_ctx(recipe, tmp_path / "runs", ["eval.tasks=4"])
+    run_eval(ctx, ["base"])
+    [summary] = run_label_stage(ctx, label_set="v1")
+    (finished,) = ctx.rundb.db.execute(
+        "select count(*) from episodes where stage = 'eval/base' and status = 'ok'"
+    ).fetchone()
+    (labelled,) = ctx.rundb.db.execute(
+        "select count(*) from rewards where label_set = 'v1' and component = 'total'"
+    ).fetchone()
+    assert finished == labelled == summary.episodes == 4
+
+
 # --- timeouts: settled within the stage, the same whether it runs once or is resumed ---------
 
 SLOW_ENV = """

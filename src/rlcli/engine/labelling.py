@@ -12,7 +12,7 @@ from typing import Any
 from rlcli.engine.context import RunContext
 from rlcli.errors import UsageError
 from rlcli.rewards.episodes import message_text
-from rlcli.store.episodes import stage_episodes, stages_with_episodes, store_rewards
+from rlcli.store.episodes import stage_episodes, stages_with_episodes, store_rewards, unlabelled_count
 from rlcli.store.records import Episode, RewardRow
 from rlcli.store.stages import check_user_name
 from rlcli.store.tasks import refresh_task_stats
@@ -106,8 +106,13 @@ def run_label_stage(ctx: RunContext, *, label_set: str) -> list[LabelSummary]:
     fns = build_reward_fns(ctx.recipe.rewards, device=ctx.recipe.model.device)
     summaries = []
     for stage in stages:
+        name = f"label/{label_set}/{stage}"
+        row = ctx.rundb.stage(ctx.run, name)
+        if row is not None and row.done and unlabelled_count(ctx.rundb, ctx.run, stage, label_set):
+            # The stage gained episodes since it was labelled (a raised eval.tasks): label it again.
+            ctx.rundb.mark_stage(ctx.run, name, "pending")
         result = ctx.stage(
-            f"label/{label_set}/{stage}",
+            name,
             lambda stage=stage: label_stage_episodes(ctx, stage, label_set, fns),
             {"label_set": label_set},
             # Labels under one name come from one set of rewards; relabelling in place would hide the change.

@@ -100,6 +100,16 @@ def stage_episodes(rundb: RunDB, run: str, stage: str, *, finished_only: bool = 
     ]
 
 
+def unlabelled_count(rundb: RunDB, run: str, stage: str, label_set: str) -> int:
+    """How many of a stage's finished episodes have no total under `label_set`."""
+    (count,) = rundb.db.execute(
+        f"""select count(*) from episodes e where e.run = ? and e.stage = ? and e.status = 'ok' and not exists (
+               select 1 from rewards r where r.episode_id = e.id and r.label_set = ? and r.component = '{TOTAL}')""",
+        [run, stage, label_set],
+    ).fetchone()
+    return count
+
+
 def stages_with_episodes(rundb: RunDB, run: str) -> list[str]:
     """The run's stages that stored episodes, in the order they first did."""
     return [
