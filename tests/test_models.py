@@ -16,11 +16,13 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from helpers import DEVICE
 from rlcli.errors import UsageError
 from rlcli.models import cache, loading
 from rlcli.recipe import LoraSection, ModelSection, QuantizationSection
 
-TINY = ModelSection(name="tiny-random")
+# float32 everywhere (auto is bfloat16 on a GPU): the checks compare logits exactly.
+TINY = ModelSection(name="tiny-random", dtype="float32")
 NO_QUANT = QuantizationSection()
 
 
@@ -37,7 +39,7 @@ def models_cache(shared_models_dir, monkeypatch):
 
 
 def batch(tokenizer, texts=("What is 2+3? The answer is 5.", "My guess: 16")):
-    return tokenizer(list(texts), return_tensors="pt", padding=True)
+    return tokenizer(list(texts), return_tensors="pt", padding=True).to(DEVICE)
 
 
 def train_step(model, tokenizer, lr=1e-2):
@@ -295,7 +297,7 @@ def test_checkpoint_reloads_and_export_merges(tmp_path):
     assert any(p.requires_grad for p in resumed.parameters())
 
     out = loading.export_merged(TINY, lora, NO_QUANT, checkpoint, tmp_path / "merged")
-    merged = AutoModelForCausalLM.from_pretrained(out)
+    merged = AutoModelForCausalLM.from_pretrained(out, device_map={"": DEVICE})
     torch.testing.assert_close(logits(merged, tokenizer), expected, atol=1e-4, rtol=1e-4)
 
 
@@ -445,8 +447,8 @@ def test_quantization_without_a_working_bitsandbytes(monkeypatch):
 def test_quantization_on_a_device_bitsandbytes_does_not_serve(monkeypatch):
     import bitsandbytes
 
-    monkeypatch.setattr(bitsandbytes, "supported_torch_devices", {"cuda"})
-    with pytest.raises(UsageError, match="quantization.mode 8bit: bitsandbytes .* cannot run on cpu"):
+    monkeypatch.setattr(bitsandbytes, "supported_torch_devices", {"xpu"})
+    with pytest.raises(UsageError, match=f"quantization.mode 8bit: bitsandbytes .* cannot run on {DEVICE}"):
         loading.load_policy(TINY, LoraSection(), QuantizationSection(mode="8bit"))
 
 

@@ -8,6 +8,7 @@ rows and columns get different positions."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -117,13 +118,15 @@ def test_sampler_positions_match_the_models_own(tmp_path, name):
         model, tokenizer, prompts, generators, config, turn_cache=TurnCache(), images=images, processor=processor
     )
     for prompt, refs, sample in zip(prompts, images, samples):
-        full = torch.tensor([prompt + sample.ids])
+        full = torch.tensor([prompt + sample.ids], device=model.device)
         pixels = vision.pixel_inputs(processor, [r.image for r in refs], model, input_ids=full)
         with torch.no_grad():
             logits = model(input_ids=full, attention_mask=torch.ones_like(full), **pixels).logits[0].float()
         logits[:, vision.slot_token_ids(model.config)] = float("-inf")  # the policy never writes image slots
-        expected = torch.log_softmax(logits[len(prompt) - 1 : -1], -1).gather(-1, torch.tensor(sample.ids)[:, None])
-        assert torch.allclose(torch.tensor(sample.logprobs), expected[:, 0], atol=1e-4)
+        expected = torch.log_softmax(logits[len(prompt) - 1 : -1], -1).gather(
+            -1, torch.tensor(sample.ids, device=model.device)[:, None]
+        )
+        assert torch.allclose(torch.tensor(sample.logprobs), expected[:, 0].cpu(), atol=1e-4)
 
 
 @pytest.mark.parametrize("name", [QWEN2_VL, QWEN2_5_VL])
@@ -139,6 +142,10 @@ def test_lora_leaves_the_vision_tower_frozen_unless_asked(tmp_path, name):
         assert any(".visual." in n for n in trained) == target_vision
 
 
+@pytest.mark.skipif(
+    importlib.util.find_spec("torchvision") is not None,
+    reason="with torchvision installed, transformers picks its torchvision image processor",
+)
 def test_a_checkpoint_folder_loads_its_processor_without_torchvision(tmp_path):
     """A real Qwen2-VL / Qwen2.5-VL checkpoint keeps its image processor in preprocessor_config.json and
     its template in chat_template.json; rlcli builds the processor from those and the tokenizer,
@@ -216,6 +223,7 @@ def test_sft_on_gui_click_expert_demos_raises_their_likelihood(tmp_path, name):
     def mean_demo_logprob(model) -> float:
         batch = ImageBatches(processor, pictures, model)(rows)
         assert "mm_token_type_ids" in batch
+        batch = {k: v.to(model.device) for k, v in batch.items()}  # the Trainer moves the ids; here we do
         with torch.no_grad():
             logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits[:, :-1].float()
         labels = batch["labels"][:, 1:]

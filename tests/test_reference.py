@@ -13,7 +13,7 @@ from rlcli.models import loading
 from rlcli.recipe import LoraSection, ModelSection, QuantizationSection, load_recipe
 from rlcli.store.checkpoints import add_checkpoint, checkpoints
 
-TINY = ModelSection(name="tiny-random")
+TINY = ModelSection(name="tiny-random", dtype="float32")
 NO_QUANT = QuantizationSection()
 LORA = LoraSection(r=4, alpha=8)
 
@@ -42,7 +42,7 @@ def test_the_sft_reference_equals_the_sft_checkpoint_while_the_policy_trains(tmp
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and all(".default." in n for n in trainable), "only the policy's adapter trains"
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
-    ids = torch.tensor([tokenizer("What is 12 plus 30? The answer is 42.")["input_ids"]])
+    ids = torch.tensor([tokenizer("What is 12 plus 30? The answer is 42.")["input_ids"]], device=model.device)
 
     model.train()
     for _ in range(2):  # the update's order: policy forward, reference forward, backward, step

@@ -43,6 +43,9 @@ def test_groups_without_success_get_stored_successes_recorded_and_counted(tmp_pa
     env_file = write_env_file(tmp_path / "parity.py", PARITY_ENV)
     recipe = write_recipe(
         tmp_path / "r.yaml",
+        # The scenario (a group without success that a stored success fills) was found with the CPU's
+        # random streams; a GPU samples other tokens.
+        model={"device": "cpu"},
         env={"name": str(env_file), "max_turns": 1, "tasks": [0, 2]},
         rollout={"tasks": 2, "group_size": 2, "max_new_tokens": 6, "batch_size": 4},
         grpo={"iterations": 4, "replay": {"max_per_group": 1, "min_reward": 1.0}},

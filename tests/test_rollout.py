@@ -8,7 +8,7 @@ import sqlite3
 import pytest
 import torch
 
-from helpers import kill_when, make_ctx, run_cli, sequence_logprobs, write_env_file, write_recipe
+from helpers import DEVICE, kill_when, make_ctx, run_cli, sequence_logprobs, write_env_file, write_recipe
 from rlcli.engine.rollout import derive_seed, load_rollout_policy, run_rollout_stage
 from rlcli.envs.loading import load_env
 from rlcli.store.blobs import unpack_floats, unpack_ids
@@ -101,9 +101,11 @@ def test_turn_cache_prefills_only_new_tokens_and_matches_a_full_prefill():
     from rlcli.models.loading import load_policy
     from rlcli.recipe import ModelSection, QuantizationSection
 
-    model, tokenizer = load_policy(ModelSection(name="tiny-random"), None, QuantizationSection(), trainable=False)
+    model, tokenizer = load_policy(
+        ModelSection(name="tiny-random", dtype="float32"), None, QuantizationSection(), trainable=False
+    )
     cfg = SamplingConfig(temperature=1.0, max_new_tokens=5)
-    gens = lambda n, salt: [torch.Generator().manual_seed(salt + i) for i in range(n)]  # noqa: E731
+    gens = lambda n, salt: [torch.Generator(DEVICE).manual_seed(salt + i) for i in range(n)]  # noqa: E731
     first = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [14, 15, 16, 17]]
     cache = TurnCache()
     cache.align(["a", "b", "c"])

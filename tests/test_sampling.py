@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from helpers import make_ctx, write_recipe
+from helpers import DEVICE, make_ctx, write_recipe
 from rlcli.engine import sampling
 from rlcli.engine.sampling import SamplingConfig, TurnCache, sample_batch
 
@@ -19,11 +19,16 @@ def policy():
     from rlcli.models.loading import load_policy
     from rlcli.recipe import ModelSection, QuantizationSection
 
-    return load_policy(ModelSection(name="tiny-random"), None, QuantizationSection(), trainable=False)
+    return load_policy(ModelSection(name="tiny-random", dtype="float32"), None, QuantizationSection(), trainable=False)
+
+
+def _index(device: torch.device) -> torch.device:
+    """A CUDA device with its index: a generator made on "cuda" draws on the current GPU, cuda:0."""
+    return torch.device(device.type, device.index or 0) if device.type == "cuda" else device
 
 
 def generators(seeds: list[int]) -> list[torch.Generator]:
-    return [torch.Generator().manual_seed(s) for s in seeds]
+    return [torch.Generator(DEVICE).manual_seed(s) for s in seeds]
 
 
 CONFIGS = [
@@ -82,9 +87,13 @@ def test_a_draw_is_the_one_torch_multinomial_makes(seed):
     episodes from before the sync-free sampler replay unchanged."""
     from rlcli.engine.sampling import _draw
 
+    # On the CPU, where the episodes recorded before it were sampled.
     probs = torch.randn(3, 1000).mul(3).softmax(-1)
     probs[1, 500:] = 0  # top-k/top-p leave zeros
-    reference, ours = generators([seed] * 3), generators([seed] * 3)
+    reference, ours = (
+        [torch.Generator().manual_seed(seed) for _ in range(3)],
+        [torch.Generator().manual_seed(seed) for _ in range(3)],
+    )
     for _ in range(3):
         expected = [int(torch.multinomial(probs[i], 1, generator=reference[i])) for i in range(3)]
         assert _draw(probs, ours, [True] * 3).tolist() == expected
@@ -136,11 +145,11 @@ def test_draws_use_generators_on_the_device_of_the_probabilities(policy, monkeyp
     exponential, multinomial = torch.Tensor.exponential_, torch.multinomial
 
     def checked_exponential(self, *args, generator=None, **kwargs):
-        pairs.append((generator.device, self.device))
+        pairs.append((_index(generator.device), _index(self.device)))
         return exponential(self, *args, generator=generator, **kwargs)
 
     def checked_multinomial(probs, *args, generator=None, **kwargs):
-        pairs.append((generator.device, probs.device))
+        pairs.append((_index(generator.device), _index(probs.device)))
         return multinomial(probs, *args, generator=generator, **kwargs)
 
     monkeypatch.setattr(torch.Tensor, "exponential_", checked_exponential)
@@ -163,7 +172,7 @@ def test_rollout_makes_its_generators_on_the_model_device(tmp_path, monkeypatch)
     recipe = write_recipe(tmp_path / "r.yaml", rollout={"tasks": 1, "group_size": 2, "max_new_tokens": 2})
     summary = run_rollout_stage(make_ctx(recipe, tmp_path / "runs"), stage="rollout", policy="base", split="train")
     assert summary.episodes == 2
-    assert devices and all(d is not None and torch.device(d) == torch.device("cpu") for d in devices), devices
+    assert devices and all(d is not None and torch.device(d).type == DEVICE for d in devices), devices
 
 
 @pytest.mark.parametrize("fn", ["judge", "reward_model"])

@@ -42,7 +42,9 @@ def tiny(tmp_path_factory):
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("RLCLI_HOME", str(tmp_path_factory.mktemp("home")))
-        model, tokenizer = load_policy(ModelSection(name="tiny-random"), None, QuantizationSection(), trainable=False)
+        model, tokenizer = load_policy(
+            ModelSection(name="tiny-random", dtype="float32"), None, QuantizationSection(), trainable=False
+        )
     return model, tokenizer, _eos_ids(model, tokenizer)
 
 
@@ -322,8 +324,8 @@ def _mean_assistant_nll(model, rows) -> float:
     total, count = 0.0, 0
     with torch.no_grad():
         for row in rows:
-            ids = torch.tensor([row["input_ids"]])
-            trained = torch.tensor(row["assistant_masks"][1:], dtype=torch.bool)
+            ids = torch.tensor([row["input_ids"]], device=model.device)
+            trained = torch.tensor(row["assistant_masks"][1:], dtype=torch.bool, device=model.device)
             nll = torch.nn.functional.cross_entropy(model(input_ids=ids).logits[0, :-1], ids[0, 1:], reduction="none")
             total += nll[trained].sum().item()
             count += int(trained.sum())

@@ -301,7 +301,7 @@ def test_the_backward_keeps_no_logits(monkeypatch):
         update.token_logprobs(model, batch, 1.0, entropy=True)
     assert saved  # the hook sees what the backward keeps
     # No logits at all: each chunk's are recomputed when its gradient is needed.
-    assert all(s[-1] != 512 for s in saved), saved
+    assert all(not s or s[-1] != 512 for s in saved), saved  # CUDA kernels also save scalars
     assert int((batch["mask"] > 0).sum()) > 2  # so the full micro-batch would have been more
 
 
@@ -344,7 +344,9 @@ def test_bfloat16_weights_train_a_float32_adapter_within_stated_tolerances():
         batch = update._collate(_multi_turn_sequences(), model)
         logprobs, _ = update.token_logprobs(model, batch, 1.0)
         if old is None:  # the same pi_old for both, a little away from the policy so ratios vary
-            old = logprobs.detach() + 0.05 * torch.randn(logprobs.shape, generator=torch.Generator().manual_seed(0))
+            old = logprobs.detach() + 0.05 * torch.randn(logprobs.shape, generator=torch.Generator().manual_seed(0)).to(
+                logprobs.device
+            )
         loss, _ = grpo.policy_loss(logprobs, old, batch["advantages"], batch["mask"], clip_low=0.2, clip_high=0.2)
         loss.backward()
         grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
@@ -401,7 +403,9 @@ def test_the_tokenizer_is_serialised_once_and_every_checkpoint_loads_it_alone(tm
     from rlcli.models.loading import load_policy, save_checkpoint
     from rlcli.recipe import LoraSection, ModelSection, QuantizationSection
 
-    model, tokenizer = load_policy(ModelSection(name="tiny-random"), LoraSection(r=4), QuantizationSection())
+    model, tokenizer = load_policy(
+        ModelSection(name="tiny-random", dtype="float32"), LoraSection(r=4), QuantizationSection()
+    )
     calls = []
     original = tokenizer.save_pretrained
     monkeypatch.setattr(

@@ -97,7 +97,7 @@ def lora_model(model):
 @torch.no_grad()
 def hf_logprobs(model, prompt: list[int], ids: list[int], temperature: float) -> torch.Tensor:
     """The trainer's recomputation: log_softmax(logits / T) at the sampled ids."""
-    logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1].float()
+    logits = model(torch.tensor([prompt + ids], device=model.device)).logits[0, len(prompt) - 1 : -1].float().cpu()
     return torch.log_softmax(logits / temperature, dim=-1).gather(-1, torch.tensor(ids)[:, None])[:, 0]
 
 
@@ -277,8 +277,8 @@ def test_merged_weights_of_a_4bit_lora_serve_what_the_policy_computes(tiny64, pr
         if isinstance(module, bitsandbytes.nn.Linear4bit):
             module.support_avx512bf16_for_cpu = False
     policy = lora_model(quantized)
-    dense = AutoModelForCausalLM.from_pretrained(tiny64, dtype=torch.float32)
+    dense = AutoModelForCausalLM.from_pretrained(tiny64, dtype=torch.float32, device_map={"": str(policy.device)})
     dense.load_state_dict(dict(merged_weights(policy)), strict=False)  # the tied head follows
-    ids = torch.tensor(prompts[:1])
+    ids = torch.tensor(prompts[:1], device=policy.device)
     with torch.no_grad():
         torch.testing.assert_close(dense(ids).logits, policy(ids).logits, atol=1e-4, rtol=1e-4)

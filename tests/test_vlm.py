@@ -232,7 +232,11 @@ def test_the_policy_never_writes_image_slots_even_when_they_are_likely(tmp_path,
         image_token = model.config.image_token_id
 
         def favour_image_token(module, inputs, logits):
-            return logits.index_add(-1, torch.tensor([image_token]), torch.full((*logits.shape[:-1], 1), 100.0))
+            return logits.index_add(
+                -1,
+                torch.tensor([image_token], device=logits.device),
+                torch.full((*logits.shape[:-1], 1), 100.0, device=logits.device),
+            )
 
         model.get_output_embeddings().register_forward_hook(favour_image_token)
         return model, tokenizer

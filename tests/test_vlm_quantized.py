@@ -109,7 +109,7 @@ def test_lora_on_the_vision_tower_of_a_4bit_vlm_trains(name):
     messages, _ = load_env("gui_click", GUI_CLICK["kwargs"])().reset(0)
     named = vision.name_images(messages, {})
     images = vision.message_images(named)
-    ids = torch.tensor([vision.tokenize(processor, vision.render(processor, named), images)])
+    ids = torch.tensor([vision.tokenize(processor, vision.render(processor, named), images)], device=model.device)
     pixels = vision.pixel_inputs(processor, [ref.image for ref in images], model, ids)
     model.train()
     model(input_ids=ids, **pixels, labels=ids).loss.backward()
@@ -136,7 +136,7 @@ def test_export_of_a_4bit_vlm_run_writes_a_full_vlm_with_its_processor(tmp_path,
     from rlcli.models.loading import export_merged, load_policy, save_checkpoint
     from rlcli.recipe import LoraSection, ModelSection, QuantizationSection
 
-    model_cfg, lora = ModelSection(name=name), LoraSection(r=4)
+    model_cfg, lora = ModelSection(name=name, dtype="float32"), LoraSection(r=4)  # auto: bfloat16 on a GPU
     model, tokenizer = load_policy(model_cfg, lora, QuantizationSection(mode="4bit"))
     with torch.no_grad():
         for param_name, param in model.named_parameters():
@@ -144,7 +144,7 @@ def test_export_of_a_4bit_vlm_run_writes_a_full_vlm_with_its_processor(tmp_path,
                 param.normal_(0, 0.1)
     checkpoint = save_checkpoint(model, tokenizer, tmp_path / "ckpt")
     out = export_merged(model_cfg, lora, QuantizationSection(mode="4bit"), checkpoint, tmp_path / "out")
-    merged = AutoModelForImageTextToText.from_pretrained(out)
+    merged = AutoModelForImageTextToText.from_pretrained(out, dtype=torch.float32, device_map={"": str(model.device)})
     assert getattr(merged.config, "quantization_config", None) is None
     processor = vision.load_processor(out, name, None)  # the export loads on its own
 
@@ -152,7 +152,7 @@ def test_export_of_a_4bit_vlm_run_writes_a_full_vlm_with_its_processor(tmp_path,
     messages, _ = load_env("gui_click", GUI_CLICK["kwargs"])().reset(0)
     named = vision.name_images(messages, {})
     images = vision.message_images(named)
-    ids = torch.tensor([vision.tokenize(processor, vision.render(processor, named), images)])
+    ids = torch.tensor([vision.tokenize(processor, vision.render(processor, named), images)], device=merged.device)
     pixels = vision.pixel_inputs(processor, [ref.image for ref in images], merged, ids)
     with torch.no_grad():
         torch.testing.assert_close(merged(input_ids=ids, **pixels).logits, adapted(input_ids=ids, **pixels).logits)

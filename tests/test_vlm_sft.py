@@ -43,6 +43,7 @@ def mean_demo_logprob(model, processor, rows, pictures) -> float:
     """The mean logprob of the demos' trained tokens (the expert's clicks), the screenshots shown as pixels."""
     batch = ImageBatches(processor, pictures, model)(rows)
     assert batch["pixel_values"].shape[1] == sum(len(r["image_hashes"]) for r in rows)
+    batch = {k: v.to(model.device) for k, v in batch.items()}  # the Trainer moves the ids; here we do
     with torch.no_grad():
         logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits[:, :-1].float()
     labels = batch["labels"][:, 1:]
@@ -161,7 +162,9 @@ def test_a_cut_never_splits_an_image(tmp_path):
     # The cut row still runs through the model: its image tokens match its one image.
     batch = ImageBatches(processor, pictures, model)(rows)
     with torch.no_grad():
-        assert torch.isfinite(model(**{k: v for k, v in batch.items() if k != "labels"}).logits).all()
+        # The collator leaves the ids on the CPU for the Trainer to move; the pixels are on the model's device.
+        inputs = {k: v.to(model.device) for k, v in batch.items() if k != "labels"}
+        assert torch.isfinite(model(**inputs).logits).all()
 
 
 def test_image_parts_in_a_data_file(tmp_path):

@@ -111,8 +111,10 @@ STATUS_COLOURS = (("failed", "red"), ("stopped", "red"), ("running", "yellow"), 
 def stages_table(stages: list[dict[str, Any]]) -> Table:
     """Stages with durations; numbered stages (rollout/0, rollout/1, ...) fold into one row each."""
     table = Table(title="Stages", expand=False)
-    for col in ("stage", "status", "started", "finished", "duration", "error"):
-        table.add_column(col, justify="right" if col == "duration" else "left")
+    on_gpu = any(s.get("gpu_mem_peak_gb") is not None for s in stages)
+    columns = ("stage", "status", "started", "finished", "duration", *(("GPU GB", "vLLM GB") if on_gpu else ()))
+    for col in (*columns, "error"):
+        table.add_column(col, justify="right" if col in ("duration", "GPU GB", "vLLM GB") else "left")
     for name, members in _stage_groups(stages):
         counts = Counter(s["status"] for s in members)
         status = ", ".join(f"{n} {st}" if len(members) > 1 else st for st, n in counts.items())
@@ -128,9 +130,16 @@ def stages_table(stages: list[dict[str, Any]]) -> Table:
             (members[0]["started_at"] or "")[11:19],
             (members[-1]["finished_at"] or "")[11:19],
             _fmt_duration(sum(durations)) if durations else "–",
+            *((_largest(members, "gpu_mem_peak_gb"), _largest(members, "vllm_mem_gb")) if on_gpu else ()),
             literal(error[:80], style="red"),
         )
     return table
+
+
+def _largest(members: list[dict[str, Any]], key: str) -> str:
+    """The largest of a stage family's figures (a row folds rollout/0..N into one)."""
+    values = [s[key] for s in members if s.get(key) is not None]
+    return f"{max(values):.2f}" if values else "–"
 
 
 def _stage_groups(stages: list[dict[str, Any]]) -> list[tuple[str, list[dict[str, Any]]]]:

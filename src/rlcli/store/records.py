@@ -160,6 +160,13 @@ class EpisodeSummary:
     replayed_lost: int = 0  # plays again of episodes whose env was lost with a killed worker
 
 
+# Metrics each stage records on CUDA (engine/context.py), under the stage's own name: the peak of
+# torch's allocator in this process (the trainer's tensors, and an in-process vLLM engine's, which
+# allocates through it too), summed over GPUs; and what the vLLM engine took from its GPU when it
+# started (weights, KV cache, CUDA graphs).
+GPU_MEMORY_KEYS = ("perf/gpu_mem_peak_gb", "perf/vllm_mem_gb")
+
+
 @dataclass(frozen=True)
 class Metric:
     run: str
