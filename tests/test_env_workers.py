@@ -14,7 +14,7 @@ import pytest
 from helpers import RLCLI, cli, cli_env, kill_when, make_ctx, run_cli, write_env_file, write_recipe
 from rlcli.engine.rollout import run_rollout_stage
 from rlcli.envs.protocol import EnvTimeout
-from rlcli.envs.workers import EnvWorkerPool
+from rlcli.envs.workers import EnvLost, EnvReply, EnvWorkerPool
 from rlcli.errors import UsageError
 from rlcli.store.blobs import unpack_floats, unpack_ids
 
@@ -291,6 +291,33 @@ def test_kill_during_the_replays_of_lost_episodes_resumes_to_the_same_episodes(t
 
 def _lines(path) -> int:
     return len(path.read_text().split()) if path.exists() else 0
+
+
+class LosingHost:
+    """An env host whose every env is lost at once, as when a worker dies between calls again and again."""
+
+    def __init__(self):
+        self.keys, self.answered = 0, []
+
+    def reset(self, seed: int) -> int:
+        self.keys += 1
+        self.answered.append(EnvReply(self.keys, "reset", failure=EnvLost("its env worker died"), failed_in="reset"))
+        return self.keys
+
+    def replies(self, timeout=None):
+        out, self.answered = self.answered, []
+        return out
+
+    def release(self, key: int) -> None:
+        pass
+
+
+def test_a_pass_whose_every_episode_was_lost_is_stored_as_failed_instead_of_played_for_ever():
+    from rlcli.engine.rollout import EpisodeRunner, EpisodeSpec, RolloutLimits
+
+    runner = EpisodeRunner(LosingHost(), RolloutLimits(max_turns=1, max_length=64, step_timeout_s=1))
+    [ep] = runner.run([EpisodeSpec(0, 0, 0, 0)])
+    assert ep.status == "failed" and ep.env_lost and "its env worker died" in ep.error
 
 
 CRASHING_ENV = """

@@ -205,13 +205,16 @@ class EpisodeRunner:
         """Play these episodes to their end, in order. An episode whose env was lost with a worker killed
         during another episode's call is played again from its start, on a fresh worker, as is one that
         timed out while env.timeout_retries allows; its seeds make it sample what the lost attempt would
-        have, so the chunk ends as if nothing had been lost. The passes end: a pass loses envs only when
-        one of its episodes' calls times out or crashes, and such an episode is played again a bounded
-        number of times (a crash never, a timeout env.timeout_retries times)."""
+        have, so the chunk ends as if nothing had been lost. A pass loses envs when one of its episodes'
+        calls times out or crashes, and that episode ends (or is retried a bounded number of times), so
+        the passes end; a worker that dies between calls loses envs with no episode to blame, so a pass
+        whose every episode was lost stores them as failed rather than playing them again for ever."""
         episodes = [LiveEpisode(spec) for spec in specs]
         todo = list(range(len(episodes)))
         while todo:
             self._play([episodes[i] for i in todo], on_turns)
+            if all(episodes[i].env_lost for i in todo):
+                break
             todo = [i for i in todo if self._again(episodes[i])]
             for i in todo:
                 episodes[i] = episodes[i].again()
