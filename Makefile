@@ -40,7 +40,7 @@ export HF_DATASETS_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 export HF_HUB_DISABLE_TELEMETRY ?= 1
 
-.PHONY: install demo test test-fast test-resolve lint format bench clean
+.PHONY: install demo test test-fast test-resolve gpu-smoke lint format bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -92,6 +92,12 @@ test-fast: install
 # the index, takes a few minutes, and fails without it. `make test` leaves these tests out.
 test-resolve: install
 	$(BIN)/python -m pytest -m resolve $(PYTEST_ARGS)
+
+# Every GPU path in about ten minutes, as a table (bench/gpu_smoke.py; JSON in runs/gpu_smoke.json).
+# Without a GPU it runs the same sequence on the tiny models on the CPU, as CI does.
+SMOKE_ARGS ?= $(if $(filter yes,$(GPU)),,--cpu)
+gpu-smoke: install
+	$(BIN)/python bench/gpu_smoke.py $(SMOKE_ARGS)
 
 bench: install
 	$(BIN)/python bench/rollout.py

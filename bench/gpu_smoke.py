@@ -1,6 +1,6 @@
 """Every GPU path of rlcli in about ten minutes, as a table of checks with figures.
 
-    make gpu-smoke                                  # on a GPU machine: bench/gpu_smoke.py
+    make gpu-smoke                                  # bench/gpu_smoke.py on a GPU machine, --cpu elsewhere
     .venv/bin/python bench/gpu_smoke.py --cpu       # the same sequence on the tiny models (CI runs it)
     .venv/bin/python bench/gpu_smoke.py --model Qwen/Qwen2.5-1.5B-Instruct   # another model (default: gpu_1x.yaml's)
     .venv/bin/python bench/gpu_smoke.py --random-model   # no hub: a random model of gpu_1x's model's shape
@@ -102,7 +102,9 @@ def main() -> int:
     parser.add_argument(
         "--random-model", action="store_true", help="A random model of gpu_1x.yaml's model's shape (no hub needed)."
     )
-    parser.add_argument("--out", type=Path, default=Path("gpu_smoke.json"), help="Where the JSON table goes.")
+    parser.add_argument(
+        "--out", type=Path, default=Path("runs/gpu_smoke.json"), help="Where the JSON table goes (its folder is made)."
+    )
     parser.add_argument("--work", type=Path, default=None, help="Working folder (default: a temporary one).")
     args = parser.parse_args()
 
@@ -295,7 +297,7 @@ def check_vlm(setup: Setup, check: Check) -> None:
         "lora": {"r": 8, "alpha": 16},
         "env": {"name": "gui_click", "kwargs": {"width": 112, "height": 112, "buttons": 2}, "max_turns": 1},
         "rollout": {"engine": "vllm", "tasks": 2, "group_size": 2, "max_new_tokens": 8, **_engine_memory(setup)},
-        "rewards": [{"fn": "gui_click"}],
+        "rewards": [{"fn": "env_return"}],
         "grpo": {"iterations": 1},
     }
     run_recipe(setup, recipe, check)
@@ -411,6 +413,7 @@ def report(checks: list[Check], out: Path) -> int:
         # Text, not markup: a detail quotes error messages, which may hold brackets.
         table.add_row(c.name, Text(c.status, style=colours[c.status]), f"{c.seconds:g}", Text(figures), Text(c.detail))
     Console(width=160).print(table)
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps([asdict(c) for c in checks], indent=2))
     return 1 if any(c.status == "fail" for c in checks) else 0
 
