@@ -531,6 +531,9 @@ def test_run_threads_sets_torch_threads_and_a_busy_machine_is_warned_about(monke
     from rlcli.engine import threads
     from rlcli.engine.threads import set_threads, usable_cores
 
+    # An in-process vLLM CPU engine (an earlier test's) replaces torch.set_num_threads with a no-op for
+    # the rest of the process; what is tested here is rlcli's own call, in a process without one.
+    monkeypatch.setattr(torch, "set_num_threads", torch._C.set_num_threads)
     before = torch.get_num_threads()
     warnings = []
     try:
