@@ -242,7 +242,16 @@ def test_other_migration_sets_are_ignored(runs_dir):
     conn.execute("insert into _sqlite_migrations (migration_set, name, applied_at) values ('notes', '001_x', 'x')")
     conn.commit()
     conn.close()
-    RunDB.open(runs_dir).close()
+    before = migration_rows(runs_dir / DB_NAME)
+    rundb = RunDB.open(runs_dir)  # no "newer rlcli" error
+    try:
+        rundb.start_run("r", Recipe(), "r.yaml")  # and the database is usable
+        assert rundb.get_run("r").status == "created"
+    finally:
+        rundb.close()
+    # Nothing was re-applied or dropped: the other tool's row and rlcli's own rows are as they were.
+    assert migration_rows(runs_dir / DB_NAME) == before
+    assert ("notes", "001_x", "x") in before
 
 
 # --- runs ----------------------------------------------------------------------------
