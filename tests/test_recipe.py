@@ -278,6 +278,14 @@ def test_changed_fields_sees_lists_and_removed_sections():
     ]
 
 
+def test_a_rewards_time_limit_may_change_on_resume_and_older_runs_lack_it():
+    old = load_recipe(None, ["rewards=[{fn: env_return}]"]).to_dict()
+    assert changed_fields(old, load_recipe(None, ["rewards=[{fn: env_return, timeout_s: 5}]"]).to_dict()) == []
+    del old["rewards"][0]["timeout_s"]  # stored by an rlcli without the field
+    assert changed_fields(old, load_recipe(None, ["rewards=[{fn: env_return}]"]).to_dict()) == []
+    assert changed_fields(old, load_recipe(None, ["rewards=[{fn: env_return, weight: 2}]"]).to_dict()) == ["rewards"]
+
+
 def test_fields_added_since_a_run_started_count_as_their_defaults():
     """A run stored by an older rlcli lacks the fields added since; they ran as their defaults, so a
     resume with the defaults is no change, and one that sets them otherwise is."""

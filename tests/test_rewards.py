@@ -271,6 +271,33 @@ def test_bad_values_name_the_function_and_the_episode(tmp_path, name, message):
         label_episodes(fns, [episode(7, "a"), episode(8, "b")])
 
 
+SLOW_FUNCTION = """
+import time
+
+def slow(completions, **kwargs):
+    time.sleep(30)
+    return [1.0] * len(completions)
+"""
+
+
+def test_a_reward_function_over_its_time_limit_fails_labelling_naming_it_and_the_limit(tmp_path):
+    # A hanging reward function (a network call, an endless loop) held labelling up for ever.
+    import time
+
+    (tmp_path / "slow.py").write_text(SLOW_FUNCTION)
+    fns = build_reward_fns([RewardSpec(fn="slow.py:slow", name="acc", timeout_s=0.3)], root=tmp_path)
+    start = time.monotonic()
+    with pytest.raises(
+        RlcliError, match=r"Reward 'acc' \(slow.py:slow\) exceeded its 0.3s time limit on episodes 7, 8"
+    ):
+        label_episodes(fns, [episode(7, "a"), episode(8, "b")])
+    assert time.monotonic() - start < 10
+    # The limit has a default, and null lifts it.
+    assert RewardSpec(fn="env_return").timeout_s == 600
+    [unlimited] = build_reward_fns([RewardSpec(fn="env_return", timeout_s=None)])
+    assert unlimited([episode(1, "", env_return=0.5)]) == [0.5]
+
+
 # --- parsing ---------------------------------------------------------------------------
 
 

@@ -93,6 +93,21 @@ def test_labelling_a_label_set_again_with_changed_rewards_is_refused(ctx, tmp_pa
     assert summary.label_set == "v2"
 
 
+def test_a_label_set_keeps_its_rewards_whatever_their_time_limit(ctx, tmp_path):
+    # rewards[i].timeout_s may change on resume, and label sets stored before it existed lack it.
+    run_rollout_stage(ctx, stage="rollout", policy="expert", split="train")
+    run_label_stage(ctx, label_set="v1")
+    row = ctx.rundb.stage(ctx.run, "label/v1/rollout")
+    params = {
+        **row.params,
+        "rewards": [{k: v for k, v in r.items() if k != "timeout_s"} for r in row.params["rewards"]],
+    }
+    ctx.rundb.mark_stage(ctx.run, row.name, "pending", params=params)  # as an older rlcli stored it
+    slower = write_recipe(tmp_path / "r2.yaml", rewards=[{"fn": "env_return", "timeout_s": 5}])
+    [summary] = run_label_stage(RunContext(load_recipe(slower, []), ctx.rundb, ctx.run, ctx.runs_dir), label_set="v1")
+    assert summary.label_set == "v1" and summary.episodes > 0
+
+
 @pytest.mark.parametrize("stage", ["rollout/0", "train/1", "eval/base", "sft", "a/b"])
 def test_user_stage_names_in_rlcli_namespaces_are_refused(ctx, stage):
     with pytest.raises(UsageError, match="--stage"):

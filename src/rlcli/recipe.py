@@ -339,6 +339,14 @@ class RewardSpec(Section):
     weight: float = Field(1.0, description="Weight of this component in the total reward.")
     name: str | None = Field(None, description="Component name stored in the database (default: fn).")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="Options for this reward function.")
+    timeout_s: float | None = Field(
+        600.0,
+        gt=0,
+        description="Time limit in seconds for one call (a call scores a whole stage's or iteration's episodes): "
+        "a call over it fails labelling with an error naming the reward, as a raise does; null: no limit. "
+        "The late call is left running in a background thread until the command exits.",
+        json_schema_extra=RESUME_SAFE,
+    )
 
     @property
     def component(self) -> str:
@@ -790,8 +798,9 @@ def changed_fields(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """Dotted paths whose values differ and that matter for an existing run's finished work.
 
     A field that the run's stored recipe lacks (a later rlcli added it) ran as its default then.
+    A list of sections (rewards) is compared as a whole, less its items' resume-safe fields.
     """
-    flat_old, flat_new = _flatten(old), _flatten(new)
+    flat_old, flat_new = _flatten(_without_safe_item_fields(old)), _flatten(_without_safe_item_fields(new))
     for key, default in _flatten(Recipe.model_construct().model_dump(mode="json")).items():
         # Not where the old recipe holds the key's section as a whole, or its fields (lora: null).
         if key not in flat_old and not any(k.startswith(key + ".") or key.startswith(k + ".") for k in flat_old):
@@ -809,13 +818,31 @@ def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix.rstrip("."): data}
 
 
+def _without_safe_item_fields(recipe: dict[str, Any]) -> dict[str, Any]:
+    """The recipe with the resume-safe fields of a list of sections' items left out (rewards[i].timeout_s),
+    so that such a list compares equal whether or not its items hold them."""
+    out = dict(recipe)
+    for name, info in Recipe.model_fields.items():
+        model = _section_type(info.annotation)
+        if model is None or not isinstance(out.get(name), list):
+            continue
+        safe = {field for field, field_info in model.model_fields.items() if _is_resume_safe(field_info)}
+        out[name] = [
+            {k: v for k, v in item.items() if k not in safe} if isinstance(item, dict) else item for item in out[name]
+        ]
+    return out
+
+
 def _resume_safe(dotted: str) -> bool:
     section, _, field = dotted.partition(".")
     section_field = Recipe.model_fields.get(section)
     model = _section_type(section_field.annotation) if section_field else None
     if model is None:
         return False
-    info = model.model_fields.get(field.split(".")[0])
+    return _is_resume_safe(model.model_fields.get(field.split(".")[0]))
+
+
+def _is_resume_safe(info: FieldInfo | None) -> bool:
     extra = info.json_schema_extra if info else None
     return isinstance(extra, dict) and bool(extra.get("resume_safe"))
 

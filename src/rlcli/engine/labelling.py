@@ -115,8 +115,9 @@ def run_label_stage(ctx: RunContext, *, label_set: str) -> list[LabelSummary]:
             name,
             lambda stage=stage: label_stage_episodes(ctx, stage, label_set, fns),
             {"label_set": label_set},
-            # Labels under one name come from one set of rewards; relabelling in place would hide the change.
-            identity={"rewards": [r.model_dump() for r in ctx.recipe.rewards]},
+            # Labels under one name come from one set of rewards; relabelling in place would hide the
+            # change. A time limit changes no label: it may change, and older label sets lack it.
+            identity={"rewards": [r.model_dump(exclude={"timeout_s"}) for r in ctx.recipe.rewards]},
             new_stage_hint=(
                 f"label set {label_set!r} keeps the rewards it was labelled with; "
                 "use another --label-set to label with these beside it"

@@ -11,6 +11,7 @@ import difflib
 import inspect
 import math
 import reprlib
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,10 @@ from rlcli.rewards.episodes import EpisodeDict, Scorer
 from rlcli.rewards.user import user_function
 
 
+class RewardTimeout(RlcliError):
+    """A reward function's call outlasted its timeout_s."""
+
+
 @dataclass
 class RewardFn:
     """One resolved reward component: call it with a batch of episodes, get one finite float per episode."""
@@ -33,6 +38,7 @@ class RewardFn:
     fn: str
     weight: float
     scorer: Scorer
+    timeout_s: float | None = None  # the recipe's rewards[i].timeout_s; None: no limit
 
     @property
     def label(self) -> str:
@@ -48,7 +54,9 @@ class RewardFn:
 
     def __call__(self, episodes: list[EpisodeDict]) -> list[float]:
         try:
-            values = self.scorer(episodes)
+            values = self._call(episodes)
+        except RewardTimeout:
+            raise
         except Exception as exc:
             raise RlcliError(f"Reward {self.label} failed on {_ids(episodes)}: {type(exc).__name__}: {exc}") from exc
         if values is None or isinstance(values, (str, bytes, dict)) or not hasattr(values, "__iter__"):
@@ -63,6 +71,31 @@ class RewardFn:
                 f"expected {len(episodes)}, got {len(values)}."
             )
         return [self._finite(value, episode) for value, episode in zip(values, episodes)]
+
+    def _call(self, episodes: list[EpisodeDict]) -> Any:
+        """The scorer's answer, within timeout_s: a late call fails as a raising one does. Python cannot
+        stop a thread, so the late call runs on, in a daemon thread, until the command exits."""
+        if self.timeout_s is None:
+            return self.scorer(episodes)
+        outcome: dict[str, Any] = {}
+
+        def target() -> None:
+            try:
+                outcome["value"] = self.scorer(episodes)
+            except BaseException as exc:  # re-raised below, in the caller's thread
+                outcome["error"] = exc
+
+        thread = threading.Thread(target=target, name=f"reward-{self.component}", daemon=True)
+        thread.start()
+        thread.join(self.timeout_s)
+        if thread.is_alive():
+            raise RewardTimeout(
+                f"Reward {self.label} exceeded its {self.timeout_s:g}s time limit on {_ids(episodes)} "
+                "(rewards[].timeout_s); make it faster, or raise its timeout_s (null: no limit)."
+            )
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["value"]
 
     def _finite(self, value: Any, episode: EpisodeDict) -> float:
         # None, strings and NaN are errors, not "no reward": a silent hole in the total would skew every
@@ -96,7 +129,7 @@ def build_reward_fns(specs: list[RewardSpec], root: Path | None = None, device: 
             scorer = _resolve(spec, base, device)
         except UsageError as exc:
             raise UsageError(f"Reward {label}: {exc}") from exc.__cause__
-        fns.append(RewardFn(spec.component, spec.fn, spec.weight, scorer))
+        fns.append(RewardFn(spec.component, spec.fn, spec.weight, scorer, spec.timeout_s))
     return fns
 
 
