@@ -25,17 +25,19 @@ def add_checkpoint(rundb: RunDB, run: str, stage: str, iteration: int, path: str
     """
     stored = _stored_path(rundb, Path(path))
     with rundb.transaction() as db:
-        same = list(db["checkpoints"].rows_where("run = ? and stage = ? and path = ?", [run, stage, stored]))
+        same = list(db.table("checkpoints").rows_where("run = ? and stage = ? and path = ?", [run, stage, stored]))
         if same:
-            db["checkpoints"].update(same[-1]["id"], {"iteration": iteration, "kind": kind, "created_at": now()})
+            db.table("checkpoints").update(same[-1]["id"], {"iteration": iteration, "kind": kind, "created_at": now()})
             return same[-1]["id"]
         row = {"run": run, "stage": stage, "iteration": iteration, "path": stored, "kind": kind, "created_at": now()}
-        return db["checkpoints"].insert(row).last_pk
+        pk = db.table("checkpoints").insert(row).last_pk
+        assert isinstance(pk, int)  # the table's integer primary key
+        return pk
 
 
 def checkpoints(rundb: RunDB, run: str) -> list[Checkpoint]:
     """The run's checkpoints, oldest first, with absolute paths."""
-    rows = rundb.db["checkpoints"].rows_where("run = ?", [run], order_by="id")
+    rows = rundb.db.table("checkpoints").rows_where("run = ?", [run], order_by="id")
     return [Checkpoint(**{**row, "path": str(_resolved_path(rundb, row["path"], run))}) for row in rows]
 
 

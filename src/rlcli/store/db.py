@@ -134,13 +134,13 @@ class RunDB:
     # --- runs ----------------------------------------------------------------
 
     def get_run(self, name: str) -> Run | None:
-        rows = list(self.db["runs"].rows_where("name = ?", [name]))
+        rows = list(self.db.table("runs").rows_where("name = ?", [name]))
         return _run(rows[0]) if rows else None
 
     def require_run(self, name: str) -> Run:
         run = self.get_run(name)
         if run is None:
-            names = [r["name"] for r in self.db["runs"].rows_where(select="name", order_by="created_at")]
+            names = [r["name"] for r in self.db.table("runs").rows_where(select="name", order_by="created_at")]
             known = f" Known runs: {', '.join(names[-10:])}." if names else " The database has no runs yet."
             raise UsageError(f"No run named {name!r} in {self.path}.{known}")
         return run
@@ -180,13 +180,13 @@ class RunDB:
                 reasons.append(f"code changed: {', '.join(changed_code)}")
         with self.transaction():
             if existing is None:
-                self.db["runs"].insert(self._new_run_row(name, recipe, recipe_path))
+                self.db.table("runs").insert(self._new_run_row(name, recipe, recipe_path))
             else:
-                self.db["runs"].update(
+                self.db.table("runs").update(
                     name, {"recipe": json.dumps(resolved), "recipe_sha256": recipe.sha256(), "updated_at": now()}
                 )
             if reasons:
-                self.db["run_recipes"].insert(
+                self.db.table("run_recipes").insert(
                     {
                         "run": name,
                         "recipe": json.dumps(resolved),
@@ -215,7 +215,7 @@ class RunDB:
         }
 
     def recipe_history(self, name: str) -> list[RecipeVersion]:
-        rows = self.db["run_recipes"].rows_where("run = ?", [name], order_by="id")
+        rows = self.db.table("run_recipes").rows_where("run = ?", [name], order_by="id")
         return [RecipeVersion(**{**r, "recipe": json.loads(r["recipe"]), "code": json.loads(r["code"])}) for r in rows]
 
     def code_changes(self, name: str, code: dict[str, str]) -> list[str]:
@@ -240,11 +240,11 @@ class RunDB:
     def set_run_status(self, name: str, status: str, error: str | None = None) -> None:
         """Set the run's status; `error` says why it failed, and any other status clears it."""
         with self.transaction():
-            self.db["runs"].update(name, {"status": status, "error": error, "updated_at": now()})
+            self.db.table("runs").update(name, {"status": status, "error": error, "updated_at": now()})
 
     def run_state(self, name: str) -> RunState:
         """What a command may change in a run before it does any work, to put back if it fails there."""
-        rows = list(self.db["runs"].rows_where("name = ?", [name]))
+        rows = list(self.db.table("runs").rows_where("name = ?", [name]))
         last = self.db.execute("select max(id) from run_recipes where run = ?", [name]).fetchone()[0]
         return RunState(name, rows[0] if rows else None, last or 0, self._stage_rows(name))
 
@@ -258,7 +258,7 @@ class RunDB:
             if state.row is None:
                 self.db.execute("delete from runs where name = ?", [state.name])
             else:
-                self.db["runs"].update(state.name, state.row)
+                self.db.table("runs").update(state.name, state.row)
         return True
 
     def _stage_rows(self, name: str) -> list[tuple]:
@@ -284,7 +284,7 @@ class RunDB:
             )
 
     def list_runs(self) -> list[Run]:
-        return [_run(row) for row in self.db["runs"].rows_where(order_by="created_at")]
+        return [_run(row) for row in self.db.table("runs").rows_where(order_by="created_at")]
 
     def run_recipe(self, name: str) -> Recipe:
         return Recipe.model_validate(self.require_run(name).recipe)
@@ -292,11 +292,11 @@ class RunDB:
     # --- stages --------------------------------------------------------------
 
     def stage(self, run: str, name: str) -> Stage | None:
-        rows = list(self.db["stages"].rows_where("run = ? and name = ?", [run, name]))
+        rows = list(self.db.table("stages").rows_where("run = ? and name = ?", [run, name]))
         return _stage(rows[0]) if rows else None
 
     def stages(self, run: str) -> list[Stage]:
-        return [_stage(row) for row in self.db["stages"].rows_where("run = ?", [run], order_by="id")]
+        return [_stage(row) for row in self.db.table("stages").rows_where("run = ?", [run], order_by="id")]
 
     def mark_stage(self, run: str, name: str, status: str, **fields: Any) -> None:
         """Set a stage's status and any of its columns; params and result are given as dicts."""
@@ -304,9 +304,9 @@ class RunDB:
         values = {"status": status, **{k: json.dumps(v) if k in ("params", "result") else v for k, v in fields.items()}}
         with self.transaction():
             if row is None:
-                self.db["stages"].insert({"run": run, "name": name, **values})
+                self.db.table("stages").insert({"run": run, "name": name, **values})
             else:
-                self.db["stages"].update(row.id, values)
+                self.db.table("stages").update(row.id, values)
 
     # --- metrics -------------------------------------------------------------
 
@@ -317,7 +317,7 @@ class RunDB:
             if v is not None
         ]
         with self.transaction():
-            self.db["metrics"].upsert_all(rows, pk=("run", "stage", "step", "key"), alter=False)
+            self.db.table("metrics").upsert_all(rows, pk=("run", "stage", "step", "key"), alter=False)
 
     def metrics(self, run: str, key: str | None = None) -> list[Metric]:
         where, params = "run = ?", [run]
@@ -325,7 +325,7 @@ class RunDB:
             where, params = where + " and key = ?", params + [key]
         return [
             Metric(r["run"], r["stage"], r["step"], r["key"], r["value"], r["created_at"])
-            for r in self.db["metrics"].rows_where(where, params, order_by="step, id")
+            for r in self.db.table("metrics").rows_where(where, params, order_by="step, id")
         ]
 
     def latest_metrics(self, run: str) -> dict[str, float]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import asdict
 from typing import Any
 
@@ -33,8 +34,8 @@ def store_episodes(rundb: RunDB, episodes: list[Episode]) -> None:
                 task=json.dumps(episode.task, default=str),
                 messages=json.dumps(episode.messages, default=str),
             )
-            episode_id = db["episodes"].insert(row).last_pk
-            db["turns"].insert_all(
+            episode_id = db.table("episodes").insert(row).last_pk
+            db.table("turns").insert_all(
                 {
                     **turn,
                     "episode_id": episode_id,
@@ -77,7 +78,9 @@ def set_aside_count(rundb: RunDB, run: str, stage: str) -> int:
 def store_rewards(rundb: RunDB, rewards: list[RewardRow]) -> None:
     """Reward components; labelling a label set again replaces its values."""
     with rundb.transaction() as db:
-        db["rewards"].upsert_all([asdict(r) for r in rewards], pk=("episode_id", "label_set", "component"), alter=False)
+        db.table("rewards").upsert_all(
+            [asdict(r) for r in rewards], pk=("episode_id", "label_set", "component"), alter=False
+        )
 
 
 # --- reading ----------------------------------------------------------------------------------
@@ -157,7 +160,7 @@ def episodes_for_training(rundb: RunDB, run: str, stage: str, label_set: str) ->
     return labelled_with_turns(rundb, rows, label_set)
 
 
-def labelled_with_turns(rundb: RunDB, rows, label_set: str) -> list[LabelledEpisode]:
+def labelled_with_turns(rundb: RunDB, rows: Iterable[dict[str, Any]], label_set: str) -> list[LabelledEpisode]:
     """Episode rows that carry their `total` reward, as labelled episodes with their turns."""
     out = []
     for row in rows:
@@ -203,7 +206,8 @@ def labelled_episodes(
     Without a label set, the one that labelled most of the chosen episodes is used.
     """
     rundb.require_run(run)
-    where, params = ["e.run = ?"], [run]
+    where: list[str] = ["e.run = ?"]
+    params: list[str | int] = [run]
     if stage is not None:
         where.append("e.stage = ?")
         params.append(stage)

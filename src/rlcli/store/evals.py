@@ -36,16 +36,16 @@ def replace_eval(rundb: RunDB, result: EvalResult) -> None:
     row.pop("id")
     with rundb.transaction() as db:
         db.execute("delete from evals where run = ? and stage = ?", [result.run, result.stage])
-        db["evals"].insert(row)
+        db.table("evals").insert(row)
 
 
 def eval_result(rundb: RunDB, run: str, stage: str) -> EvalResult | None:
-    rows = list(rundb.db["evals"].rows_where("run = ? and stage = ?", [run, stage]))
+    rows = list(rundb.db.table("evals").rows_where("run = ? and stage = ?", [run, stage]))
     return _eval(rows[0]) if rows else None
 
 
 def eval_results(rundb: RunDB, run: str) -> list[EvalResult]:
-    return [_eval(row) for row in rundb.db["evals"].rows_where("run = ?", [run], order_by="id")]
+    return [_eval(row) for row in rundb.db.table("evals").rows_where("run = ?", [run], order_by="id")]
 
 
 def leading_tasks_success(rundb: RunDB, run: str, stage: str, tasks: int) -> float | None:

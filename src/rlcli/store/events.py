@@ -41,5 +41,5 @@ def list_events(rundb: RunDB, run: str, kind: str | None = None) -> list[RunEven
     where, params = "run = ?", [run]
     if kind is not None:
         where, params = where + " and kind = ?", params + [kind]
-    rows = rundb.db["run_events"].rows_where(where, params, order_by="id")
+    rows = rundb.db.table("run_events").rows_where(where, params, order_by="id")
     return [RunEvent(**{**row, "details": json.loads(row["details"] or "{}")}) for row in rows]

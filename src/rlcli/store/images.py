@@ -12,7 +12,7 @@ from rlcli.store.db import RunDB, now
 def insert_images(db: Database, pngs: dict[str, bytes]) -> None:
     """Store PNGs by hash inside the caller's transaction; one already stored is left as it is."""
     if pngs:
-        db["images"].insert_all(
+        db.table("images").insert_all(
             ({"sha256": sha, "png": data, **_png_size(data), "created_at": now()} for sha, data in pngs.items()),
             ignore=True,
         )

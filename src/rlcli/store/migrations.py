@@ -10,7 +10,7 @@ migrations = Migrations("rlcli")
 
 @migrations(name="001_initial")
 def initial(db: Database) -> None:
-    db["runs"].create(
+    db.table("runs").create(
         {
             "name": str,
             "status": str,  # created | running | done | failed
@@ -26,7 +26,7 @@ def initial(db: Database) -> None:
         },
         pk="name",
     )
-    db["stages"].create(
+    db.table("stages").create(
         {
             "id": int,
             "run": str,
@@ -42,8 +42,8 @@ def initial(db: Database) -> None:
         pk="id",
         foreign_keys=[("run", "runs", "name")],
     )
-    db["stages"].create_index(["run", "name"], unique=True)
-    db["episodes"].create(
+    db.table("stages").create_index(["run", "name"], unique=True)
+    db.table("episodes").create(
         {
             "id": int,
             "run": str,
@@ -69,8 +69,8 @@ def initial(db: Database) -> None:
         pk="id",
         foreign_keys=[("run", "runs", "name")],
     )
-    db["episodes"].create_index(["run", "stage", "task_index", "sample_index"], unique=True)
-    db["turns"].create(
+    db.table("episodes").create_index(["run", "stage", "task_index", "sample_index"], unique=True)
+    db.table("turns").create(
         {
             "id": int,
             "episode_id": int,
@@ -90,8 +90,8 @@ def initial(db: Database) -> None:
         pk="id",
         foreign_keys=[("episode_id", "episodes", "id")],
     )
-    db["turns"].create_index(["episode_id", "turn_index"], unique=True)
-    db["rewards"].create(
+    db.table("turns").create_index(["episode_id", "turn_index"], unique=True)
+    db.table("rewards").create(
         {
             "id": int,
             "episode_id": int,
@@ -104,14 +104,14 @@ def initial(db: Database) -> None:
         pk="id",
         foreign_keys=[("episode_id", "episodes", "id")],
     )
-    db["rewards"].create_index(["episode_id", "label_set", "component"], unique=True)
-    db["metrics"].create(
+    db.table("rewards").create_index(["episode_id", "label_set", "component"], unique=True)
+    db.table("metrics").create(
         {"id": int, "run": str, "stage": str, "step": int, "key": str, "value": float, "created_at": str},
         pk="id",
         foreign_keys=[("run", "runs", "name")],
     )
-    db["metrics"].create_index(["run", "stage", "step", "key"], unique=True)
-    db["checkpoints"].create(
+    db.table("metrics").create_index(["run", "stage", "step", "key"], unique=True)
+    db.table("checkpoints").create(
         {
             "id": int,
             "run": str,
@@ -124,7 +124,7 @@ def initial(db: Database) -> None:
         pk="id",
         foreign_keys=[("run", "runs", "name")],
     )
-    db["evals"].create(
+    db.table("evals").create(
         {
             "id": int,
             "run": str,
@@ -154,15 +154,15 @@ def initial(db: Database) -> None:
 def episode_attempts(db: Database) -> None:
     # A failed episode whose error may not recur (an env call timed out) is played again when its
     # stage is resumed; the row it replaces leaves its count behind.
-    db["episodes"].add_column("attempts", int, not_null_default=1)  # times this episode was played
-    db["episodes"].add_column("transient", int, not_null_default=0)  # 1: failed in a way worth retrying
+    db.table("episodes").add_column("attempts", int, not_null_default=1)  # times this episode was played
+    db.table("episodes").add_column("transient", int, not_null_default=0)  # 1: failed in a way worth retrying
 
 
 @migrations(name="003_run_recipes")
 def run_recipes(db: Database) -> None:
     # Every recipe a run has used, and the hashes of the code files it names: --force and edited
     # env or reward files leave a trace instead of overwriting the only record.
-    db["run_recipes"].create(
+    db.table("run_recipes").create(
         {
             "id": int,
             "run": str,
@@ -175,7 +175,7 @@ def run_recipes(db: Database) -> None:
         pk="id",
         foreign_keys=[("run", "runs", "name")],
     )
-    db["run_recipes"].create_index(["run", "id"])
+    db.table("run_recipes").create_index(["run", "id"])
     # Runs of an older rlcli start their history with the recipe they have now.
     db.execute(
         "insert into run_recipes (run, recipe, recipe_sha256, code, reason, created_at) "
@@ -187,7 +187,7 @@ def run_recipes(db: Database) -> None:
 def run_events(db: Database) -> None:
     # Warnings raised while a run trains (engine/guardrails.py), kept so that `runs show` lists them
     # after the fact. One per (run, kind, iteration): a resumed iteration does not repeat them.
-    db["run_events"].create(
+    db.table("run_events").create(
         {
             "id": int,
             "run": str,
@@ -202,14 +202,14 @@ def run_events(db: Database) -> None:
         not_null={"run", "iteration", "kind"},
         foreign_keys=[("run", "runs", "name")],
     )
-    db["run_events"].create_index(["run", "kind", "iteration"], unique=True)
+    db.table("run_events").create_index(["run", "kind", "iteration"], unique=True)
 
 
 @migrations(name="005_task_stats")
 def task_stats(db: Database) -> None:
     # Per-task statistics of a run's training tasks (store/tasks.py), recomputed from the episodes
     # and their labels after every labelled GRPO rollout; the curriculum and `runs tasks` read them.
-    db["task_stats"].create(
+    db.table("task_stats").create(
         {
             "run": str,
             "label_set": str,  # the labels the rewards come from (grpo: GRPO's own)
@@ -229,7 +229,7 @@ def task_stats(db: Database) -> None:
 def dpo_pairs(db: Database) -> None:
     # The preference pairs a DPO stage mined from a run's labelled groups (engine/pairs.py) and
     # trained on: which episodes, from which turn on, and their rewards.
-    db["dpo_pairs"].create(
+    db.table("dpo_pairs").create(
         {
             "id": int,
             "run": str,
@@ -253,36 +253,36 @@ def dpo_pairs(db: Database) -> None:
             ("rejected_episode_id", "episodes", "id"),
         ],
     )
-    db["dpo_pairs"].create_index(["run", "stage", "chosen_episode_id", "rejected_episode_id"], unique=True)
+    db.table("dpo_pairs").create_index(["run", "stage", "chosen_episode_id", "rejected_episode_id"], unique=True)
 
 
 @migrations(name="007_images")
 def images(db: Database) -> None:
     # The images of vision-language episodes (store/images.py): each stored once, as PNG, named by
     # the sha256 of those bytes; a turn lists the hashes of the images in its prompt, in order.
-    db["images"].create(
+    db.table("images").create(
         {"sha256": str, "png": bytes, "width": int, "height": int, "created_at": str},
         pk="sha256",
     )
-    db["turns"].add_column("images", str)  # JSON list of sha256; null for turns without images
+    db.table("turns").add_column("images", str)  # JSON list of sha256; null for turns without images
 
 
 @migrations(name="008_replays")
 def replays(db: Database) -> None:
     # grpo.replay (store/replays.py): a stored successful episode that a later GRPO iteration trained
     # on again, in a group whose own episodes had no success.
-    db["replays"].create(
+    db.table("replays").create(
         {"id": int, "run": str, "iteration": int, "episode_id": int, "task_index": int, "created_at": str},
         pk="id",
         foreign_keys=[("run", "runs", "name"), ("episode_id", "episodes", "id")],
     )
-    db["replays"].create_index(["run", "iteration", "episode_id"], unique=True)
+    db.table("replays").create_index(["run", "iteration", "episode_id"], unique=True)
 
 
 @migrations(name="009_run_error")
 def run_error(db: Database) -> None:
     # Why the run's last command failed (`rlcli runs show`); null while it runs and once it is done.
-    db["runs"].add_column("error", str)
+    db.table("runs").add_column("error", str)
 
 
 @migrations(name="010_episode_losses")
@@ -290,5 +290,5 @@ def episode_losses(db: Database) -> None:
     # An episode whose env was lost with a worker killed during another episode's call is played again
     # in its stage (engine/rollout.py): how many of its attempts were lost so, and how each earlier
     # attempt ended.
-    db["episodes"].add_column("lost", int, not_null_default=0)
-    db["episodes"].add_column("earlier_errors", str)
+    db.table("episodes").add_column("lost", int, not_null_default=0)
+    db.table("episodes").add_column("earlier_errors", str)

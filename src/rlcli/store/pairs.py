@@ -29,7 +29,7 @@ class PairRecord:
 def record_pairs(rundb: RunDB, run: str, stage: str, pairs: list[PairRecord]) -> None:
     """A stage's pairs, all in one transaction (a kill records all of them or none)."""
     with rundb.transaction() as db:
-        db["dpo_pairs"].insert_all({"run": run, "stage": stage, **asdict(p), "created_at": now()} for p in pairs)
+        db.table("dpo_pairs").insert_all({"run": run, "stage": stage, **asdict(p), "created_at": now()} for p in pairs)
 
 
 def stage_pairs(rundb: RunDB, run: str, stage: str) -> list[PairRecord]:

@@ -35,7 +35,7 @@ def record_replays(rundb: RunDB, run: str, iteration: int, episodes: list[tuple[
         {"run": run, "iteration": iteration, "episode_id": e, "task_index": t, "created_at": now()} for e, t in episodes
     ]
     if rows:
-        rundb.db["replays"].upsert_all(rows, pk=("run", "iteration", "episode_id"), alter=False)
+        rundb.db.table("replays").upsert_all(rows, pk=("run", "iteration", "episode_id"), alter=False)
 
 
 def replays(rundb: RunDB, run: str) -> list[tuple[int, int, int]]:

@@ -31,7 +31,7 @@ class RunLock:
 
     def __init__(self, runs_dir: Path, run: str):
         self.path = Path(runs_dir) / run / "lock"
-        self._fh = None
+        self._fh: IO[str] | None = None
 
     def __enter__(self) -> RunLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)

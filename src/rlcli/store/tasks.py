@@ -43,7 +43,8 @@ def compute_task_stats(
 ) -> list[TaskStats]:
     """The stats straight from the episodes and labels; `before_iteration` counts only GRPO
     iterations before it (what a draw for that iteration may know), `tasks` only those tasks."""
-    extra, params = "", [label_set, TOTAL, run]
+    extra = ""
+    params: list[str | int] = [label_set, TOTAL, run]
     if before_iteration is not None:
         extra += " and e.iteration is not null and e.iteration < ?"
         params.append(before_iteration)
@@ -68,7 +69,7 @@ def refresh_task_stats(rundb: RunDB, run: str, stage: str, label_set: str) -> in
         return 0
     stats = compute_task_stats(rundb, run, label_set, tasks=tasks)
     with rundb.transaction() as db:
-        db["task_stats"].upsert_all(
+        db.table("task_stats").upsert_all(
             [
                 {
                     "run": run,
