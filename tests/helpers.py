@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sqlite3
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -79,20 +81,13 @@ def run_cli(args: list[str], runs_dir: Path, cwd: Path | None = None, timeout: i
 
 
 def kill_sft_at_a_checkpoint_and_resume(recipe: Path, runs: Path, run: str = "t") -> subprocess.CompletedProcess:
-    """Start `rlcli sft`, kill -9 it as soon as its first Trainer checkpoint is complete, run the same
-    command again and return that run (which should resume from the checkpoint)."""
-    command = [str(Path(sys.executable).parent / "rlcli"), "sft", "-r", str(recipe)]
+    """Start `rlcli sft`, kill -9 it at its first database write after its first Trainer checkpoint is
+    complete (its trainer_state.json is written last), run the same command again and return that run
+    (which should resume from the checkpoint)."""
     checkpoints = runs / run / "sft"
-    proc = subprocess.Popen(command, env=cli_env(runs), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    # Wait for a complete checkpoint (its trainer_state.json is written last), then kill at once.
-    while (
-        time.time() < deadline and proc.poll() is None and not list(checkpoints.glob("checkpoint-*/trainer_state.json"))
-    ):
-        time.sleep(0.05)
-    assert proc.poll() is None, "sft ended before a checkpoint appeared; give it more steps"
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    event = {"glob": "checkpoint-*/trainer_state.json", "root": str(checkpoints)}
+    kill_at_event(["sft", "-r", str(recipe)], runs, event, cwd=REPO, timeout=300)
+    command = [str(Path(sys.executable).parent / "rlcli"), "sft", "-r", str(recipe)]
     return subprocess.run(command, env=cli_env(runs), cwd=REPO, capture_output=True, text=True, timeout=300)
 
 
@@ -112,19 +107,38 @@ def sequence_logprobs(model, ids: list[int], start: int):
     return torch.log_softmax(logits, -1).gather(-1, target[:, None])[:, 0].cpu()  # compared with stored lists
 
 
+STOP_AT = REPO / "tests" / "stop_at.py"
+
+
+def kill_at_event(args: list[str], runs: Path, event: dict, timeout: float = 180, cwd: Path | None = None) -> None:
+    """Start `rlcli ARGS`; it stops itself at its first database write once `event` has happened
+    (tests/stop_at.py says which events), and is SIGKILLed there. Fails if it ended or ran out of time
+    before the event. A kill at a known point: a loaded machine cannot carry the run past it."""
+    with tempfile.TemporaryFile("w+") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, str(STOP_AT), json.dumps(event), *args],
+            env=cli_env(runs),
+            cwd=cwd,
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+            text=True,
+        )
+        deadline, state = time.time() + timeout, None
+        while state is None and time.time() < deadline:
+            time.sleep(0.02)
+            # Stopped or ended; WNOWAIT leaves the status for proc.wait() below.
+            state = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WSTOPPED | os.WNOWAIT | os.WNOHANG)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        if state is None or state.si_code != os.CLD_STOPPED:
+            stderr.seek(0)
+            what = "ran out of time" if state is None else f"ended (exit status {state.si_status})"
+            raise AssertionError(f"rlcli {' '.join(args)} {what} before {event}:\n{stderr.read()[-4000:]}")
+
+
 def kill_when(args: list[str], runs, sql: str, at_least: int, timeout: float = 180) -> int:
-    """Start `rlcli ARGS`, SIGKILL it as soon as `sql` counts at least `at_least`; return that count."""
-    proc = subprocess.Popen(RLCLI + args, env=cli_env(runs), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline, count = time.time() + timeout, 0
-    while time.time() < deadline and proc.poll() is None:
-        time.sleep(0.05)
-        try:
-            with sqlite3.connect(runs / "rlcli.db") as conn:
-                count = conn.execute(sql).fetchone()[0]
-        except sqlite3.Error:  # not created yet, or busy
-            continue
-        if count >= at_least:
-            break
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    return count
+    """Start `rlcli ARGS`, SIGKILL it at its first database write once `sql` counts at least `at_least`;
+    return what `sql` counts then."""
+    kill_at_event(args, runs, {"sql": sql, "at_least": at_least}, timeout)
+    with sqlite3.connect(runs / "rlcli.db") as conn:
+        return conn.execute(sql).fetchone()[0]
