@@ -11,6 +11,7 @@ import difflib
 import hashlib
 import json
 import types
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
@@ -18,12 +19,13 @@ from typing import Any, Literal, Union, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
+from pydantic.json_schema import JsonDict
 
 from rlcli.errors import UsageError
 
 # Fields marked resume_safe may change between invocations of the same run without --force:
 # they change how long or how fast a run goes, not what its finished work means.
-RESUME_SAFE = {"resume_safe": True}
+RESUME_SAFE: JsonDict = {"resume_safe": True}
 
 
 class Section(BaseModel):
@@ -655,7 +657,7 @@ class Recipe(Section):
 # --- loading ---------------------------------------------------------------
 
 
-def load_recipe(path: str | Path | None, overrides: list[str] = ()) -> Recipe:
+def load_recipe(path: str | Path | None, overrides: Sequence[str] = ()) -> Recipe:
     """Read a YAML recipe (or the defaults when path is None), apply key=value overrides, validate."""
     where = str(path) if path else "the default recipe"
     data: dict[str, Any] = {}
@@ -772,9 +774,10 @@ def _did_you_mean(loc: list[str]) -> str:
         field = model.model_fields.get(part)
         if field is None:
             return ""
-        model = _section_type(field.annotation)
-        if model is None:
+        section = _section_type(field.annotation)
+        if section is None:
             return ""
+        model = section
     close = difflib.get_close_matches(loc[-1], list(model.model_fields), n=1, cutoff=0.6)
     prefix = ".".join(p for p in loc[:-1])
     if close:
@@ -893,6 +896,7 @@ def schema_docs(name: str | None = None) -> list[SectionDoc]:
 
 def _section_doc(name: str, info: FieldInfo) -> SectionDoc:
     model = _section_type(info.annotation)
+    assert model is not None, f"{name}: every field of Recipe is a section"
     fields = [_field_doc(f"{name}.{field}", field_info) for field, field_info in model.model_fields.items()]
     return SectionDoc(name, _type_text(info), info.description or "", fields)
 

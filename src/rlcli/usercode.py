@@ -27,6 +27,8 @@ def import_file(path: Path) -> ModuleType:
     if name in sys.modules:
         return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:  # not a name Python imports (the callers pass .py files)
+        raise UsageError(f"file {path} is not a Python file.")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses and pickle look a module up by name
     try:

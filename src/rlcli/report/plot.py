@@ -17,7 +17,7 @@ from rlcli.store.records import EvalResult
 # Default panels: (title, metric keys drawn in it). A panel whose keys are all missing is skipped.
 # Held-out success (grpo.eval_every) shares the success panel: train success rising while held-out
 # success falls is the reward hacking to catch.
-DEFAULT_PANELS = (
+DEFAULT_PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Reward (mean ± std)", (REWARD_KEY,)),
     ("Success rate: train rollouts and held-out", (SUCCESS_KEY, HELDOUT_KEY)),
     ("Policy loss", ("train/loss",)),
@@ -38,7 +38,7 @@ def plot_run(rundb: RunDB, name: str, out: Path, metrics: list[str] | None = Non
         if missing:
             known = ", ".join(series) or "none"
             raise UsageError(f"Run {name!r} has no metric {missing[0]!r}; its metrics: {known}.")
-        panels = [(key, (key,)) for key in metrics]
+        panels: list[tuple[str, tuple[str, ...]]] = [(key, (key,)) for key in metrics]
     else:
         panels = [(title, keys) for title, keys in DEFAULT_PANELS if any(k in series for k in keys)]
     show_evals = bool(evals) and not metrics

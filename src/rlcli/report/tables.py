@@ -204,7 +204,7 @@ def evals_table(rows: list[dict[str, Any]]) -> Table:
     for col in columns:
         table.add_column(col, justify="left" if col == "checkpoint" else "right", min_width=min(len(col), 8))
     for r, n_failed in zip(rows, failed):
-        cells = [
+        cells: list[Text | str] = [
             literal(r.get("label") or r["checkpoint"]),
             f"{r['tasks']}×{r['k']}",
             f"{r['success_rate']:.1%}",
