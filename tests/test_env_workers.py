@@ -7,6 +7,7 @@ import os
 import signal
 import sqlite3
 import subprocess
+import sys
 import time
 
 import pytest
@@ -520,6 +521,93 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+# An env with a subprocess of its own (a `sleep`, standing for a game server or a browser): its pid
+# goes to the file `children` beside the env file. `crash` kills the worker, `hang` outlasts the limit.
+CHILD_ENV = """
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+class WithChild:
+    def reset(self, seed):
+        self.child = subprocess.Popen(["sleep", "300"])
+        with Path(__file__).with_name("children").open("a") as f:
+            f.write(f"{self.child.pid}\\n")
+        return "Say anything.", {"task": {}}
+    def step(self, action):
+        if action == "crash":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if action == "hang":
+            time.sleep(3600)
+        return "ok", 1.0, True, False, {}
+
+def make_env():
+    return WithChild()
+"""
+
+
+def _children(folder) -> list[int]:
+    path = folder / "children"
+    return [int(p) for p in path.read_text().split()] if path.exists() else []
+
+
+def _gone(pids: list[int], within_s: float = 20) -> bool:
+    deadline = time.time() + within_s
+    while time.time() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.05)
+    return not any(_alive(p) for p in pids)
+
+
+@pytest.mark.parametrize("action", ["crash", "hang"])
+def test_an_envs_subprocesses_die_with_its_crashed_or_timed_out_worker(tmp_path, action):
+    env_file = write_env_file(tmp_path / "child.py", CHILD_ENV)
+    with EnvWorkerPool(str(env_file), {}, 1, timeout_s=2, root=tmp_path) as pool:
+        key = pool.reset(0)
+        [reply] = pool.replies()
+        assert reply.failure is None, reply.failure
+        [child] = _children(tmp_path)
+        assert _alive(child)
+        pool.step(key, action)
+        [reply] = pool.replies()
+        assert "killed by SIGKILL" in str(reply.failure) or "time limit" in str(reply.failure), reply.failure
+        assert _gone([child]), f"the env's subprocess outlived its {action}ed worker"
+        # The replacement worker serves new envs.
+        key = pool.reset(1)
+        [reply] = pool.replies()
+        assert reply.failure is None, reply.failure
+    assert _gone(_children(tmp_path)), "an env's subprocess outlived the closed pool"
+
+
+KILLED_PARENT = """
+import sys, time
+from rlcli.envs.workers import EnvWorkerPool
+
+pool = EnvWorkerPool(sys.argv[1], {}, 1, timeout_s=30)
+pool.reset(0)
+assert pool.replies()[0].failure is None
+print(pool.workers[0].process.pid, flush=True)
+time.sleep(3600)
+"""
+
+
+def test_an_envs_subprocesses_die_with_a_killed_rlcli(tmp_path):
+    env_file = write_env_file(tmp_path / "child.py", CHILD_ENV)
+    parent = subprocess.Popen(
+        [sys.executable, "-c", KILLED_PARENT, str(env_file)], cwd=tmp_path, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        worker = int(parent.stdout.readline())
+        [child] = _children(tmp_path)
+        assert _alive(worker) and _alive(child)
+    finally:
+        parent.kill()  # kill -9: nothing of rlcli's runs after it
+        parent.wait()
+    assert _gone([worker]), "the env worker outlived the killed main process"
+    assert _gone([child]), "the env's subprocess outlived the killed main process"
 
 
 # --- run.threads --------------------------------------------------------------------

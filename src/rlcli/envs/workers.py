@@ -25,6 +25,10 @@ Worker processes (`EnvWorkerPool`):
   episode's env with it;
 - die with the main process: the kernel kills them when it dies (Linux), and they exit when their
   pipe to it closes;
+- take their env's own subprocesses with them, however they end: each leads its own process group,
+  killed as a whole on a time-out, and a watcher process forked into the group kills it when the
+  worker dies (a crash, the kernel killing it with a kill -9'd main process), which a dying worker
+  cannot do itself. A subprocess that starts a session or group of its own (setsid) is out of reach;
 - may get limits: env.worker_memory_mb (address space, RLIMIT_AS: past it allocations fail with
   MemoryError) and env.worker_cpu_s (CPU seconds per call, RLIMIT_CPU: past it the kernel kills
   the worker).
@@ -450,6 +454,7 @@ def serve(conn: Connection, spec: WorkerSpec) -> None:
     _die_with_parent(spec.parent_pid)
     os.setpgid(0, 0)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
+    _watch_group()
     _limit(spec)
     sys.path[:] = spec.sys_path
     os.chdir(spec.root)
@@ -530,6 +535,35 @@ def _die_with_parent(parent_pid: int) -> None:
         pr_set_pdeathsig = 1
         ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
     if os.getppid() != parent_pid:  # it died before the request above took effect
+        os._exit(0)
+
+
+def _watch_group() -> None:
+    """Fork a watcher into this worker's process group that kills the group when the worker dies.
+
+    A worker that crashes, or that the kernel kills with the main process, runs no clean-up of its
+    own, and its env's subprocesses (a game server, a browser) would live on, re-parented to init.
+    The watcher is forked before any env code runs; it only waits, so forking is safe here.
+    """
+    worker = os.getpid()
+    if os.fork():
+        return
+    try:
+        os.closerange(3, 1 << 16)  # holds no pipe end open: the main process still reads EOF at a death
+        if sys.platform.startswith("linux"):
+            import ctypes
+
+            # The kernel tells the watcher of the worker's death at once; the signal stays blocked
+            # and is taken by sigtimedwait, and the time-out re-checks the parent all the same.
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGUSR1)  # PR_SET_PDEATHSIG
+            while os.getppid() == worker:
+                signal.sigtimedwait({signal.SIGUSR1}, 5.0)
+        else:
+            while os.getppid() == worker:
+                time.sleep(0.5)
+        os.killpg(worker, signal.SIGKILL)  # the group, the watcher last of all
+    finally:
         os._exit(0)
 
 
