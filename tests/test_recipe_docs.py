@@ -103,3 +103,14 @@ def test_database_docs_list_every_field_that_may_change_on_resume():
     listed = set(re.findall(r"`([a-z_]+\.[a-z_]+)`", paragraph))
     safe = {f.path for section in schema_docs() for f in section.fields if f.resume_safe}
     assert listed == safe, f"missing: {sorted(safe - listed)}; not resume-safe: {sorted(listed - safe)}"
+
+
+def test_the_docs_say_that_with_env_workers_0_a_timed_out_call_runs_on_in_a_thread():
+    """With env.workers 0 a call past env.step_timeout_s cannot be stopped: each leaves a thread
+    running. The fields that choose this and the env docs say so."""
+    for path in ("env.workers", "env.step_timeout_s"):
+        [section] = schema_docs(path)
+        [field] = section.fields
+        assert "thread" in field.description and "each" in field.description, path
+    text = (DOCS.parent / "environments.md").read_text()
+    assert "each timed-out call leaves a thread running" in " ".join(text.split())

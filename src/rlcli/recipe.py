@@ -134,7 +134,8 @@ class EnvSection(Section):
         gt=0,
         description="An env reset or step slower than this fails the episode (end_reason env_timeout). With "
         "env.workers the worker running it is killed and replaced, and the episodes whose envs it also held are "
-        "played again from their start in the same stage.",
+        "played again from their start in the same stage. With env.workers 0 the call cannot be stopped: each "
+        "timed-out call runs on in a thread of rlcli's until it returns (for a step stuck in C code, never).",
     )
     timeout_retries: int = Field(
         0,
@@ -154,9 +155,10 @@ class EnvSection(Section):
     workers: int = Field(
         0,
         ge=0,
-        description="Worker processes running the envs; 0 runs them in the main process. With workers, a hung "
-        "env is killed at env.step_timeout_s, a crashing one fails only its episodes, and the policy samples "
-        "while envs step. Same seeds give the same episodes whatever the number.",
+        description="Worker processes running the envs; 0 runs them in the main process, where each call past "
+        "env.step_timeout_s leaves a thread running (a core busy, its memory held) until it returns. With workers, "
+        "a hung env is killed at env.step_timeout_s, a crashing one fails only its episodes, and the policy "
+        "samples while envs step. Same seeds give the same episodes whatever the number.",
         json_schema_extra=RESUME_SAFE,
     )
     workers_backend: Literal["process", "ray"] = Field(
