@@ -8,7 +8,7 @@ import importlib.resources
 import inspect
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from rlcli.envs.protocol import Env, EnvFactory
 from rlcli.errors import UsageError
@@ -96,7 +96,7 @@ def _resolve_factory(target: str, attr: str | None, root: Path, name: str) -> Ca
         if inspect.isclass(c) and c.__module__ == module.__name__ and hasattr(c, "reset") and hasattr(c, "step")
     ]
     if len(classes) == 1:
-        return classes[0]
+        return cast("Callable[..., Env]", classes[0])  # a class with reset and step: an env per call
     raise UsageError(f"env.name {name!r}: define make_env(**kwargs) or name the factory as {name}:Factory.")
 
 

@@ -30,16 +30,17 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
-from rlcli.envs.protocol import EnvFailure
+from rlcli.envs.protocol import EnvFactory, EnvFailure
 from rlcli.envs.workers import EnvReply, RemoteEnvs, WorkerSpec, _handle, _Request, _text
 from rlcli.errors import UsageError
 
 START_TIMEOUT_S = 300.0  # how long the first actors may take to be placed and to build their env factory
 
 
-def import_ray():
+def import_ray() -> ModuleType:
     """Ray, or one sentence saying how to install it."""
     try:
         import ray
@@ -65,7 +66,8 @@ class EnvActor:
 
         self.cpu_s = spec.cpu_s
         self.envs: dict[int, Any] = {}
-        self.factory, self.usage = None, None
+        self.factory: EnvFactory | None = None
+        self.usage: str | None = None  # why the factory could not be built
         try:
             self.factory = load_env(spec.env_name, spec.env_kwargs, Path.cwd())
         except UsageError as exc:
@@ -77,7 +79,7 @@ class EnvActor:
 
     def call(self, op: str, key: int, arg: Any) -> tuple:
         """What `_handle` answers in a worker process, or ("usage", why)."""
-        if self.usage is not None:
+        if self.factory is None:
             return ("usage", self.usage)
         try:
             return _handle(self.envs, self.factory, self.cpu_s, op, key, arg)
@@ -249,7 +251,7 @@ class RayEnvHost(RemoteEnvs):
         self._place()
 
 
-def _start_ray(ray, address: str | None, workers: int) -> None:
+def _start_ray(ray: ModuleType, address: str | None, workers: int) -> None:
     """Start or join Ray unless this process already has (a caller's own ray.init comes first)."""
     if ray.is_initialized():
         return

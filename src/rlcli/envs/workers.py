@@ -48,7 +48,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from rlcli.envs.protocol import EnvFailure, EnvTimeout, call_with_timeout
 from rlcli.errors import UsageError
@@ -99,7 +99,7 @@ class InProcessEnvs:
     def __enter__(self) -> InProcessEnvs:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.envs.clear()
 
     def reset(self, seed: int) -> int:
@@ -185,6 +185,9 @@ class _Worker:
     hosted: set[int] = field(default_factory=set)  # keys of the live envs it holds
 
 
+_Hosts = TypeVar("_Hosts", bound="RemoteEnvs")
+
+
 class RemoteEnvs:
     """What the two remote backends (worker processes, Ray actors) share: which slot hosts which env,
     the resets waiting for a slot, the envs lost with a replaced slot, the answers waiting to be read,
@@ -202,10 +205,10 @@ class RemoteEnvs:
         self.answered: list[EnvReply] = []
         self.next_key = 0
 
-    def __enter__(self):
+    def __enter__(self: _Hosts) -> _Hosts:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def slots(self) -> list[Any]:

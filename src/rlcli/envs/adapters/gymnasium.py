@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 from urllib.parse import parse_qsl
 
 import gymnasium
@@ -39,6 +39,9 @@ from gymnasium import spaces
 
 from rlcli.envs.parsing import parse_last_number
 from rlcli.errors import UsageError
+
+if TYPE_CHECKING:
+    import numpy as np
 
 MAX_VECTOR = 64  # more numbers than this per observation is not something to read as text
 RENDERS = ("text", "image")  # the values of the URI option ?render=
@@ -168,7 +171,7 @@ class GymnasiumEnv:
         else:
             self.how_to_act = "Each turn reply with your action as text."
 
-    def reset(self, seed: int):
+    def reset(self, seed: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         obs, _ = self.env.reset(seed=seed)
         about = self.known.about if self.known else f"You are acting in the Gymnasium environment {self.env_id}."
         if self.image:
@@ -176,14 +179,14 @@ class GymnasiumEnv:
         messages = [{"role": "system", "content": f"{about} {self.how_to_act}"}, self._user("", obs, "")]
         return messages, {"task": {"env_id": self.env_id, "seed": seed}}
 
-    def step(self, action: str):
+    def step(self, action: str) -> tuple[Any, float, bool, bool, dict[str, Any]]:
         chosen = self._parse(action)
         if chosen is None:
             reward = self.invalid_action_reward
             feedback = self._user(f"Invalid action. {self.how_to_act}", self.last_obs, f"Reward: {reward:g}")
             return _reply(feedback), reward, False, False, {"valid": False}
-        obs, reward, terminated, truncated, _ = self.env.step(chosen)
-        reward = float(reward)
+        obs, raw_reward, terminated, truncated, _ = self.env.step(chosen)
+        reward = float(raw_reward)
         after = f"Reward: {reward:g}"
         info: dict[str, Any] = {"valid": True}
         if terminated or truncated:
@@ -198,13 +201,13 @@ class GymnasiumEnv:
             return {"role": "user", "content": text}
         from PIL import Image
 
-        frame = Image.fromarray(self.env.render())
+        frame = Image.fromarray(cast("np.ndarray", self.env.render()))  # render_mode rgb_array
         return {"role": "user", "content": [{"type": "text", "text": text}, {"type": "image", "image": frame}]}
 
     def _show(self, obs: Any) -> str:
         self.last_obs = obs
         if self.env.render_mode == "ansi":
-            return ansi_to_text(self.env.render())
+            return ansi_to_text(cast(str, self.env.render()))
         if isinstance(self.env.observation_space, spaces.Text):
             return str(obs)
         if not is_text_representable(self.env.observation_space):
@@ -291,7 +294,9 @@ def uri_options(uri: str) -> tuple[str, bool]:
 
 def _render_modes(spec: gymnasium.envs.registration.EnvSpec) -> list[str]:
     """The env class's render modes, read without building it (ansi renders are what an agent can read)."""
-    creator = spec.entry_point
-    if isinstance(creator, str):
-        creator = gymnasium.envs.registration.load_env_creator(creator)
+    entry_point = spec.entry_point
+    if isinstance(entry_point, str):
+        creator: Any = gymnasium.envs.registration.load_env_creator(entry_point)
+    else:
+        creator = entry_point
     return list(getattr(creator, "metadata", {}).get("render_modes", []))

@@ -48,7 +48,7 @@ class ReasoningGymEnv:
         self.strict_format, self.substring_credit = strict_format, substring_credit
         self.entry: dict[str, Any] | None = None
 
-    def reset(self, seed: int):
+    def reset(self, seed: int) -> tuple[list[dict[str, str]], dict[str, Any]]:
         self.data = reasoning_gym.create_dataset(self.dataset, seed=seed, size=1, **self.config)
         self.entry = self.data[0]
         messages = [
@@ -63,7 +63,7 @@ class ReasoningGymEnv:
         }
         return messages, {"task": task}
 
-    def step(self, action: str):
+    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
         tagged = parse_answer_tag(action)
         if tagged is None and self.strict_format:
             feedback = (
@@ -82,16 +82,23 @@ class ReasoningGymEnv:
     def _score(self, answer: str) -> float:
         if not self.substring_credit and type(self.data).score_answer is ProceduralDataset.score_answer:
             # The generic verifier's only partial credit is for containing the reference answer.
-            return 1.0 if answer == self.entry["answer"] else 0.0
+            return 1.0 if answer == self._current()["answer"] else 0.0
         try:
-            return float(self.data.score_answer(answer, self.entry))
+            return float(self.data.score_answer(answer, self._current()))
         except Exception:  # some verifiers raise on malformed answers: that is a wrong answer, not a crash
             return 0.0
 
     def _with_expected(self, feedback: str) -> str:
-        if self.entry["answer"] is None:
+        answer = self._current()["answer"]
+        if answer is None:
             return feedback
-        return f"{feedback} The expected answer was: {self.entry['answer']}"
+        return f"{feedback} The expected answer was: {answer}"
+
+    def _current(self) -> dict[str, Any]:
+        """The task that reset() drew."""
+        if self.entry is None:
+            raise RuntimeError("call reset() before step()")
+        return self.entry
 
     def expert_action(self) -> str:
         if self.entry is None:

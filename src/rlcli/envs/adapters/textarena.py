@@ -85,7 +85,7 @@ class TextArenaEnv:
             self._random_state = random.getstate()
             random.setstate(outside)
 
-    def reset(self, seed: int):
+    def reset(self, seed: int) -> tuple[str, dict[str, Any]]:
         with _no_downloads(), self._own_random(seed):
             self.game.reset(num_players=1, seed=seed)
         if not isinstance(self.inner.state, ta.SinglePlayerState):
@@ -94,7 +94,7 @@ class TextArenaEnv:
             )
         return self._new_messages(), {"task": {"game": self.game_id, "seed": seed}}
 
-    def step(self, action: str):
+    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
         with self._own_random():
             done, _ = self.game.step(action)
         text = self._new_messages()
