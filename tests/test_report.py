@@ -406,6 +406,56 @@ def test_export_round_trips(capsys, runs_dir, tmp_path, fmt):
         rundb.close()
 
 
+def test_export_of_a_running_run_reads_one_snapshot(capsys, runs_dir, tmp_path, monkeypatch):
+    """Another process writing to the run while it is exported (a rollout storing a chunk) must not
+    leave the files in a mixed state: every table, and run.json, as of one moment."""
+    import itertools
+    import sqlite3
+
+    import sqlite_utils
+
+    from rlcli.report import export
+
+    stored = itertools.count()
+
+    def store_an_episode() -> None:  # as a running rollout would, from its own connection
+        db = sqlite_utils.Database(sqlite3.connect(str(runs_dir / DB_NAME), timeout=30))
+        with db.conn:
+            first = db.execute("select min(id) from episodes where run = 'demo'").fetchone()[0]
+            row = {k: v for k, v in db["episodes"].get(first).items() if k != "id"}
+            episode = db["episodes"].insert({**row, "stage": f"rollout/{3 + next(stored)}"}).last_pk
+            for turn in db["turns"].rows_where("episode_id = ?", [first]):
+                db["turns"].insert({**{k: v for k, v in turn.items() if k != "id"}, "episode_id": episode})
+            for reward in db["rewards"].rows_where("episode_id = ?", [first]):
+                db["rewards"].insert({**{k: v for k, v in reward.items() if k != "id"}, "episode_id": episode})
+            db["metrics"].insert(
+                {"run": "demo", "stage": "grpo", "step": 3 + next(stored), "key": "rollout/reward_mean", "value": 1}
+            )
+        db.conn.close()
+
+    written = export._write_jsonl
+
+    def write_then_store(path, rows):
+        count = written(path, rows)
+        store_an_episode()  # between one table's read and the next's
+        return count
+
+    monkeypatch.setattr(export, "_write_jsonl", write_then_store)
+    out_dir = tmp_path / "export"
+    code, _, err = cli(capsys, "runs", "export", "demo", "--out", out_dir)
+    assert code == 0, err
+    episodes = {e["id"] for e in read_table(out_dir / "episodes.jsonl")}
+    turns = read_table(out_dir / "turns.jsonl")
+    rewards = read_table(out_dir / "rewards.jsonl")
+    assert len(episodes) == 12 and len(turns) == 12 and {t["episode_id"] for t in turns} == episodes
+    assert {r["episode_id"] for r in rewards} <= episodes
+    assert len(read_table(out_dir / "metrics.jsonl")) == 3 * 6 + 5
+    run = json.loads((out_dir / "run.json").read_text())
+    assert run["episodes"]["total"] == 12
+    with sqlite3.connect(runs_dir / DB_NAME) as conn:  # the writes went in: they came after the snapshot
+        assert conn.execute("select count(*) from episodes where run = 'demo'").fetchone()[0] > 12
+
+
 def test_export_of_a_run_without_episodes(capsys, runs_dir, tmp_path):
     import pyarrow.parquet as pq
 

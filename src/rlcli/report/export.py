@@ -22,10 +22,14 @@ def export_run(rundb: RunDB, name: str, fmt: str, out: Path, overwrite: bool = F
     One file per table, as in the database (turns join episodes on episode_id): token ids and
     logprobs become lists, and columns holding JSON text (messages, task, info, details) stay text.
     `out` may be new, empty, or (with `overwrite`) an earlier export; any other folder is refused.
+
+    Every table and run.json are read in one read transaction, so the export of a run that another
+    process is writing to is one moment of it, never a table from before a write and one from after.
     """
-    run = rundb.require_run(name)
+    rundb.require_run(name)  # before the folder is made
     counts = {}
-    with export_folder(out, "--out", overwrite) as staging:
+    with export_folder(out, "--out", overwrite) as staging, rundb.snapshot():
+        run = rundb.require_run(name)
         for table in run_tables(rundb, name):
             path = staging / f"{table.name}.{fmt}"
             counts[table.name] = _write_jsonl(path, table.rows) if fmt == "jsonl" else _write_parquet(path, table)

@@ -131,6 +131,25 @@ class RunDB:
                 conn.execute("ROLLBACK")
             raise
 
+    @contextlib.contextmanager
+    def snapshot(self) -> Iterator[Database]:
+        """A read transaction: every read inside sees the database as one moment left it, whatever
+        other connections commit meanwhile (WAL keeps the old pages for it). Inside a transaction,
+        that transaction's view."""
+        conn = self.db.conn
+        if conn.in_transaction:
+            yield self.db
+            return
+        conn.execute("BEGIN")
+        try:
+            conn.execute("select count(*) from sqlite_master").fetchone()  # the snapshot starts at a read
+            yield self.db
+            conn.execute("COMMIT")
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+
     # --- runs ----------------------------------------------------------------
 
     def get_run(self, name: str) -> Run | None:
