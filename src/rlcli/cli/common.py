@@ -97,6 +97,7 @@ def open_run(
     try:
         if recipe is None:
             # Continue a recorded run with its stored recipe.
+            assert run is not None  # no recipe path, so a run name (checked above)
             from rlcli.recipe import apply_override, validate_recipe
 
             data = rundb.run_recipe(run).to_dict()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -106,15 +107,16 @@ def try_env(
         _play_model(cli_ctx, name, env_kwargs, seed, max_turns, recipe, model, checkpoint, run)
         return
     env = load_env(name, env_kwargs)()
-    if policy == "expert" and not hasattr(env, "expert_action"):
+    expert: Callable[[], str] | None = getattr(env, "expert_action", None)  # optional in the Env contract
+    if policy == "expert" and expert is None:
         raise UsageError(f"Env {name!r} has no expert_action(); try --policy random or human.")
     rng = random.Random(seed)
     observation, info = env.reset(seed)
     _show(as_messages(observation))
     total, turn, info = 0.0, 0, {}
     while turn < max_turns:
-        if policy == "expert":
-            action = env.expert_action()
+        if policy == "expert" and expert is not None:
+            action = expert()
         elif policy == "random":
             action = rng.choice(RANDOM_ACTIONS)
         else:
@@ -190,7 +192,7 @@ def _play_model(
     success = episode.success if episode.success is not None else episode.env_return > 0
     console.print(
         f"[bold]{'solved' if success else 'not solved'}[/bold] in {len(episode.turns)} turns, "
-        f"return {episode.env_return:g} (ended: {episode.end_reason.value})"
+        f"return {episode.env_return:g} (ended: {episode.end_reason.value if episode.end_reason else 'unknown'})"
     )
 
 
