@@ -10,6 +10,11 @@ for the VLMs, image parts as their family's image placeholder).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
 
 # Same seed, same weights: tests that compare numbers stay reproducible.
 TINY_SEED = 0
@@ -27,7 +32,7 @@ def build_tiny_random(out: Path, head_dim: int = 16) -> None:
 
     tokenizer = _tiny_tokenizer([IM_START, IM_END], CHATML_TOOLS_TEMPLATE)
     bpe = tokenizer.backend_tokenizer
-    end = bpe.token_to_id(IM_END)
+    end = _token_id(bpe, IM_END)
     hidden = max(64, 2 * head_dim)
     heads = hidden // head_dim
     config = LlamaConfig(
@@ -51,7 +56,7 @@ def build_tiny_random(out: Path, head_dim: int = 16) -> None:
     tokenizer.save_pretrained(out)
 
 
-def _tiny_tokenizer(special_tokens: list[str], chat_template: str, corpus: str = ""):
+def _tiny_tokenizer(special_tokens: list[str], chat_template: str, corpus: str = "") -> PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer: it round-trips any text (every byte is in the alphabet); the merges
     learnt from a small built-in corpus just make common words a few tokens long."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -71,6 +76,14 @@ def _tiny_tokenizer(special_tokens: list[str], chat_template: str, corpus: str =
     return PreTrainedTokenizerFast(
         tokenizer_object=bpe, eos_token=IM_END, pad_token=IM_END, chat_template=chat_template
     )
+
+
+def _token_id(bpe: Tokenizer, token: str) -> int:
+    """The id of one of the special tokens the tiny tokenizer was built with."""
+    token_id = bpe.token_to_id(token)
+    if token_id is None:
+        raise ValueError(f"{token!r} is not in the tiny tokenizer's vocabulary")
+    return token_id
 
 
 # Idefics3's (SmolVLM's) image tokens: the processor writes each image as
@@ -98,7 +111,7 @@ def build_tiny_random_vlm(out: Path, head_dim: int = 16) -> None:
 
     tokenizer = _tiny_tokenizer([IM_START, IM_END, *IMAGE_TOKENS], VLM_CHAT_TEMPLATE, _VLM_CORPUS)
     bpe = tokenizer.backend_tokenizer
-    end = bpe.token_to_id(IM_END)
+    end = _token_id(bpe, IM_END)
     hidden = max(64, 2 * head_dim)
     heads = hidden // head_dim
     text = {
@@ -127,7 +140,7 @@ def build_tiny_random_vlm(out: Path, head_dim: int = 16) -> None:
         text_config=text,
         vision_config=vision,
         scale_factor=2,
-        image_token_id=bpe.token_to_id("<image>"),
+        image_token_id=_token_id(bpe, "<image>"),
         tie_word_embeddings=True,
         pad_token_id=end,
     )
@@ -186,7 +199,7 @@ def _build_tiny_qwen_vl(out: Path, model_type: str) -> None:
     template = vlm_chat_template("<|vision_start|><|image_pad|><|vision_end|>")
     tokenizer = _tiny_tokenizer([IM_START, IM_END, *QWEN2_VL_TOKENS], template, _VLM_CORPUS)
     bpe = tokenizer.backend_tokenizer
-    end = bpe.token_to_id(IM_END)
+    end = _token_id(bpe, IM_END)
     text = {
         "vocab_size": bpe.get_vocab_size(),
         "hidden_size": 64,
@@ -201,7 +214,15 @@ def _build_tiny_qwen_vl(out: Path, model_type: str) -> None:
         "pad_token_id": end,
         "bos_token_id": None,
     }
-    vision = {"depth": 2, "num_heads": 2, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2}
+    vision: dict[str, Any] = {
+        "depth": 2,
+        "num_heads": 2,
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+    }
+    config_class: type[Qwen2VLConfig] | type[Qwen2_5_VLConfig]
+    model_class: type[Qwen2VLForConditionalGeneration] | type[Qwen2_5_VLForConditionalGeneration]
     if model_type == "qwen2_vl":
         config_class, model_class = Qwen2VLConfig, Qwen2VLForConditionalGeneration
         # hidden_size: the merger's output, the language model's width.
@@ -214,12 +235,13 @@ def _build_tiny_qwen_vl(out: Path, model_type: str) -> None:
     config = config_class(
         text_config=text,
         vision_config=vision,
-        image_token_id=bpe.token_to_id("<|image_pad|>"),
-        video_token_id=bpe.token_to_id("<|video_pad|>"),
-        vision_start_token_id=bpe.token_to_id("<|vision_start|>"),
-        vision_end_token_id=bpe.token_to_id("<|vision_end|>"),
+        image_token_id=_token_id(bpe, "<|image_pad|>"),
+        video_token_id=_token_id(bpe, "<|video_pad|>"),
+        vision_start_token_id=_token_id(bpe, "<|vision_start|>"),
+        vision_end_token_id=_token_id(bpe, "<|vision_end|>"),
         tie_word_embeddings=True,
-        pad_token_id=end,
+        # transformers 4.x keeps it on the top-level config; 5.x takes it from text_config only.
+        pad_token_id=end,  # type: ignore[call-arg]
     )
     with torch.random.fork_rng():
         torch.manual_seed(TINY_SEED)

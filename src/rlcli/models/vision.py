@@ -112,7 +112,9 @@ def image_only_processor_class(model_type: str) -> Any:
 
     base = {"qwen2_vl": Qwen2VLProcessor, "qwen2_5_vl": Qwen2_5_VLProcessor}[model_type]
 
-    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+    def __init__(
+        self: Any, image_processor: Any = None, tokenizer: Any = None, chat_template: str | None = None, **kwargs: Any
+    ) -> None:
         # The processor's sub-processors are the parameters of __init__: leaving video_processor out
         # of the signature is what drops it.
         base.__init__(self, image_processor, tokenizer, None, chat_template=chat_template)
