@@ -94,7 +94,7 @@ def load(recipe, ckpt):
 
 def samplers(args, model, tokenizer, sampling, ckpt):
     """The HF sampler and the vLLM sampler of one policy, built as a rollout builds them."""
-    from rlcli.engine.rollout import make_sampler
+    from rlcli.generation.engines import make_sampler
     from rlcli.recipe import load_recipe
 
     out = {}
@@ -118,7 +118,7 @@ def sample_many(sampler, prompt: list[int], samples: int, chunk: int, seed0: int
 
 def first_token_part(args, recipe, which: str, ckpt) -> dict:
     from rlcli.engine import parity
-    from rlcli.engine.rollout import sampling_config
+    from rlcli.generation.sampler import sampling_config
     from rlcli.store.evals import eval_decoding
 
     model, tokenizer = load(recipe, ckpt)
@@ -164,7 +164,9 @@ def heldout_part(args, which: str, ckpt) -> dict:
     """One checkpoint on the first --games held-out games with each engine (rlcli eval's collect)."""
     from rlcli.cli.common import open_run
     from rlcli.engine.evaluate import eval_metrics
-    from rlcli.engine.rollout import collect, make_sampler, sampling_config
+    from rlcli.engine.rollout import collect
+    from rlcli.generation.engines import make_sampler
+    from rlcli.generation.sampler import sampling_config
     from rlcli.store.episodes import stage_episodes
     from rlcli.store.evals import eval_decoding
 

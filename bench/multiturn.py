@@ -71,7 +71,7 @@ class _TimedTurns:
         self.sampler.start(seeds)
 
     def sample(self, rows, prompts, budgets):
-        from rlcli.engine.sampling import Sample
+        from rlcli.generation.sampler import Sample
 
         start = time.perf_counter()
         samples = self.sampler.sample(rows, prompts, budgets)
@@ -100,11 +100,12 @@ def main() -> None:
     import torch
     from rich.console import Console
 
-    from rlcli.engine.rollout import EpisodeRunner, RolloutLimits, episode_specs, sampling_config
-    from rlcli.engine.sampling import HfSampler
+    from rlcli.engine.rollout import EpisodeRunner, RolloutLimits, episode_specs
     from rlcli.engine.train import episode_sequences
     from rlcli.engine.update import update
     from rlcli.envs.workers import InProcessEnvs
+    from rlcli.generation.hf_sampler import HfSampler
+    from rlcli.generation.sampler import sampling_config
     from rlcli.models.loading import load_policy
     from rlcli.recipe import Recipe
 

@@ -123,7 +123,8 @@ def prompts_for(tokenizer, count: int) -> list[list[int]]:
 def time_rlcli(model, tokenizer, prompts, new_tokens: int, temperature: float, repeats: int) -> float:
     import torch
 
-    from rlcli.engine.sampling import SamplingConfig, sample_batch
+    from rlcli.generation.hf_sampler import sample_batch
+    from rlcli.generation.sampler import SamplingConfig
 
     cfg = SamplingConfig(temperature=temperature, max_new_tokens=new_tokens)
     no_eos = _NoEos(tokenizer)
@@ -184,7 +185,7 @@ def start_vllm(model_path, dtype: str, threads: int, max_model_len: int):
         import vllm  # noqa: F401
     except Exception as exc:  # noqa: BLE001 - a broken native library raises more than ImportError
         return None, f"vllm is not importable ({type(exc).__name__}: {exc})"
-    from rlcli.engine.vllm_engine import VllmEngine
+    from rlcli.generation.vllm_engine import VllmEngine
 
     cpus = sorted(os.sched_getaffinity(0))[:threads]
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cpus))
@@ -201,8 +202,8 @@ def start_vllm(model_path, dtype: str, threads: int, max_model_len: int):
 
 
 def time_vllm(engine, prompts, new_tokens: int, temperature: float, repeats: int) -> float:
-    from rlcli.engine import vllm_engine
-    from rlcli.engine.sampling import SamplingConfig
+    from rlcli.generation import vllm_engine
+    from rlcli.generation.sampler import SamplingConfig
 
     cfg = SamplingConfig(temperature=temperature, max_new_tokens=new_tokens)
     seeds = [1000 + i for i in range(len(prompts))]

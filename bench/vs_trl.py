@@ -125,7 +125,8 @@ def heldout_accuracy(model, tokenizer, n: int, max_tokens: int) -> float:
     """Greedy accuracy on n held-out tasks (eval seeds) with rlcli's sampler, for either side's model."""
     import torch
 
-    from rlcli.engine.sampling import SamplingConfig, sample_batch
+    from rlcli.generation.hf_sampler import sample_batch
+    from rlcli.generation.sampler import SamplingConfig
 
     rows = task_rows(n, "eval")
     prompts = [

@@ -31,8 +31,9 @@ from rlcli.engine.parity import (
     recomputed_logprobs,
     summarise,
 )
-from rlcli.engine.sampling import HfSampler, SamplingConfig
-from rlcli.engine.vllm_engine import VllmSampler, merged_weights
+from rlcli.generation.hf_sampler import HfSampler
+from rlcli.generation.sampler import SamplingConfig
+from rlcli.generation.vllm_engine import VllmSampler, merged_weights
 from test_vllm_engine import ENGINE_OPTIONS, engine, needs_vllm, tiny64  # noqa: F401 (fixtures)
 
 SAMPLES = 2000
@@ -59,7 +60,7 @@ def parity(tiny64):  # noqa: F811 (the fixture imported above)
     and vLLM's at temperature 1.0."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rlcli.engine.vllm_engine import shared_engine
+    from rlcli.generation.vllm_engine import shared_engine
 
     model = AutoModelForCausalLM.from_pretrained(tiny64, dtype=torch.float32).to(ENGINE_OPTIONS["device"])
     with torch.no_grad():

@@ -62,7 +62,7 @@ class RecordingLLM:
 
 
 def test_a_sleeping_engine_wakes_its_weights_loads_then_wakes_its_kv_cache(monkeypatch):
-    from rlcli.engine.vllm_engine import VllmEngine
+    from rlcli.generation.vllm_engine import VllmEngine
 
     calls: list[str] = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -142,8 +142,8 @@ def test_vllm_samples_a_4bit_recipe_s_base_through_its_quantised_weights(tmp_pat
 @pytest.mark.slow
 @needs_vllm
 def test_a_new_engine_shuts_the_old_one_down_and_keeps_the_run_s_threads(tiny64):  # noqa: F811
-    from rlcli.engine.sampling import SamplingConfig
-    from rlcli.engine.vllm_engine import shared_engine
+    from rlcli.generation.sampler import SamplingConfig
+    from rlcli.generation.vllm_engine import shared_engine
 
     first = shared_engine(str(tiny64), **ENGINE_OPTIONS)
     threads = torch.get_num_threads()

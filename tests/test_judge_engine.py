@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from rlcli.engine.sampling import HfSampler
+from rlcli.generation.hf_sampler import HfSampler
 from rlcli.recipe import RewardSpec
 from rlcli.rewards.scoring import build_reward_fns
 from test_rewards import episode, judge_folder, tiny_llama  # noqa: F401 (judge_folder: a fixture)

@@ -89,7 +89,8 @@ def test_sampler_positions_match_the_models_own(tmp_path, name):
     the processor's mm_token_type_ids), and decoding one token more matches it too."""
     from PIL import Image
 
-    from rlcli.engine.sampling import SamplingConfig, TurnCache, make_generator, sample_batch
+    from rlcli.generation.hf_sampler import TurnCache, make_generator, sample_batch
+    from rlcli.generation.sampler import SamplingConfig
     from rlcli.models import vision
 
     ctx = make_ctx(qwen_recipe(tmp_path, name), tmp_path / "runs")
@@ -202,8 +203,8 @@ def test_grpo_on_gui_click_trains_the_tiny_qwen2_vl(tmp_path, name):
 def test_sft_on_gui_click_expert_demos_raises_their_likelihood(tmp_path, name):
     """SFT's collator gives the forward `mm_token_type_ids` (pixel_inputs with input_ids), from which
     Qwen2-VL computes its 3-D positions; training raises the likelihood of the expert's clicks."""
-    from rlcli.engine.sampling import _eos_ids
     from rlcli.engine.sft import ImageBatches, encode_image_conversations, load_conversations, run_sft, with_images
+    from rlcli.generation.hf_sampler import _eos_ids
     from rlcli.models.vision import processor_of
 
     env = {**GUI_CLICK, "kwargs": {**GUI_CLICK["kwargs"], "attempts": 1}, "max_turns": 1}

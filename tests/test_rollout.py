@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from helpers import DEVICE, kill_when, make_ctx, run_cli, sequence_logprobs, write_env_file, write_recipe
-from rlcli.engine.rollout import derive_seed, load_rollout_policy, run_rollout_stage
+from rlcli.engine.rollout import load_rollout_policy, run_rollout_stage
 from rlcli.envs.loading import load_env
+from rlcli.generation.seeds import derive_seed
 from rlcli.store.blobs import unpack_floats, unpack_ids
 
 
@@ -97,7 +98,8 @@ def test_rollout_is_deterministic_and_independent_of_batching(tmp_path):
 def test_turn_cache_prefills_only_new_tokens_and_matches_a_full_prefill():
     """Turn 2 with the cache of turn 1 (one row dropped, rows of different lengths) samples what a
     fresh prefill of the whole conversation samples, with the same logprobs."""
-    from rlcli.engine.sampling import SamplingConfig, TurnCache, sample_batch
+    from rlcli.generation.hf_sampler import TurnCache, sample_batch
+    from rlcli.generation.sampler import SamplingConfig
     from rlcli.models.loading import load_policy
     from rlcli.recipe import ModelSection, QuantizationSection
 

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from helpers import DEVICE, make_ctx, write_recipe
-from rlcli.engine import sampling
-from rlcli.engine.sampling import SamplingConfig, TurnCache, sample_batch
+from rlcli.generation import hf_sampler
+from rlcli.generation.hf_sampler import TurnCache, sample_batch
+from rlcli.generation.sampler import SamplingConfig
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [14, 15, 16, 17]]
 
@@ -85,7 +86,7 @@ def test_a_shared_first_prompt_is_prefilled_once_and_samples_as_if_alone(policy,
 def test_a_draw_is_the_one_torch_multinomial_makes(seed):
     """The sampler's draw reproduces torch.multinomial's for the same generator state, so recorded
     episodes from before the sync-free sampler replay unchanged."""
-    from rlcli.engine.sampling import _draw
+    from rlcli.generation.hf_sampler import _draw
 
     # On the CPU, where the episodes recorded before it were sampled.
     probs = torch.randn(3, 1000).mul(3).softmax(-1)
@@ -124,7 +125,7 @@ def test_the_sampler_reads_from_the_device_once_per_step(policy, cfg, monkeypatc
         original = getattr(torch.Tensor, name)
 
         def counted(self, *args, _original=original, _name=name, **kwargs):
-            if sys._getframe(1).f_code.co_filename == sampling.__file__:
+            if sys._getframe(1).f_code.co_filename == hf_sampler.__file__:
                 reads.append(_name)
             return _original(self, *args, **kwargs)
 

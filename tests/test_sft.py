@@ -36,7 +36,7 @@ CHAT = [
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """The tiny-random policy and tokenizer, built once for the module's tokenisation tests."""
-    from rlcli.engine.sampling import _eos_ids
+    from rlcli.generation.hf_sampler import _eos_ids
     from rlcli.models.loading import load_policy
     from rlcli.recipe import ModelSection, QuantizationSection
 
@@ -333,7 +333,7 @@ def _mean_assistant_nll(model, rows) -> float:
 
 
 def test_sft_on_expert_demos_raises_their_likelihood(tmp_path):
-    from rlcli.engine.sampling import _eos_ids
+    from rlcli.generation.hf_sampler import _eos_ids
     from rlcli.models.loading import load_policy
 
     recipe = write_recipe(

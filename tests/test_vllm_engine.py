@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from helpers import DEVICE
-from rlcli.engine.sampling import SamplingConfig
-from rlcli.engine.vllm_engine import _check_device, merged_weights
+from rlcli.generation.sampler import SamplingConfig
+from rlcli.generation.vllm_engine import _check_device, merged_weights
 from rlcli.models.tiny import build_tiny_random
 
 needs_vllm = pytest.mark.skipif(
@@ -51,7 +51,7 @@ def engine(tiny64):
     """The session's engine, serving the base model's weights."""
     from transformers import AutoModelForCausalLM
 
-    from rlcli.engine.vllm_engine import shared_engine
+    from rlcli.generation.vllm_engine import shared_engine
 
     engine = shared_engine(str(tiny64), **ENGINE_OPTIONS)
     # A GRPO run or an eval of another module left trained weights in it, or a quantised base.
@@ -224,7 +224,7 @@ def test_per_request_token_budgets(engine, prompts):
 def test_auto_knows_the_head_sizes_of_vllms_cpu_attention():
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
-    from rlcli.engine.rollout import VLLM_CPU_HEAD_SIZES
+    from rlcli.generation.engines import VLLM_CPU_HEAD_SIZES
 
     assert tuple(CPUAttentionBackend.get_supported_head_sizes()) == VLLM_CPU_HEAD_SIZES
 

@@ -1,4 +1,4 @@
-"""Rollouts, GRPO and the recipe with `rollout.engine: vllm` (the engine seam, rlcli.engine.rollout).
+"""Rollouts, GRPO and the recipe with `rollout.engine: vllm` (the engine seam, rlcli.generation.engines).
 
 The vLLM tests share one engine per process with tests/test_vllm_engine.py (same tiny head_dim-64
 model, same options): see ENGINE_OPTIONS there. The recipe tests need no vllm.
@@ -11,8 +11,9 @@ import sqlite3
 import pytest
 
 from helpers import DEVICE, kill_when, make_ctx, run_cli, sequence_logprobs, write_recipe
-from rlcli.engine.rollout import generation_engine, load_rollout_policy, run_rollout_stage
+from rlcli.engine.rollout import load_rollout_policy, run_rollout_stage
 from rlcli.errors import UsageError
+from rlcli.generation.engines import generation_engine
 from rlcli.recipe import load_recipe
 from rlcli.store.blobs import unpack_floats, unpack_ids
 from test_train import DIGITS, _learnable_recipe
@@ -54,9 +55,9 @@ def stored_turns(runs_dir, stage="rollout"):
 
 
 def test_vllm_refuses_truncated_sampling(tmp_path, monkeypatch):
-    import rlcli.engine.rollout
+    import rlcli.generation.engines
 
-    monkeypatch.setattr(rlcli.engine.rollout, "_head_size", lambda name: 64)  # one vLLM's CPU build takes
+    monkeypatch.setattr(rlcli.generation.engines, "_head_size", lambda name: 64)  # one vLLM's CPU build takes
     recipe = write_recipe(tmp_path / "r.yaml", rollout={"engine": "vllm", "top_p": 0.9})
     with pytest.raises(UsageError, match="truncated distribution"):
         load_recipe(recipe)

@@ -41,7 +41,7 @@ def test_adapter_sync_needs_a_lora(tmp_path):
 
 def test_vllm_lora_ranks_round_up_to_a_size_vllm_takes():
     pytest.importorskip("vllm")
-    from rlcli.engine.vllm_engine import _vllm_lora_rank
+    from rlcli.generation.vllm_engine import _vllm_lora_rank
 
     assert [_vllm_lora_rank(r) for r in (1, 4, 8, 9, 300)] == [1, 8, 8, 16, 320]
     with pytest.raises(UsageError, match="up to rank 512"):
@@ -50,7 +50,7 @@ def test_vllm_lora_ranks_round_up_to_a_size_vllm_takes():
 
 @pytest.fixture
 def lora_engine(tiny64):  # noqa: F811
-    from rlcli.engine.vllm_engine import shared_engine
+    from rlcli.generation.vllm_engine import shared_engine
 
     engine = shared_engine(str(tiny64), **ENGINE_OPTIONS, max_lora_rank=LORA_RANK)
     engine.serve_base()  # another test may have left an adapter in it
@@ -60,7 +60,7 @@ def lora_engine(tiny64):  # noqa: F811
 @pytest.mark.slow
 @needs_vllm
 def test_adapter_sync_samples_the_trained_adapter(lora_engine, hf_model, prompts, tmp_path):  # noqa: F811
-    from rlcli.engine.vllm_engine import sync_weights
+    from rlcli.generation.vllm_engine import sync_weights
 
     seeds = [11, 12, 13]
     before = lora_engine.generate(prompts, seeds, SAMPLED)
@@ -121,7 +121,7 @@ def test_grpo_with_adapter_sync_logs_the_sync_and_a_zero_logprob_gap(tmp_path, t
     assert len(metric(ctx, "perf/time_sync_s")) == 3
     gaps = metric(ctx, "train/engine_logprob_gap")
     assert gaps and max(gaps) < LOGPROB_TOLERANCE, gaps  # every rollout came from the trained adapter
-    from rlcli.engine.vllm_engine import _shared
+    from rlcli.generation.vllm_engine import _shared
 
     assert _shared[1].adapter.lora_path == str(ctx.run_dir / "checkpoints" / "iter-0001")
 
@@ -146,7 +146,7 @@ def test_grpo_with_adapter_sync_logs_the_sync_and_a_zero_logprob_gap(tmp_path, t
 
 
 def test_auto_sleeps_only_when_the_engine_shares_the_trainers_gpu(tmp_path):
-    from rlcli.engine.vllm_engine import shares_gpu, sleeps_around_updates
+    from rlcli.generation.vllm_engine import shares_gpu, sleeps_around_updates
 
     assert shares_gpu("cuda", "cuda:0") and shares_gpu("cuda:1", "cuda:1")
     assert not shares_gpu("cuda:0", "cuda:1")  # gpu_2x: engine and trainer on their own GPUs

@@ -12,8 +12,9 @@ from __future__ import annotations
 import pytest
 
 from helpers import DEVICE, make_ctx, write_recipe
-from rlcli.engine.rollout import generation_engine, run_rollout_stage
+from rlcli.engine.rollout import run_rollout_stage
 from rlcli.errors import RlcliError, UsageError
+from rlcli.generation.engines import generation_engine
 from rlcli.models import vision
 from rlcli.models.tiny import build_tiny_random_vlm
 from rlcli.recipe import load_recipe
@@ -134,7 +135,8 @@ def test_vllm_rollout_of_a_vlm_records_image_tokens_and_logprobs_the_trainer_rec
 
     # A prompt whose image tokens vLLM expands into other ids than the recorded ones is an error,
     # not logprobs of a sequence nobody stored: here the image tokens are left unfolded.
-    from rlcli.engine.rollout import make_sampler, sampling_config
+    from rlcli.generation.engines import make_sampler
+    from rlcli.generation.sampler import sampling_config
 
     sampler = make_sampler(ctx.recipe, model, tokenizer, sampling_config(ctx.recipe.rollout), base=True)
     turn = stored_turns(ctx, episodes[0].id)[0]

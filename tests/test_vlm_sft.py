@@ -53,7 +53,7 @@ def mean_demo_logprob(model, processor, rows, pictures) -> float:
 
 
 def test_sft_on_gui_click_expert_demos_raises_their_likelihood(tmp_path):
-    from rlcli.engine.sampling import _eos_ids
+    from rlcli.generation.hf_sampler import _eos_ids
 
     recipe = vlm_recipe(
         tmp_path,
@@ -94,8 +94,8 @@ def test_sft_tokens_match_the_rollouts_prompt_ids(tmp_path):
     tokens included; with env.keep_images 1 a two-screenshot episode becomes two rows, as its turns
     train one by one in GRPO."""
     from rlcli.engine.rollout import run_rollout_stage
-    from rlcli.engine.sampling import _eos_ids
     from rlcli.engine.sft_data import Conversation
+    from rlcli.generation.hf_sampler import _eos_ids
     from rlcli.store.episodes import _turn
 
     env = {**GUI_CLICK, "kwargs": {**GUI_CLICK["kwargs"], "attempts": 2}, "max_turns": 2}
@@ -137,9 +137,9 @@ def test_sft_tokens_match_the_rollouts_prompt_ids(tmp_path):
 
 
 def test_a_cut_never_splits_an_image(tmp_path):
-    from rlcli.engine.sampling import _eos_ids
     from rlcli.engine.sft_data import conversation_from_row
     from rlcli.envs.loading import load_env
+    from rlcli.generation.hf_sampler import _eos_ids
 
     ctx = make_ctx(vlm_recipe(tmp_path), tmp_path / "runs")
     model, tokenizer, processor = load(ctx)

@@ -11,14 +11,14 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.console import Console
 
+from rlcli.console import err_console
 from rlcli.errors import RlcliError, UsageError
 
 if TYPE_CHECKING:  # the run machinery is imported when a command opens a run, not when the CLI starts
     from rlcli.engine.context import RunContext
     from rlcli.store.db import RunDB
 
-console = Console()
-err_console = Console(stderr=True, soft_wrap=True)
+console = Console()  # results, on stdout; progress and errors go to err_console (stderr)
 
 # --- shared options ----------------------------------------------------------
 

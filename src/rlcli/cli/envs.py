@@ -149,17 +149,12 @@ def _play_model(
 ) -> None:
     """One episode played by a model, through the same code as a rollout (EpisodeRunner and the
     recipe's engine: token-exact prompts, chat template, context budget), then shown turn by turn."""
-    from rlcli.engine.rollout import (
-        EpisodeRunner,
-        EpisodeSpec,
-        RolloutLimits,
-        derive_seed,
-        generation_engine,
-        make_sampler,
-        sampling_config,
-    )
+    from rlcli.engine.rollout import EpisodeRunner, EpisodeSpec, RolloutLimits
     from rlcli.envs.loading import load_env
     from rlcli.envs.workers import InProcessEnvs
+    from rlcli.generation.engines import generation_engine, make_sampler
+    from rlcli.generation.sampler import sampling_config
+    from rlcli.generation.seeds import derive_seed
     from rlcli.models.loading import load_policy
     from rlcli.recipe import load_recipe
 

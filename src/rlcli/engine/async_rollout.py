@@ -61,6 +61,7 @@ from typing import Any
 
 from rlcli.engine.context import RunContext
 from rlcli.errors import RlcliError, UsageError
+from rlcli.generation.sampler import Sampler
 
 # The truncation of the staleness correction's importance weights when grpo.tis_cap is null: a token
 # whose probability rose more than 2x since it was sampled counts at most twice.
@@ -140,7 +141,7 @@ def worker_device(recipe) -> tuple[str, str | None]:
 
 
 @dataclass(frozen=True)
-class WorkerSpec:
+class RolloutWorkerSpec:
     """What the rollout worker needs to open the run as the trainer did."""
 
     runs_dir: str
@@ -165,7 +166,7 @@ class RolloutWorker:
         self.used_version = START_VERSION  # the newest weights the worker has reported using
         device, visible = worker_device(ctx.recipe)
         self.device = device if visible is None else f"GPU {visible}"  # the worker calls it cuda:0
-        spec = WorkerSpec(
+        spec = RolloutWorkerSpec(
             str(Path(ctx.runs_dir).resolve()),
             ctx.run,
             ctx.recipe.to_dict(),
@@ -178,7 +179,7 @@ class RolloutWorker:
         context = multiprocessing.get_context("spawn")  # a forked copy of a process running torch can deadlock
         self.conn, theirs = context.Pipe()
         # Not a daemon: daemons may not start processes, and its env workers (env.workers) are some.
-        self.process = context.Process(target=serve, args=(theirs, spec), name="rlcli-rollout")
+        self.process = context.Process(target=serve_rollouts, args=(theirs, spec), name="rlcli-rollout")
         with _environment("CUDA_VISIBLE_DEVICES", visible):  # read by the child when it starts
             self.process.start()
         theirs.close()  # only the worker holds its end now: its death reads as EOF here
@@ -299,7 +300,7 @@ def prune_pushes(ctx: RunContext, used: int) -> None:
 # --- inside the worker ---------------------------------------------------------------------
 
 
-def serve(conn: Connection, spec: WorkerSpec) -> None:
+def serve_rollouts(conn: Connection, spec: RolloutWorkerSpec) -> None:
     """The worker's life: play the rollouts asked for, in order, until told to stop or the trainer is gone."""
     from rlcli.envs.workers import _die_with_parent
 
@@ -308,7 +309,7 @@ def serve(conn: Connection, spec: WorkerSpec) -> None:
     sys.path[:] = spec.sys_path
     os.chdir(spec.root)
     try:
-        _serve(conn, spec)
+        _serve_rollouts(conn, spec)
     except UsageError as exc:
         conn.send(("usage", str(exc)))
     except RlcliError as exc:
@@ -319,7 +320,7 @@ def serve(conn: Connection, spec: WorkerSpec) -> None:
         conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 
 
-def _serve(conn: Connection, spec: WorkerSpec) -> None:
+def _serve_rollouts(conn: Connection, spec: RolloutWorkerSpec) -> None:
     import torch
     from rich.console import Console
 
@@ -369,9 +370,10 @@ def _serve(conn: Connection, spec: WorkerSpec) -> None:
         rundb.close()
 
 
-def _load(recipe, folder: str | None):
+def _load(recipe, folder: str | None) -> tuple[Sampler, Any]:
     """(sampler, tokenizer) over the weights in `folder` (None: the base model)."""
-    from rlcli.engine.rollout import make_sampler, sampling_config
+    from rlcli.generation.engines import make_sampler
+    from rlcli.generation.sampler import sampling_config
     from rlcli.models.loading import load_policy
 
     model, tokenizer = load_policy(recipe.model, recipe.lora, recipe.quantization, adapter=folder, trainable=False)
@@ -379,7 +381,7 @@ def _load(recipe, folder: str | None):
     return make_sampler(recipe, model, tokenizer, sampling, base=folder is None, checkpoint_folder=folder), tokenizer
 
 
-def _rollout(ctx: RunContext, j: int, tasks: list[int], label: str, sampler, tokenizer) -> None:
+def _rollout(ctx: RunContext, j: int, tasks: list[int], label: str, sampler: Sampler, tokenizer) -> None:
     """rollout/j as the synchronous loop runs it: same stage, params, seeds and episodes."""
     from rlcli.engine.rollout import collect
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from rich.console import Console
 
+from rlcli.console import err_console
 from rlcli.recipe import Recipe
 from rlcli.store.db import RunDB
 from rlcli.store.records import GPU_MEMORY_KEYS
@@ -23,7 +24,7 @@ class RunContext:
     run: str
     runs_dir: Path
     # Progress bars and notes go to stderr, so that --json output on stdout stays clean.
-    console: Console = field(default_factory=lambda: Console(stderr=True))
+    console: Console = field(default_factory=lambda: err_console)
 
     def __post_init__(self) -> None:
         self.runs_dir = Path(self.runs_dir)
@@ -89,8 +90,8 @@ class GpuPeak:
         if self.bytes is None:
             return {}
         engine_gb = None
-        if "rlcli.engine.vllm_engine" in sys.modules:  # never import vLLM's module just to ask
-            from rlcli.engine.vllm_engine import shared_engine_reserved_gb
+        if "rlcli.generation.vllm_engine" in sys.modules:  # never import vLLM's module just to ask
+            from rlcli.generation.vllm_engine import shared_engine_reserved_gb
 
             engine_gb = shared_engine_reserved_gb()
         return {GPU_MEMORY_KEYS[0]: self.bytes / 1e9, GPU_MEMORY_KEYS[1]: engine_gb}

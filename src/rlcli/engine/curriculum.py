@@ -20,7 +20,7 @@ import numpy as np
 
 from rlcli.engine.context import RunContext
 from rlcli.engine.labelling import GRPO_LABEL_SET
-from rlcli.engine.rollout import derive_seed
+from rlcli.generation.seeds import derive_seed
 from rlcli.store.tasks import TaskStats, compute_task_stats
 
 PRIOR = 0.5  # pseudo-successes and pseudo-failures added to every task's record

@@ -27,7 +27,7 @@ from trl.trainer.dpo_trainer import DataCollatorForPreference
 
 from rlcli.engine.context import RunContext
 from rlcli.engine.pairs import PreferenceExample, mine_pairs, preference_example, source_stages
-from rlcli.engine.sft import RecipeLearningRate, _checkpointing_field, _training_dtype, resume_point
+from rlcli.engine.sft import RecipeLearningRate, _checkpointing_field, _training_dtype, last_trainer_checkpoint
 from rlcli.errors import RlcliError, UsageError
 from rlcli.store.checkpoints import add_checkpoint, checkpoints, require_folder
 from rlcli.store.pairs import PairRecord, episodes_with_turns, record_pairs, stage_pairs
@@ -154,7 +154,7 @@ def train_dpo(ctx: RunContext, stage: str, start: Checkpoint | None) -> DpoSumma
     from transformers import PrinterCallback
 
     trainer.remove_callback(PrinterCallback)  # raw log dicts; the progress line replaces them
-    resume = resume_point(output_dir)
+    resume = last_trainer_checkpoint(output_dir)
     if resume is not None:
         ctx.console.print(f"{stage}: resuming from {resume}")
     try:

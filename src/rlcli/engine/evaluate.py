@@ -13,7 +13,9 @@ from collections import defaultdict
 from typing import Any
 
 from rlcli.engine.context import RunContext
-from rlcli.engine.rollout import collect, make_sampler, sampling_config
+from rlcli.engine.rollout import collect
+from rlcli.generation.engines import make_sampler
+from rlcli.generation.sampler import Sampler, sampling_config
 from rlcli.store.checkpoints import checkpoint_note, resolve_checkpoint
 from rlcli.store.db import now
 from rlcli.store.episodes import stage_episodes
@@ -137,8 +139,9 @@ def _evaluate(
     recipe = ctx.recipe
     sampling = sampling_config(recipe.rollout)
     sampling.temperature = eval_decoding(recipe)[0]
+    sampler: Sampler | None = None  # None: the env's expert plays
     if which == "expert":
-        label, sampler, tokenizer = "expert", None, None
+        label, tokenizer = "expert", None
     else:
         if policy is not None:
             model, tokenizer = policy

@@ -1,6 +1,6 @@
 """Whether two samplers draw from the same policy: the statistics of the engine-parity check.
 
-The HF sampler (sampling.HfSampler) and vLLM (vllm_engine.VllmSampler) are two implementations of one
+The HF sampler (generation.hf_sampler.HfSampler) and vLLM (generation.vllm_engine.VllmSampler) are two implementations of one
 policy. Given many samples of each for one prompt, these say whether they differ:
 
 - the first token's distribution: a chi-square test of the two samples' counts against each other
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlcli.engine.sampling import Sample
+from rlcli.generation.sampler import Sample
 
 # A chi-square cell needs an expected count of about 5 for the statistic to follow its distribution:
 # rarer tokens are pooled into one cell.

@@ -19,6 +19,6 @@ def check_recipe(recipe: Recipe) -> None:
     check_reward_fns(recipe.rewards)
     load_env(recipe.env.name, recipe.env.kwargs)  # finds the factory and checks the kwargs it takes
     if recipe.rollout.engine == "vllm":
-        from rlcli.engine.rollout import generation_engine
+        from rlcli.generation.engines import generation_engine
 
         generation_engine(recipe)

@@ -25,19 +25,20 @@ episode is final: running its stage again plays only the episodes it has not sto
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 from rlcli.engine.context import RunContext
 from rlcli.envs.protocol import EnvFailure, EnvTimeout, as_messages
 from rlcli.envs.workers import EnvHost, EnvLost, EnvReply, EnvWorkerPool, InProcessEnvs
 from rlcli.errors import UsageError
+from rlcli.generation.engines import make_sampler
+from rlcli.generation.sampler import Sampler, sampling_config
+from rlcli.generation.seeds import derive_seed
 from rlcli.models import vision
 from rlcli.store.checkpoints import resolve_checkpoint
 from rlcli.store.db import now
@@ -47,12 +48,6 @@ from rlcli.store.stages import OWN_STAGES, check_user_name
 
 EXPERT = "expert"
 LINGER = 0.1  # share of the last sampling call's time spent waiting for more envs to answer
-
-
-def derive_seed(*parts: Any) -> int:
-    """A stable 63-bit seed from any parts (run seed, stage, indices): same parts, same seed."""
-    digest = hashlib.sha256(json.dumps(parts, default=str).encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
 
 
 @dataclass
@@ -194,7 +189,7 @@ class EpisodeRunner:
     episodes share a call changes nothing in what is sampled.
     """
 
-    def __init__(self, envs: EnvHost, limits: RolloutLimits, sampler=None, tokenizer=None):
+    def __init__(self, envs: EnvHost, limits: RolloutLimits, sampler: Sampler | None = None, tokenizer=None):
         self.envs = envs
         self.limits = limits
         self.sampler = sampler
@@ -513,7 +508,7 @@ def collect(
     *,
     stage: str,
     policy_label: str,
-    sampler=None,
+    sampler: Sampler | None = None,
     tokenizer=None,
     task_indices: list[int],
     group_size: int | dict[int, int],
@@ -610,100 +605,6 @@ def load_rollout_policy(ctx: RunContext, policy: str):
     return label, model, tokenizer
 
 
-def sampling_config(rollout_cfg) -> Any:
-    from rlcli.engine.sampling import SamplingConfig
-
-    return SamplingConfig(
-        temperature=rollout_cfg.temperature,
-        top_p=rollout_cfg.top_p,
-        top_k=rollout_cfg.top_k,
-        max_new_tokens=rollout_cfg.max_new_tokens,
-        stop=list(rollout_cfg.stop),
-    )
-
-
-# vLLM's CPU attention kernels take these head sizes only (vllm-cpu 0.32,
-# CPUAttentionBackend.get_supported_head_sizes; tests/test_vllm_engine.py checks the copy). Kept here so
-# that `auto` can decide without importing vllm, which takes seconds.
-VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
-
-
-def generation_engine(recipe) -> str:
-    """hf or vllm: rollout.engine, with auto resolved (see its description in the recipe)."""
-    import importlib.util
-
-    cfg = recipe.rollout
-    model_type = vision.vision_model_type(resolve_model_folder(recipe.model.name))
-    # vLLM's Qwen2-VL family imports transformers' torchvision image processor.
-    needs_torchvision = model_type in vision.MROPE_FAMILIES and importlib.util.find_spec("torchvision") is None
-    if cfg.engine == "vllm" and needs_torchvision:
-        raise UsageError(
-            f"rollout.engine vllm: vLLM's {model_type} model needs torchvision, which is not installed; install "
-            "the torchvision build that matches your torch, or set rollout.engine: hf."
-        )
-    if cfg.engine == "hf":
-        return "hf"
-    from rlcli.models.loading import resolve_device
-
-    on_cuda = resolve_device(cfg.device or recipe.model.device).startswith("cuda")
-    head_size = _head_size(recipe.model.name)
-    if cfg.engine == "vllm":
-        # Refused here, before any work: vLLM would fail only once its engine had started.
-        if not on_cuda and head_size is not None and head_size not in VLLM_CPU_HEAD_SIZES:
-            raise UsageError(
-                f"rollout.engine vllm: vLLM's CPU build cannot serve {recipe.model.name} (attention head size "
-                f"{head_size}; it takes {', '.join(map(str, VLLM_CPU_HEAD_SIZES))}); set rollout.engine: hf."
-            )
-        return "vllm"
-    if cfg.top_k != 0 or cfg.top_p != 1 or importlib.util.find_spec("vllm") is None or needs_torchvision:
-        return "hf"
-    if on_cuda:
-        return "vllm"
-    if model_type is not None:
-        return "hf"  # not measured against the HF sampler on a CPU, unlike text models (below)
-    # On a CPU vLLM ran the quickstart 1.37x faster than the HF sampler, start-up and syncs included.
-    return "vllm" if head_size in VLLM_CPU_HEAD_SIZES else "hf"
-
-
-def resolve_model_folder(model_name: str) -> Path:
-    from rlcli.models.cache import resolve_model
-
-    return Path(resolve_model(model_name))
-
-
-def _head_size(model_name: str) -> int | None:
-    """The attention head size from the model's config.json (no weights loaded); None if unknown."""
-    path = resolve_model_folder(model_name) / "config.json"
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    config = config.get("text_config", config)  # a vision-language model's language part
-    if config.get("head_dim"):
-        return int(config["head_dim"])
-    if config.get("hidden_size") and config.get("num_attention_heads"):
-        return config["hidden_size"] // config["num_attention_heads"]
-    return None
-
-
-def make_sampler(recipe, model, tokenizer, sampling, *, base: bool, checkpoint_folder=None):
-    """The policy's Sampler on the recipe's engine; base: model is the recipe's model unchanged.
-
-    The vLLM engine is the process's shared one (see vllm_engine.policy_engine), given model's weights.
-    checkpoint_folder: where model was loaded from, if from a checkpoint (adapter-only sync serves it).
-    """
-    if generation_engine(recipe) == "hf":
-        from rlcli.engine.sampling import HfSampler
-
-        return HfSampler(model, tokenizer, sampling)
-    from rlcli.engine.vllm_engine import VllmSampler, policy_engine
-
-    engine = policy_engine(recipe, model, base=base, adapter_folder=checkpoint_folder)
-    processor = vision.processor_of(tokenizer)
-    slots = vision.slot_token_ids(model.config) if processor is not None else []
-    return VllmSampler(engine, sampling, processor=processor, unwritable=tokenizer.convert_ids_to_tokens(slots))
-
-
 def run_rollout_stage(ctx: RunContext, *, stage: str, policy: str, split: str) -> EpisodeSummary:
     """`rlcli rollout`: tasks x group size episodes with one policy, stored token by token."""
     if split not in ("train", "eval"):
@@ -716,7 +617,7 @@ def run_rollout_stage(ctx: RunContext, *, stage: str, policy: str, split: str) -
 
     def work() -> dict[str, Any]:
         label, model, tokenizer = load_rollout_policy(ctx, weights)
-        sampler = None
+        sampler: Sampler | None = None
         if model is not None:
             folder = checkpoint.path if checkpoint is not None else None
             sampling = sampling_config(recipe.rollout)

@@ -92,7 +92,7 @@ def train_sft(ctx: RunContext) -> SftSummary:
     """The stage's work: data, policy, tokens, training, the saved checkpoint; returns its summary."""
     from transformers import set_seed
 
-    from rlcli.engine.sampling import _eos_ids
+    from rlcli.generation.hf_sampler import _eos_ids
     from rlcli.models.loading import load_policy, save_checkpoint
 
     recipe = ctx.recipe
@@ -126,7 +126,7 @@ def train_sft(ctx: RunContext) -> SftSummary:
         trainer = build_trainer(ctx, model, tokenizer, train_rows, eval_rows, callbacks)
     else:
         trainer = build_image_trainer(ctx, model, processor, pictures, train_rows, eval_rows, callbacks)
-    resume = resume_point(Path(trainer.args.output_dir))
+    resume = last_trainer_checkpoint(Path(trainer.args.output_dir))
     if resume is not None:
         ctx.console.print(f"sft: resuming from {resume}")
     try:
@@ -452,7 +452,7 @@ def split_examples(rows: list[dict], eval_fraction: float, seed: int) -> tuple[l
     """A seeded held-out share for eval loss: at least one example when asked for, never all of them."""
     if eval_fraction == 0 or len(rows) < 2:
         return rows, []
-    from rlcli.engine.rollout import derive_seed
+    from rlcli.generation.seeds import derive_seed
 
     order = list(range(len(rows)))
     random.Random(derive_seed(seed, "sft/split")).shuffle(order)
@@ -624,7 +624,7 @@ def _training_dtype(recipe, device: str) -> Any:
     return None if dtype == torch.float16 and device == "cpu" else dtype
 
 
-def resume_point(output_dir: Path) -> Path | None:
+def last_trainer_checkpoint(output_dir: Path) -> Path | None:
     """The newest complete Trainer checkpoint under output_dir, or None.
 
     The Trainer writes trainer_state.json last, so a folder without a readable one was cut off

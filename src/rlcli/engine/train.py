@@ -66,15 +66,12 @@ from rlcli.engine.async_rollout import push_folder, set_aside_stale, staleness
 from rlcli.engine.context import RunContext
 from rlcli.engine.curriculum import extra_tasks, group_sizes, iteration_tasks
 from rlcli.engine.labelling import GRPO_LABEL_SET
-from rlcli.engine.rollout import (
-    collect,
-    derive_seed,
-    generation_engine,
-    make_sampler,
-    sampling_config,
-)
+from rlcli.engine.rollout import collect
 from rlcli.engine.update import TrainSequence, minibatches_per_epoch, update
 from rlcli.errors import RlcliError, UsageError
+from rlcli.generation.engines import generation_engine, make_sampler
+from rlcli.generation.sampler import sampling_config
+from rlcli.generation.seeds import derive_seed
 from rlcli.models.loading import fsync_folder, replace_folder
 from rlcli.store.checkpoints import add_checkpoint, checkpoints, require_folder, train_checkpoints
 from rlcli.store.episodes import episodes_for_training, set_aside_count
@@ -342,7 +339,7 @@ def _sync_rollout(ctx: RunContext, it: int, sampler, tokenizer, model, uses_vllm
     sync_s = None
     if uses_vllm:
         # The engine serves the weights of the last update (or, first, of the loaded checkpoint).
-        from rlcli.engine.vllm_engine import sync_weights
+        from rlcli.generation.vllm_engine import sync_weights
 
         t0 = time.perf_counter()
         # rollout.vllm_sync adapter: the last update's checkpoint folder, when saved, already holds the adapter

@@ -14,8 +14,9 @@ import torch
 
 from rlcli.engine import grpo
 from rlcli.engine.context import RunContext
-from rlcli.engine.rollout import derive_seed, sampling_config
 from rlcli.errors import RlcliError
+from rlcli.generation.sampler import sampling_config
+from rlcli.generation.seeds import derive_seed
 from rlcli.models import vision
 
 

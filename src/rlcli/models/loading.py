@@ -19,16 +19,13 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
-
+from rlcli.console import err_console
 from rlcli.errors import UsageError
 from rlcli.export_folder import check_export_target, export_folder
 from rlcli.models.cache import resolve_model
 
 if TYPE_CHECKING:
     from rlcli.recipe import LoraSection, ModelSection, QuantizationSection
-
-console = Console(stderr=True, highlight=False)
 
 # --- loading the policy ---------------------------------------------------------------
 
@@ -544,7 +541,7 @@ def export_merged(
         auto_class, processor = AutoModelForCausalLM, load_tokenizer(model_cfg, base)
     dtype = resolve_dtype(model_cfg.dtype, "cpu")
     if quant_cfg.mode != "none":
-        console.print(
+        err_console.print(
             f"Merging into the unquantized base ({str(dtype).removeprefix('torch.')}): its outputs differ "
             f"slightly from the {quant_cfg.mode} policy that was trained."
         )

@@ -4,7 +4,7 @@ Both load a local model folder once, when the recipe's rewards are built, on the
 given (the recipe's model.device); torch and transformers are imported only then, so importing this
 module stays cheap.
 
-The judge generates through the same seam as rollouts (engine/sampling.py's Sampler: token-id prompts
+The judge generates through the same seam as rollouts (generation/sampler.py's Sampler: token-id prompts
 in, sampled ids out, a seed per episode), with the HF engine: greedy, batched, and correct on any
 device. Not with vLLM: an in-process vLLM engine is one per process, and the policy's holds it.
 """
@@ -18,6 +18,8 @@ from pydantic import NonNegativeInt, PositiveFloat, PositiveInt, validate_call
 
 from rlcli.envs.parsing import find_numbers
 from rlcli.errors import UsageError
+from rlcli.generation.sampler import Sampler, SamplingConfig
+from rlcli.generation.seeds import derive_seed
 from rlcli.rewards.episodes import EpisodeDict, Scorer, transcript
 
 DEFAULT_RUBRIC = """Rate the response to the request below from 0 (wrong or useless) to {scale} (fully correct).
@@ -58,12 +60,12 @@ class Judge:
     def __init__(
         self, lm, tokenizer, rubric: str, fields: set[str], max_new_tokens: int, scale: float, batch_size: int
     ):
-        from rlcli.engine.sampling import HfSampler, SamplingConfig
+        from rlcli.generation.hf_sampler import HfSampler  # imports torch: only when a judge is built
 
         self.lm, self.tokenizer, self.rubric, self.fields = lm, tokenizer, rubric, fields
         self.max_new_tokens, self.scale, self.batch_size = max_new_tokens, scale, batch_size
         # Greedy: a score must not depend on a draw. (A vLLM judge would need a second process: see above.)
-        self.sampler = HfSampler(lm, tokenizer, SamplingConfig(temperature=0.0, max_new_tokens=max_new_tokens))
+        self.sampler: Sampler = HfSampler(lm, tokenizer, SamplingConfig(temperature=0.0, max_new_tokens=max_new_tokens))
         self.failures: dict[int, str] = {}
         limit = input_limit(tokenizer, lm.config)
         # The reply needs positions too; a model too short for even that gets the whole limit.
@@ -103,8 +105,6 @@ class Judge:
 
     def generate(self, requests: list[str], episode_ids: list[int]) -> list[str]:
         """The judge's reply to each request, decoded; a request is one episode's filled-in rubric."""
-        from rlcli.engine.rollout import derive_seed
-
         texts = [
             _render(self.tokenizer, [{"role": "user", "content": r}], add_generation_prompt=True) for r in requests
         ]

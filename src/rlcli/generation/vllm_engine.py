@@ -1,6 +1,6 @@
 """Generation with vLLM: an in-process `vllm.LLM` that lives across GRPO iterations.
 
-The same contract as the HF sampler (`sampling.sample_batch`): token-id prompts in; for each, the
+The same contract as the HF sampler (`hf_sampler.sample_batch`): token-id prompts in; for each, the
 sampled ids, their logprobs and whether the reply ended on eos or a stop string. Each request has
 its own seed, so an episode's tokens do not depend on which other episodes share its batch.
 
@@ -44,8 +44,10 @@ from typing import Any
 
 import torch
 
-from rlcli.engine.sampling import Sample, SamplingConfig
+from rlcli.console import err_console
 from rlcli.errors import RlcliError, UsageError
+from rlcli.generation.sampler import Sample, SamplingConfig
+from rlcli.generation.seeds import derive_seed
 from rlcli.models import vision
 
 # Sampled-token logprobs after temperature (and top-k/top-p, when they are on); see the module doc.
@@ -329,8 +331,6 @@ class VllmSampler:
     ) -> list[Sample]:
         """images: a vision-language model's, those of each prompt in the order of their tokens. vLLM
         takes the images beside prompts whose image tokens are folded back into placeholders."""
-        from rlcli.engine.rollout import derive_seed
-
         seeds = []
         for row in rows:
             seeds.append(derive_seed(self.seeds[row], self.turns[row]))
@@ -358,11 +358,9 @@ def shared_engine(model_path: str, **options: Any) -> VllmEngine:
     options = {name: value for name, value in options.items() if value is not None}
     key = {"model_path": str(model_path), **options}
     if _shared is None or _shared[0] != key:
-        from rlcli.models.loading import console
-
         shutdown_shared_engine()  # vLLM cannot hold two engines' memory at once: free the old one first
         # Say so: `auto` may have picked vLLM, and its start takes seconds.
-        console.print(
+        err_console.print(
             f"vLLM engine: starting on {options.get('device', 'the default device')} (rollout.engine=hf avoids it)"
         )
         _shared = (key, VllmEngine(model_path, **options))

@@ -19,54 +19,18 @@ a prefill feeds go to that forward as pixels; decode steps feed text tokens only
 places image tokens at 3-D positions (M-RoPE), computed at the prefill (vision.mrope_positions); its
 sampled tokens are text, whose position is their index plus the row's shift, kept per row.
 
-Rollouts sample through the `Sampler` interface: `HfSampler` (this decode loop) or
-`vllm_engine.VllmSampler` (an in-process vLLM engine).
+`HfSampler` is this decode loop behind the `Sampler` protocol (sampler.py); `vllm_engine.VllmSampler`
+is the other one.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 
+from rlcli.generation.sampler import Sample, SamplingConfig
 from rlcli.models import vision
-
-
-@dataclass
-class SamplingConfig:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_new_tokens: int = 64
-    stop: list[str] = field(default_factory=list)
-
-    @property
-    def logprob_temperature(self) -> float:
-        """The temperature under which logprobs are recorded (and recomputed in training)."""
-        return self.temperature if self.temperature > 0 else 1.0
-
-
-@dataclass
-class Sample:
-    ids: list[int]
-    logprobs: list[float]
-    finished: bool  # ended on an eos token or a stop string (not on the token cap)
-
-
-class Sampler(Protocol):
-    """How rollouts generate: a chunk of episodes, each with its own sample seed, played turn by turn.
-
-    `start` begins a chunk; each `sample` call is one turn of the chunk's episodes named by `rows`
-    (indices into the seeds given to `start`). An episode's tokens depend on its seed and its
-    prompts only, never on which other episodes share the batch.
-    """
-
-    config: SamplingConfig
-
-    def start(self, seeds: list[int]) -> None: ...
-
-    def sample(self, rows: list[int], prompts: list[list[int]], budgets: list[int]) -> list[Sample]: ...
 
 
 class HfSampler:
