@@ -5,13 +5,13 @@
     .venv/bin/python bench/rollout.py --batches 8 --new-tokens 32 --dtype bfloat16 --lora 8 --greedy
 
 What is measured, per batch size B (generated tokens per second = B x new tokens / wall time of one call):
-  * rlcli: `rlcli.engine.sampling.sample_batch`, the decode loop every rollout (`rlcli rollout`, the GRPO
+  * rlcli: `rlcli.generation.hf_sampler.sample_batch`, the decode loop every rollout (`rlcli rollout`, the GRPO
     rollout stage, eval) calls, with one torch.Generator per row as the EpisodeRunner gives it. The
     prompts go in as token ids, exactly as the runner passes them.
   * bare: `model.generate` on the same left-padded prompts, same sampling (temperature, top_k 0,
     top_p 1; or greedy), the same number of new tokens.
   * ratio: rlcli / bare.
-  * vllm: rlcli's vLLM engine, `rlcli.engine.vllm_engine.VllmEngine.generate`, on the same model
+  * vllm: rlcli's vLLM engine, `rlcli.generation.vllm_engine.VllmEngine.generate`, on the same model
     folder, prompts (token ids), temperature and token budget, one seed per row, built as
     `policy_engine` builds it on a CPU: the dtype --vllm-dtype (default: --dtype, which is what
     `model.dtype` gives the engine), eager mode, prefix caching on, a 1 GiB KV cache

