@@ -184,7 +184,8 @@ def _build_smollm2(out: Path) -> None:
             tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
             # GGUF dequantises fastest in float32. The weights come out dense; only the gguf
             # marker stops save_pretrained, so drop it.
-            model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=torch.float32)
+            # Any: transformers' types miss hf_quantizer (set by a GGUF load) and mistype its wrapped .to().
+            model: Any = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=torch.float32)
             model.hf_quantizer.remove_quantization_config(model)
             # bfloat16 halves the file; its rounding is far below the 4-bit (Q4_1) error already there.
             model.to(torch.bfloat16).save_pretrained(out)

@@ -76,7 +76,8 @@ def load_policy(
 
     auto_class = AutoModelForImageTextToText if is_vision else AutoModelForCausalLM
     # A VLM's vision tower and projector stay unquantised (see quantization_config).
-    keep = vision.PIXEL_MODULES[vision_type] if is_vision else ()
+    keep = vision.PIXEL_MODULES[vision_type] if vision_type is not None else ()
+    model: Any  # a transformers model, or a PeftModel around one
     with _streamed_reads() if quant_cfg.mode != "none" else contextlib.nullcontext():
         model = auto_class.from_pretrained(
             checkpoint if checkpoint is not None and not is_adapter else base,
@@ -93,6 +94,7 @@ def load_policy(
     if is_adapter:
         from peft import PeftModel
 
+        assert checkpoint is not None  # is_adapter: a folder with adapter_config.json
         with _quiet_peft():
             model = PeftModel.from_pretrained(model, checkpoint, is_trainable=trainable)
         if not trainable and quant_cfg.mode == "none":
@@ -207,11 +209,12 @@ def _streamed_reads() -> Iterator[None]:
             return safe_open(filename, framework=framework, device=device, **kwargs)
         return _TrimmedReads(handle, trim)
 
-    modeling_utils.safe_open = open_pread
+    # Patched where transformers looks it up; mypy sees the name as safetensors' class.
+    modeling_utils.safe_open = open_pread  # type: ignore[misc, assignment]
     try:
         yield
     finally:
-        modeling_utils.safe_open = safe_open
+        modeling_utils.safe_open = safe_open  # type: ignore[misc]
 
 
 def _malloc_trim() -> Any:
@@ -534,6 +537,7 @@ def export_merged(
         )
         raise UsageError(f"Checkpoint {checkpoint} does not match the recipe: expected {expected}.")
     base = resolve_model(model_cfg.name)
+    auto_class: type[AutoModelForCausalLM] | type[AutoModelForImageTextToText]
     if vision.vision_model_type(base) is not None:
         template = _read_chat_template(model_cfg.chat_template) if model_cfg.chat_template else None
         auto_class, processor = AutoModelForImageTextToText, vision.load_processor(base, model_cfg.name, template)
@@ -566,7 +570,7 @@ def _save_folder(model: Any, tokenizer: Any, path: Path) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     if isinstance(model, PeftModel):
         # Only the trainable adapter: a frozen reference adapter beside it (attach_reference) is not the policy.
-        model.save_pretrained(tmp, selected_adapters=[model.active_adapter])
+        model.save_pretrained(str(tmp), selected_adapters=[model.active_adapter])
     else:
         model.save_pretrained(tmp)
     _save_tokenizer(tokenizer, tmp)
