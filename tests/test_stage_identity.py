@@ -129,3 +129,38 @@ def test_sft_resumed_on_other_data_is_refused(ctx):
     ctx.recipe.sft.source, ctx.recipe.sft.demos = "expert", 8
     with pytest.raises(UsageError, match="demos=4, not demos=8; use another --run"):
         run_sft(ctx)
+
+
+class _Trained(Exception):
+    """Stands for SFT's training: raised where the stage's work would begin."""
+
+
+@pytest.mark.parametrize("folder", [False, True])
+def test_sft_resumed_on_a_changed_data_file_is_refused(ctx, tmp_path, monkeypatch, folder):
+    # The data's path was the stage's identity, not its content: a resume after the file changed
+    # went on, half the epochs on the old rows and half on the new ones.
+    import json
+
+    from rlcli.engine import sft
+
+    def write(answer: str) -> None:
+        row = {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": answer}]}
+        (tmp_path / "data").mkdir(exist_ok=True)
+        (tmp_path / "data" / "part.jsonl").write_text(json.dumps(row) + "\n")
+        (tmp_path / "data.jsonl").write_text(json.dumps(row) + "\n")
+
+    def train(ctx):
+        raise _Trained
+
+    monkeypatch.setattr(sft, "train_sft", train)
+    write("4")
+    ctx.recipe.sft.source = str(tmp_path / ("data" if folder else "data.jsonl"))
+    with pytest.raises(_Trained):  # killed half way through its epochs
+        sft.run_sft(ctx)
+    with pytest.raises(_Trained):  # the same data resumes
+        sft.run_sft(ctx)
+    write("5")
+    with pytest.raises(
+        UsageError, match=r"was run with data_sha256='[0-9a-f]{12}.*not data_sha256=.*use another --run"
+    ):
+        sft.run_sft(ctx)

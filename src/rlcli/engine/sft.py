@@ -26,7 +26,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from rlcli.engine.context import RunContext
-from rlcli.engine.sft_data import Conversation, read_conversations
+from rlcli.engine.sft_data import Conversation, data_sha256, read_conversations
 from rlcli.errors import RlcliError, UsageError
 from rlcli.models import vision
 from rlcli.store.checkpoints import add_checkpoint
@@ -75,8 +75,13 @@ def run_sft(ctx: RunContext) -> SftSummary:
         raise UsageError(
             f"sft.batch_size ({cfg.batch_size}) must be a multiple of sft.micro_batch_size ({cfg.micro_batch_size})."
         )
-    # What SFT trains on defines the stage; optimiser settings are resume-safe and may change.
+    # What SFT trains on defines the stage; optimiser settings are resume-safe and may change. A data
+    # file or folder counts by its content too: a resume on other rows would train on both.
     data = {"source": cfg.source, **{f: getattr(cfg, f) for f in SFT_DATA_FIELDS.get(cfg.source, ())}}
+    if cfg.source not in ("expert", "episodes"):
+        digest = data_sha256(Path(cfg.source).expanduser())
+        if digest is not None:  # else reading it says why, unless the stage is done
+            data["data_sha256"] = digest
     return SftSummary(
         **ctx.stage(
             "sft",

@@ -45,6 +45,27 @@ def read_conversations(path: Path) -> list[Conversation]:
     return conversations
 
 
+def data_sha256(path: Path) -> str | None:
+    """The SHA-256 of a data file's bytes, or of a folder's files (their paths and bytes, in order);
+    None when there is no such file or folder (reading it says why)."""
+    import hashlib
+
+    if path.is_file():
+        files = [path]
+    elif path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file())
+    else:
+        return None
+    digest = hashlib.sha256()
+    for file in files:
+        if file != path:  # a folder's file: its name and size first, so that no two folders read alike
+            digest.update(f"{file.relative_to(path).as_posix()}\0{file.stat().st_size}\0".encode())
+        with file.open("rb") as fh:
+            while block := fh.read(1 << 20):
+                digest.update(block)
+    return digest.hexdigest()
+
+
 def read_rows(path: Path) -> list[tuple[int, Any]]:
     if path.is_dir():
         return list(enumerate(_dataset_rows(path), 1))
