@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import json
 import random
-import signal
 import sqlite3
 import subprocess
-import time
 
 import pytest
 import torch
 
-from helpers import REPO, RLCLI, cli_env, make_ctx, run_cli, sequence_logprobs, write_recipe
+from helpers import REPO, RLCLI, cli_env, kill_at_event, make_ctx, run_cli, sequence_logprobs, write_recipe
 from rlcli.engine.dpo import run_dpo
 from rlcli.engine.pairs import continuation, first_difference, mine_pairs, source_stages
 from rlcli.errors import UsageError
@@ -239,17 +237,12 @@ def test_kill_during_dpo_resumes_from_its_checkpoint(tmp_path):
     ctx = make_ctx(recipe, runs)
     _single_turn_groups(ctx, 8)
     ctx.rundb.close()
-    command = RLCLI + ["train", "dpo", "-r", str(recipe), "--json"]
-    folder = runs / "t" / "dpo"
+    args = ["train", "dpo", "-r", str(recipe), "--json"]
+    # Killed at its first database write after its first complete checkpoint (trainer_state.json last).
+    checkpoint = {"glob": "checkpoint-*/trainer_state.json", "root": str(runs / "t" / "dpo")}
+    kill_at_event(args, runs, checkpoint, timeout=300, cwd=REPO)
 
-    proc = subprocess.Popen(command, env=cli_env(runs), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None and not list(folder.glob("checkpoint-*/trainer_state.json")):
-        time.sleep(0.05)
-    assert proc.poll() is None, "dpo ended before a checkpoint appeared; give it more steps"
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-
+    command = RLCLI + args
     resumed = subprocess.run(command, env=cli_env(runs), cwd=REPO, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr
     assert "dpo: resuming from" in resumed.stderr

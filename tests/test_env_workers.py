@@ -4,7 +4,6 @@ crashes that fail only their episodes, limits, continuous batching of turns, kil
 from __future__ import annotations
 
 import os
-import signal
 import sqlite3
 import subprocess
 import sys
@@ -12,7 +11,7 @@ import time
 
 import pytest
 
-from helpers import RLCLI, cli, cli_env, kill_when, make_ctx, run_cli, write_env_file, write_recipe
+from helpers import cli, kill_at_event, kill_when, make_ctx, run_cli, write_env_file, write_recipe
 from rlcli.engine.rollout import run_rollout_stage
 from rlcli.envs.protocol import EnvTimeout
 from rlcli.envs.workers import EnvLost, EnvReply, EnvWorkerPool
@@ -261,13 +260,9 @@ def test_kill_during_the_replays_of_lost_episodes_resumes_to_the_same_episodes(t
     runs = tmp_path / "runs"
     args = ["rollout", "-r", str(recipe), "--policy", "base"]
     resets = tmp_path / "resets"
-    proc = subprocess.Popen(RLCLI + args, env=cli_env(runs), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    # More resets than episodes: the lost episodes are being played again.
-    while time.time() < deadline and proc.poll() is None and _lines(resets) <= 12:
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    # More resets than episodes: the lost episodes are being played again. Killed at the first database
+    # write after that: the chunk's commit, which the kill prevents.
+    kill_at_event(args, runs, {"lines": str(resets), "more_than": 12}, timeout=300)
     assert _lines(resets) > 12, "the kill must land during the replays"
     with sqlite3.connect(runs / "rlcli.db") as conn:
         assert conn.execute("select count(*) from episodes").fetchone()[0] == 0  # the chunk stores all or nothing

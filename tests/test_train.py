@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import shutil
-import signal
 import sqlite3
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import RLCLI, cli_env, make_ctx, run_cli, write_recipe
+from helpers import RLCLI, cli_env, kill_when, make_ctx, run_cli, write_recipe
 from rlcli.engine import train, update
 from rlcli.engine.train import run_grpo
 from rlcli.store.checkpoints import checkpoints
@@ -143,26 +141,8 @@ def test_kill_and_resume_ends_identical_to_an_uninterrupted_run(tmp_path):
     clean, killed = tmp_path / "clean", tmp_path / "killed"
     assert run_cli(["train", "grpo", "-r", str(recipe)], clean).returncode == 0
 
-    proc = subprocess.Popen(
-        RLCLI + ["train", "grpo", "-r", str(recipe)],
-        env=cli_env(killed),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None:
-        time.sleep(0.2)
-        try:
-            with sqlite3.connect(killed / "rlcli.db") as conn:
-                done = conn.execute(
-                    "select count(*) from stages where name like 'train/%' and status = 'done'"
-                ).fetchone()[0]
-        except sqlite3.Error:
-            continue
-        if done >= 2:
-            break
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    done = "select count(*) from stages where name like 'train/%' and status = 'done'"
+    assert kill_when(["train", "grpo", "-r", str(recipe)], killed, done, 2, timeout=300) == 2  # of 4
     resumed = run_cli(["train", "grpo", "-r", str(recipe)], killed)
     assert resumed.returncode == 0, resumed.stderr
 
