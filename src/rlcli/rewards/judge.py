@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import string
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 from pydantic import NonNegativeInt, PositiveFloat, PositiveInt, validate_call
 
@@ -21,6 +22,9 @@ from rlcli.errors import UsageError
 from rlcli.generation.sampler import Sampler, SamplingConfig
 from rlcli.generation.seeds import derive_seed
 from rlcli.rewards.episodes import EpisodeDict, Scorer, transcript
+
+if TYPE_CHECKING:
+    from transformers import BatchEncoding, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 DEFAULT_RUBRIC = """Rate the response to the request below from 0 (wrong or useless) to {scale} (fully correct).
 
@@ -58,7 +62,14 @@ class Judge:
     recorded in `failures`, as are requests cut to fit the model."""
 
     def __init__(
-        self, lm, tokenizer, rubric: str, fields: set[str], max_new_tokens: int, scale: float, batch_size: int
+        self,
+        lm: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        rubric: str,
+        fields: set[str],
+        max_new_tokens: int,
+        scale: float,
+        batch_size: int,
     ):
         from rlcli.generation.hf_sampler import HfSampler  # imports torch: only when a judge is built
 
@@ -112,7 +123,7 @@ class Judge:
         # Greedy decoding draws nothing, but the seam gives every episode its own stream all the same.
         self.sampler.start([derive_seed("judge", episode_id) for episode_id in episode_ids])
         samples = self.sampler.sample(list(range(len(prompts))), prompts, [self.max_new_tokens] * len(prompts))
-        return [self.tokenizer.decode(sample.ids, skip_special_tokens=True) for sample in samples]
+        return self.tokenizer.batch_decode([sample.ids for sample in samples], skip_special_tokens=True)
 
 
 def parse_score(text: str, scale: float) -> float:
@@ -135,6 +146,8 @@ def reward_model(
 ) -> Scorer:
     net, tokenizer = _load_model(model, "AutoModelForSequenceClassification", device)
     num_labels = net.config.num_labels
+    if num_labels is None:
+        raise UsageError(f"{model} does not say how many labels it has (num_labels in its config.json).")
     if label is None and num_labels != 1:
         raise UsageError(f"{model} has {num_labels} labels; set kwargs.label to the index of the one to score.")
     if label is not None and label >= num_labels:
@@ -148,7 +161,7 @@ def reward_model(
 class RewardModel:
     """A sequence classifier's logit as the reward; conversations cut to fit it are recorded in `failures`."""
 
-    def __init__(self, net, tokenizer, label: int, batch_size: int):
+    def __init__(self, net: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, label: int, batch_size: int):
         self.net, self.tokenizer, self.label, self.batch_size = net, tokenizer, label, batch_size
         self.max_tokens = input_limit(tokenizer, net.config)
         self.failures: dict[int, str] = {}
@@ -168,7 +181,7 @@ class RewardModel:
         return values
 
 
-def _load_model(model: str, auto_class: str, device: str):
+def _load_model(model: str, auto_class: str, device: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """A model and its tokenizer from a local folder, on device (as model.device reads it), in eval mode."""
     path = Path(model)
     if not path.is_dir():
@@ -188,13 +201,14 @@ def _load_model(model: str, auto_class: str, device: str):
     return net, tokenizer
 
 
-def _render(tokenizer, messages: list[dict], add_generation_prompt: bool) -> str:
+def _render(tokenizer: PreTrainedTokenizerBase, messages: list[dict], add_generation_prompt: bool) -> str:
     if tokenizer.chat_template is None:
         return transcript(messages)
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return cast(str, text)  # tokenize=False: the text
 
 
-def input_limit(tokenizer, config) -> int | None:
+def input_limit(tokenizer: PreTrainedTokenizerBase, config: PretrainedConfig) -> int | None:
     """The most tokens the model reads at once: the smaller of the tokenizer's model_max_length and
     the config's max_position_embeddings, leaving out either one when it is unset (transformers puts
     a huge placeholder in model_max_length when the tokenizer does not know)."""
@@ -204,7 +218,11 @@ def input_limit(tokenizer, config) -> int | None:
 
 
 def _token_rows(
-    tokenizer, texts: list[str], max_tokens: int | None, episode_ids: list[int], notes: dict[int, str]
+    tokenizer: PreTrainedTokenizerBase,
+    texts: list[str],
+    max_tokens: int | None,
+    episode_ids: list[int],
+    notes: dict[int, str],
 ) -> list[list[int]]:
     """The texts' token ids, each row cut from the left to max_tokens: the end of an episode (the
     answer, the judge's question) matters most. Each cut is noted under its episode id."""
@@ -218,7 +236,13 @@ def _token_rows(
     return rows
 
 
-def _tokenize(tokenizer, texts: list[str], max_tokens: int | None, episode_ids: list[int], notes: dict[int, str]):
+def _tokenize(
+    tokenizer: PreTrainedTokenizerBase,
+    texts: list[str],
+    max_tokens: int | None,
+    episode_ids: list[int],
+    notes: dict[int, str],
+) -> BatchEncoding:
     """_token_rows as a padded batch of tensors."""
     rows = _token_rows(tokenizer, texts, max_tokens, episode_ids, notes)
     return tokenizer.pad({"input_ids": rows}, return_tensors="pt")
