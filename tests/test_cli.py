@@ -541,6 +541,51 @@ def test_a_new_run_refused_before_work_is_not_created(capsys, tmp_path, rlcli_ho
     assert _run_rows(rlcli_home, "t") == {"runs": [], "run_recipes": [], "stages": []}
 
 
+def test_a_new_run_refused_before_work_leaves_no_folder_behind(capsys, tmp_path, rlcli_home):
+    # The run's lock made runs/<run>/ with a lock file in it, and a refused new run left both.
+    from helpers import write_recipe
+
+    recipe = write_recipe(tmp_path / "t.yaml")
+    RunDB.open(rlcli_home).close()
+    before = sorted(p.name for p in rlcli_home.iterdir())
+    for args, says in [
+        (["rollout", "--policy", "sft"], "no SFT checkpoint"),
+        (["rollout", "--policy", "lastest"], "'lastest'"),
+    ]:
+        code, _, err = cli(capsys, *args, "-r", recipe)
+        assert code == 2 and says in one_line(err), (args, err)
+        assert sorted(p.name for p in rlcli_home.iterdir()) == before, args
+    # The run can still be made, and its lock still keeps a second process out.
+    with open_run(recipe, None, rlcli_home, []):
+        assert (rlcli_home / "t" / "lock").is_file()
+        with pytest.raises(RlcliError, match="in use by another rlcli process"), open_run(recipe, None, rlcli_home, []):
+            pass
+    # An existing run's folder stays whatever a command does to it.
+    code, _, _ = cli(capsys, "rollout", "--policy", "sft", "-r", recipe)
+    assert code == 2 and (rlcli_home / "t" / "lock").is_file()
+
+
+def test_a_lock_taken_on_a_removed_lock_file_is_taken_again(tmp_path, monkeypatch):
+    # A refused new run removes its folder while it holds the lock; a process that opened the lock
+    # file just before must not hold a lock on a file no longer there, beside a third on the new one.
+    from rlcli.store import stages
+
+    locked = stages._flock
+    calls = []
+
+    def flock_then_removed(fh, operation):
+        locked(fh, operation)
+        calls.append(fh.name)
+        if len(calls) == 1:  # the holder removed the file between our open and our lock
+            Path(fh.name).unlink()
+
+    monkeypatch.setattr(stages, "_flock", flock_then_removed)
+    with stages.RunLock(tmp_path, "r") as lock:
+        assert len(calls) == 2 and lock.path.is_file()
+        assert os.path.samestat(os.fstat(lock._fh.fileno()), os.stat(lock.path))
+        assert stages.RunLock.held(tmp_path, "r")
+
+
 @pytest.mark.parametrize("stage", ["dpo", "sft", "grpo"])
 def test_a_rollout_stage_may_not_take_a_name_rlcli_owns(capsys, tmp_path, rlcli_home, stage):
     # `rollout --stage dpo` then `train dpo` failed on the rollout's summary as if it were DPO's.

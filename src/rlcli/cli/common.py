@@ -108,7 +108,8 @@ def open_run(
             check_recipe(recipe)
         name = recipe.run.name
         rundb.check_case_twin(name)  # before the lock, which makes the run's folder
-        with RunLock(runs_dir, name):
+        new_folder = not (runs_dir / name).exists()
+        with RunLock(runs_dir, name) as lock:
             # User env and reward files are loaded from the working directory, like the recipe's paths.
             code = code_hashes(recipe.env.name, [r.fn for r in recipe.rewards], Path.cwd())
             for path in rundb.code_changes(name, code):
@@ -118,11 +119,16 @@ def open_run(
                     highlight=False,
                 )
             before = rundb.run_state(name)
-            rundb.start_run(name, recipe, str(recipe_path) if recipe_path else None, force=force, code=code)
             try:
-                yield RunContext(recipe, rundb, name, runs_dir, console=err_console)
+                rundb.start_run(name, recipe, str(recipe_path) if recipe_path else None, force=force, code=code)
+                try:
+                    yield RunContext(recipe, rundb, name, runs_dir, console=err_console)
+                except BaseException:
+                    rundb.restore_run(before)
+                    raise
             except BaseException:
-                rundb.restore_run(before)
+                if new_folder and rundb.get_run(name) is None:
+                    lock.remove_folder()  # no run, no folder: as the command found them
                 raise
     finally:
         rundb.close()

@@ -7,6 +7,7 @@ after a crash continues instead of repeating.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -34,27 +35,46 @@ class RunLock:
         self._fh: IO[str] | None = None
 
     def __enter__(self) -> RunLock:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fh = self.path.open("a+")
-        try:
-            _flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            fh.seek(0)
-            holder = fh.read().strip() or "unknown"
+        # A holder may remove the folder (remove_folder) before it lets go: a lock taken on a file
+        # that is no longer at the path holds nothing, so it is taken again on the new one.
+        for _ in range(100):
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                fh = self.path.open("a+")
+            except FileNotFoundError:  # the folder went between the mkdir and the open
+                continue
+            try:
+                _flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                fh.seek(0)
+                holder = fh.read().strip() or "unknown"
+                fh.close()
+                raise RlcliError(
+                    f"Run {self.path.parent.name!r} is in use by another rlcli process (pid {holder}); "
+                    "wait for it to finish or stop it."
+                ) from None
+            except BaseException:
+                fh.close()
+                raise
+            if _same_file(fh, self.path):
+                break
             fh.close()
-            raise RlcliError(
-                f"Run {self.path.parent.name!r} is in use by another rlcli process (pid {holder}); "
-                "wait for it to finish or stop it."
-            ) from None
-        except BaseException:
-            fh.close()
-            raise
+        else:
+            raise RlcliError(f"Could not lock run {self.path.parent.name!r}: its lock file keeps being removed.")
         fh.seek(0)
         fh.truncate()
         fh.write(str(os.getpid()))
         fh.flush()
         self._fh = fh
         return self
+
+    def remove_folder(self) -> None:
+        """While holding the lock: remove the lock file, and the run's folder if nothing else is in it
+        (a new run refused before any work leaves no folder behind)."""
+        assert self._fh is not None, "remove_folder needs the lock held"
+        self.path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # not empty: something else lives there, and stays
+            self.path.parent.rmdir()
 
     def __exit__(self, *exc: object) -> None:
         if self._fh is not None:
@@ -77,6 +97,13 @@ class RunLock:
             return False
         except OSError:  # BlockingIOError: an exclusive holder; anything else: cannot tell
             return True
+        return False
+
+
+def _same_file(fh: IO[str], path: Path) -> bool:
+    try:
+        return os.path.samestat(os.fstat(fh.fileno()), os.stat(path))
+    except FileNotFoundError:
         return False
 
 
