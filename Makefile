@@ -77,9 +77,12 @@ demo: install
 test: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
+# mypy: the type checker, configured in pyproject.toml ([tool.mypy]) for src/; its cache, .mypy_cache,
+# makes a re-run take seconds.
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 format: install
 	$(BIN)/ruff check --fix .
