@@ -411,7 +411,7 @@ def test_runs_show_json_has_stable_keys(capsys, rlcli_home):
     assert data["reward_curve"] == [0.1, 0.3]
     assert data["latest_metrics"] == {"rollout/reward_mean": 0.3}
     assert [c["path"] for c in data["checkpoints"]] == [str(rlcli_home.absolute() / "r1" / "sft")]
-    assert data["episodes"] == {"total": 0, "failed": 0}
+    assert data["episodes"] == {"total": 0, "failed": 0, "replayed_lost": 0}
     # The table view renders the same run.
     code, out, _ = cli(capsys, "runs", "show", "r1")
     assert code == 0 and "r1" in out and "rollout/0" in out

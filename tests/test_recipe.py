@@ -244,6 +244,12 @@ def test_quantization_without_lora_is_refused(tmp_path):
 # --- resume comparison and hashing ---------------------------------------------------------
 
 
+def test_run_names_field_states_what_a_name_may_be():
+    # A 101-character name is refused (check_run_name); the field that takes it says so.
+    description = Recipe.model_fields["run"].annotation.model_fields["name"].description
+    assert "at most 100 characters" in description and "letters, digits and -_." in description
+
+
 def test_changed_fields_ignores_resume_safe_fields():
     old = Recipe().to_dict()
     new = load_recipe(

@@ -214,7 +214,23 @@ def test_show_json_has_stable_keys_and_evals(capsys, runs_dir):
     assert sft["duration_s"] == 30.0
     assert [e["label"] for e in data["evals"]] == ["base", "latest (ckpt-2)"]
     assert data["reward_curve"] == pytest.approx(REWARD) and data["success_curve"] == pytest.approx(SUCCESS)
-    assert data["episodes"] == {"total": 12, "failed": 1}
+    assert data["episodes"] == {"total": 12, "failed": 1, "replayed_lost": 0}
+
+
+def test_show_counts_the_lost_episodes_played_again(capsys, runs_dir):
+    # Episodes whose env was lost with a killed worker are played again (episodes.lost counts the
+    # lost plays; GRPO logs rollout/replayed_lost): runs show says how many, beside failed.
+    rundb = RunDB.open(runs_dir)
+    try:
+        with rundb.transaction() as db:
+            db.execute("update episodes set lost = 2 where id = (select min(id) from episodes where run = 'demo')")
+            db.execute("update episodes set lost = 1 where id = (select max(id) from episodes where run = 'demo')")
+    finally:
+        rundb.close()
+    code, out, _ = cli(capsys, "runs", "show", "demo", "--json")
+    assert code == 0 and json.loads(out)["episodes"] == {"total": 12, "failed": 1, "replayed_lost": 3}
+    code, out, _ = cli(capsys, "runs", "show", "demo")
+    assert code == 0 and "episodes: 12 (1 failed, 3 replayed_lost)" in out
 
 
 def test_show_terminal_view(capsys, runs_dir):

@@ -35,7 +35,11 @@ class Section(BaseModel):
 
 
 class RunSection(Section):
-    name: str = Field("run", description="Run name: letters, digits and -_. only. Overridden by --run.")
+    name: str = Field(
+        "run",
+        description="Run name: letters, digits and -_. only, starting with a letter or digit, at most 100 "
+        "characters; not one that differs from a recorded run's only in case. Overridden by --run.",
+    )
     seed: int = Field(0, description="Seed from which every episode's and update's randomness is derived.")
     stages: list[Literal["sft", "grpo", "dpo", "eval"]] | None = Field(
         None,

@@ -62,7 +62,8 @@ def print_run(console: Console, data: dict[str, Any], series: dict[str, dict[str
     header.append(
         f"\nrecipe sha256: {data['recipe_sha256'][:12]}  seed: {data['seed']}  host: {data['hostname']}  "
         f"git: {(data['git_sha'] or '–')[:10]}  "
-        f"episodes: {data['episodes']['total']} ({data['episodes']['failed']} failed)"
+        f"episodes: {data['episodes']['total']} ({data['episodes']['failed']} failed, "
+        f"{data['episodes'].get('replayed_lost', 0)} replayed_lost)"
     )
     changes = data["recipe_history"][1:]  # the first entry is the recipe the run started with
     if changes:

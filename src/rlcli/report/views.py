@@ -64,7 +64,7 @@ def run_details(rundb: RunDB, name: str) -> dict[str, Any]:
         }
         for s in rundb.stages(name)
     ]
-    total, failed = episode_counts(rundb, name)
+    total, failed, replayed_lost = episode_counts(rundb, name)
     return {
         "name": run.name,
         "status": status,
@@ -78,7 +78,7 @@ def run_details(rundb: RunDB, name: str) -> dict[str, Any]:
         "hostname": run.hostname,
         "versions": run.versions,
         "stages": stages,
-        "episodes": {"total": total, "failed": failed},
+        "episodes": {"total": total, "failed": failed, "replayed_lost": replayed_lost},
         "latest_metrics": rundb.latest_metrics(name),
         "reward_curve": _curve(rundb, name, REWARD_KEY),
         "success_curve": _curve(rundb, name, SUCCESS_KEY),

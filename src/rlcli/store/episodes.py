@@ -140,12 +140,13 @@ def episode_summary(rundb: RunDB, run: str, stage: str) -> EpisodeSummary:
     )
 
 
-def episode_counts(rundb: RunDB, run: str) -> tuple[int, int]:
-    """(all, failed) episodes of a run."""
-    total, failed = rundb.db.execute(
-        "select count(*), sum(status = 'failed') from episodes where run = ?", [run]
+def episode_counts(rundb: RunDB, run: str) -> tuple[int, int, int]:
+    """(all, failed, replayed_lost) episodes of a run: the last counts the plays lost with a killed env
+    worker and played again (episodes.lost), as rollout/replayed_lost does an iteration's."""
+    total, failed, lost = rundb.db.execute(
+        "select count(*), sum(status = 'failed'), sum(lost) from episodes where run = ?", [run]
     ).fetchone()
-    return total or 0, failed or 0
+    return total or 0, failed or 0, lost or 0
 
 
 def episodes_for_training(rundb: RunDB, run: str, stage: str, label_set: str) -> list[LabelledEpisode]:
