@@ -105,6 +105,31 @@ def test_database_docs_list_every_field_that_may_change_on_resume():
     assert listed == safe, f"missing: {sorted(safe - listed)}; not resume-safe: {sorted(listed - safe)}"
 
 
+def test_every_field_the_database_docs_list_may_change_on_resume_as_the_code_allows():
+    """Each field docs/database.md lists, changed on its own, passes recipe.changed_fields (the
+    check start_run makes), a reward's field in every reward; a field it does not list does not."""
+    import copy
+    import re
+
+    from rlcli.recipe import changed_fields, load_recipe
+
+    text = (DOCS.parent / "database.md").read_text()
+    paragraph = text[text.index("Continuing a run compares") : text.index("Any other change is refused")]
+    old = load_recipe(None, ["rewards=[{fn: env_return}, {fn: format}]"]).to_dict()
+
+    def changed(path: str) -> list[str]:
+        section, field = path.split(".")
+        new = copy.deepcopy(old)
+        for part in new[section] if isinstance(new[section], list) else [new[section]]:
+            part[field] = ["changed", part.get(field)]  # unlike any value it held
+        return changed_fields(old, new)
+
+    for path in sorted(set(re.findall(r"`([a-z_]+\.[a-z_]+)`", paragraph))):
+        assert changed(path) == [], path
+    for path in ("grpo.lr", "rollout.group_size", "rewards.weight", "rewards.kwargs", "sft.source"):
+        assert changed(path), path
+
+
 def test_the_docs_say_that_with_env_workers_0_a_timed_out_call_runs_on_in_a_thread():
     """With env.workers 0 a call past env.step_timeout_s cannot be stopped: each leaves a thread
     running. The fields that choose this and the env docs say so."""
