@@ -17,9 +17,10 @@ import pytest
 import torch
 
 from helpers import RLCLI, cli_env, kill_when, make_ctx, run_cli, sequence_logprobs, write_recipe
-from rlcli.engine import async_rollout, train
+from rlcli.engine import async_rollout, rollout_sources
 from rlcli.engine.async_rollout import policy_version, staleness, thread_split
 from rlcli.engine.train import run_grpo
+from rlcli.engine.trainer import GrpoTrainer
 from rlcli.engine.update import TrainSequence, update
 from rlcli.recipe import load_recipe
 from rlcli.store.blobs import unpack_floats, unpack_ids
@@ -82,7 +83,7 @@ def test_max_staleness_0_gives_the_synchronous_results(tmp_path, monkeypatch):
     def no_worker(*args, **kwargs):
         raise AssertionError("max_staleness 0 must not start a rollout worker")
 
-    monkeypatch.setattr(async_rollout, "RolloutWorker", no_worker)
+    monkeypatch.setattr(rollout_sources, "RolloutWorker", no_worker)
     ctx = make_ctx(_recipe(tmp_path, max_staleness=0), tmp_path / "runs")
     run_grpo(ctx)
     # If this fails after a change to sampling, the tiny model or the update, that change altered
@@ -188,17 +189,17 @@ def test_weights_between_checkpoints_reach_the_worker(tmp_path):
 def test_lowering_max_staleness_on_resume_sets_stale_rollouts_aside(tmp_path, monkeypatch):
     recipe = _recipe(tmp_path, max_staleness=1)
     runs = tmp_path / "runs"
-    real = train.train_iteration
+    real = GrpoTrainer.iteration
 
-    def stop_at_2(ctx, model, tokenizer, optimizer, scheduler, schedule, it, reference):
-        if it == 2:  # rollout/2, sampled ahead with train/0's weights, is stored and not trained on
+    def stop_at_2(trainer, batch):
+        if batch.iteration == 2:  # rollout/2, sampled ahead with train/0's weights, is stored and not trained on
             raise RuntimeError("stopped")
-        return real(ctx, model, tokenizer, optimizer, scheduler, schedule, it, reference)
+        return real(trainer, batch)
 
-    monkeypatch.setattr(train, "train_iteration", stop_at_2)
+    monkeypatch.setattr(GrpoTrainer, "iteration", stop_at_2)
     with pytest.raises(RuntimeError, match="stopped"):
         run_grpo(make_ctx(recipe, runs))
-    monkeypatch.setattr(train, "train_iteration", real)
+    monkeypatch.setattr(GrpoTrainer, "iteration", real)
 
     ctx = make_ctx(recipe, runs, ["grpo.max_staleness=0"])  # resume-safe: no --force needed
     before = {e.id for e in stage_episodes(ctx.rundb, ctx.run, "rollout/2")}

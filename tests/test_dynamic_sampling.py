@@ -10,7 +10,7 @@ import pytest
 
 from helpers import kill_when, make_ctx, run_cli, write_env_file, write_recipe
 from rlcli.engine.curriculum import extra_tasks
-from rlcli.engine.train import training_batch
+from rlcli.engine.trainer import training_batch
 from rlcli.errors import UsageError
 from rlcli.recipe import load_recipe
 from rlcli.store.records import Episode, LabelledEpisode

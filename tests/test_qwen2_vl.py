@@ -17,7 +17,7 @@ import torch
 from helpers import make_ctx, write_recipe
 from rlcli.engine import update as update_module
 from rlcli.engine.rollout import run_rollout_stage
-from rlcli.engine.train import episode_sequences
+from rlcli.engine.trainer import episode_sequences
 from rlcli.store.episodes import stage_episodes
 from test_vlm import recomputed_gap, stored_turns
 
@@ -69,12 +69,12 @@ def test_qwen2_vl_rollout_records_image_tokens_and_exact_logprobs(tmp_path, name
     # 1-D positions (each token's index) miss by more than that tolerance (by ~8e-4 here; the 3-D
     # ones by ~5e-7), so the check above does tell 3-D positions from 1-D ones.
     batch = update_module._collate(sequences, model, True, update_module._pictures(ctx, sequences))
-    del batch["pixels"]["mm_token_type_ids"]
-    batch["position_ids"] = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+    del batch.pixels["mm_token_type_ids"]
+    batch.position_ids = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
         flat, _ = update_module.token_logprobs(model, batch, 1.0)
-    live = batch["mask"] > 0
-    assert float((flat - batch["rollout_logprobs"])[live].abs().max()) > 1e-4
+    live = batch.mask > 0
+    assert float((flat - batch.rollout_logprobs)[live].abs().max()) > 1e-4
     # Each distinct screenshot is stored once: a group's two episodes share their first one.
     hashes = {h for e in episodes for t in stored_turns(ctx, e.id) for h in t.images}
     (stored,) = ctx.rundb.db.execute("select count(*) from images").fetchone()

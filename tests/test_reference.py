@@ -7,7 +7,8 @@ import torch
 
 from helpers import make_ctx, write_recipe
 from rlcli.engine import grpo
-from rlcli.engine.train import reference_checkpoint, resume_point, run_grpo
+from rlcli.engine.train import run_grpo
+from rlcli.engine.trainer import reference_checkpoint, resume_point
 from rlcli.errors import UsageError
 from rlcli.models import loading
 from rlcli.recipe import LoraSection, ModelSection, QuantizationSection, load_recipe

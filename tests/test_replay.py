@@ -33,9 +33,9 @@ def test_replays_are_weighed_against_their_recorded_logprobs():
 
     cfg = load_recipe(None, ["grpo.replay={max_per_group: 1}"]).grpo
     fresh, replay = (TrainSequence(i, 0, [1], [1.0], [0.0], [0], stale=s) for i, s in ((0, False), (1, True)))
-    batch = {"rollout_logprobs": torch.tensor([[-1.0], [-2.0]])}
+    recorded = torch.tensor([[-1.0], [-2.0]])
     old = torch.tensor([[-0.5], [-0.5]])
-    behaviour, cap = _behaviour_logprobs(cfg, batch, old, [fresh, replay])
+    behaviour, cap = _behaviour_logprobs(cfg, recorded, old, [fresh, replay])
     assert behaviour.tolist() == [[-0.5], [-2.0]] and cap == 2.0  # the fresh one is on-policy: weight 1
 
 

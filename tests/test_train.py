@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from helpers import RLCLI, cli_env, kill_when, make_ctx, run_cli, write_recipe
-from rlcli.engine import train, update
+from rlcli.engine import rollout_sources, train, update
+from rlcli.engine.labelling import GRPO_LABEL_SET
 from rlcli.engine.train import run_grpo
 from rlcli.store.checkpoints import checkpoints
 from rlcli.store.db import RunDB
@@ -198,20 +199,20 @@ def _reference_logprobs(model, batch, temperature):
     """rlcli's update before chunking: the model's forward builds [B, keep, V] float32 logits, then a
     full log_softmax and entropy over them."""
     cache = None
-    if batch["prefix_ids"] is not None:
-        cache = model(input_ids=batch["prefix_ids"], use_cache=True, logits_to_keep=1).past_key_values
-        cache.batch_repeat_interleave(batch["input_ids"].shape[0])
+    if batch.prefix_ids is not None:
+        cache = model(input_ids=batch.prefix_ids, use_cache=True, logits_to_keep=1).past_key_values
+        cache.batch_repeat_interleave(batch.input_ids.shape[0])
     out = model(
-        input_ids=batch["input_ids"],
-        attention_mask=batch["attention_mask"],
-        position_ids=batch["position_ids"],
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        position_ids=batch.position_ids,
         past_key_values=cache,
-        logits_to_keep=batch["keep"] + 1,
+        logits_to_keep=batch.keep + 1,
         use_cache=cache is not None,
     )
     logp_all = (out.logits[:, :-1, :].float() / temperature).log_softmax(-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1).detach()
-    return logp_all.gather(-1, batch["targets"].unsqueeze(-1)).squeeze(-1), entropy
+    return logp_all.gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1), entropy
 
 
 def _loss_and_grads(model, batch, logprobs):
@@ -219,7 +220,7 @@ def _loss_and_grads(model, batch, logprobs):
 
     model.zero_grad(set_to_none=True)
     loss, _ = grpo.policy_loss(
-        logprobs, logprobs.detach() - 0.1, batch["advantages"], batch["mask"], clip_low=0.2, clip_high=0.2
+        logprobs, logprobs.detach() - 0.1, batch.advantages, batch.mask, clip_low=0.2, clip_high=0.2
     )
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
@@ -244,8 +245,8 @@ def test_chunked_logprobs_entropy_and_gradients_equal_the_full_logits(monkeypatc
         model.enable_input_require_grads()
     seqs = _multi_turn_sequences()
     batch = update._collate(seqs, model, share_prefix=share_prefix)
-    assert (batch["prefix_ids"] is not None) == share_prefix
-    live = batch["mask"] > 0
+    assert (batch.prefix_ids is not None) == share_prefix
+    live = batch.mask > 0
     update.check_output_head(model, seqs[0].ids)
 
     logprobs, entropy = update.token_logprobs(model, batch, 0.7, entropy=True)
@@ -282,7 +283,7 @@ def test_the_backward_keeps_no_logits(monkeypatch):
     assert saved  # the hook sees what the backward keeps
     # No logits at all: each chunk's are recomputed when its gradient is needed.
     assert all(not s or s[-1] != 512 for s in saved), saved  # CUDA kernels also save scalars
-    assert int((batch["mask"] > 0).sum()) > 2  # so the full micro-batch would have been more
+    assert int((batch.mask > 0).sum()) > 2  # so the full micro-batch would have been more
 
 
 def test_micro_batches_by_length_cover_the_minibatch_with_less_padding():
@@ -327,10 +328,10 @@ def test_bfloat16_weights_train_a_float32_adapter_within_stated_tolerances():
             old = logprobs.detach() + 0.05 * torch.randn(logprobs.shape, generator=torch.Generator().manual_seed(0)).to(
                 logprobs.device
             )
-        loss, _ = grpo.policy_loss(logprobs, old, batch["advantages"], batch["mask"], clip_low=0.2, clip_high=0.2)
+        loss, _ = grpo.policy_loss(logprobs, old, batch.advantages, batch.mask, clip_low=0.2, clip_high=0.2)
         loss.backward()
         grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
-        results[dtype] = logprobs.detach()[batch["mask"] > 0], loss.detach(), grads
+        results[dtype] = logprobs.detach()[batch.mask > 0], loss.detach(), grads
     (lp32, loss32, grads32), (lp16, loss16, grads16) = results["float32"], results["bfloat16"]
     assert float((lp32 - lp16).abs().max()) < 1e-2
     assert float(loss16) == pytest.approx(float(loss32), rel=1e-2)
@@ -368,10 +369,10 @@ def test_shared_prefix_forward_gives_the_same_loss_and_gradients(monkeypatch):
         return (batch, *_loss_and_grads(model, batch, logprobs))
 
     shared_batch, shared_loss, shared_grads = loss_and_grads()
-    assert shared_batch["prefix_ids"].shape == (1, 19)
+    assert shared_batch.prefix_ids.shape == (1, 19)
     monkeypatch.setattr(update, "_shared_prefix", lambda micro: 0)
     full_batch, full_loss, full_grads = loss_and_grads()
-    assert full_batch["prefix_ids"] is None
+    assert full_batch.prefix_ids is None
     assert torch.allclose(shared_loss, full_loss, atol=1e-5)
     for name, grad in full_grads.items():
         assert torch.allclose(shared_grads[name], grad, atol=1e-5, rtol=1e-3), name
@@ -465,7 +466,7 @@ def test_mask_truncated_follows_the_end_reason_and_rewards_see_the_same(tmp_path
     ctx.rundb.mark_stage(ctx.run, "rollout/0", "done", result={})
     run_grpo(ctx)
 
-    labelled = episodes_for_training(ctx.rundb, ctx.run, "rollout/0", train.LABEL_SET)
+    labelled = episodes_for_training(ctx.rundb, ctx.run, "rollout/0", GRPO_LABEL_SET)
     assert [(e.episode.end_reason, e.reward) for e in labelled] == [
         (EndReason.TERMINATED, 0.0),
         (EndReason.TERMINATED, 0.0),
@@ -491,14 +492,14 @@ def _resume(recipe, runs_dir, *overrides: str):
 
 def _interrupt_at(monkeypatch, stage: str) -> None:
     """Stop run_grpo like Ctrl-C as the rollout of `stage` begins."""
-    collect = train.collect
+    collect = rollout_sources.collect
 
     def interrupted(ctx, **kwargs):
         if kwargs["stage"] == stage:
             raise KeyboardInterrupt
         return collect(ctx, **kwargs)
 
-    monkeypatch.setattr(train, "collect", interrupted)
+    monkeypatch.setattr(rollout_sources, "collect", interrupted)
 
 
 def test_resume_from_another_directory_continues_from_the_checkpoint(tmp_path):

@@ -113,7 +113,7 @@ def test_adapter_sync_with_a_trained_vision_tower_is_refused(tmp_path):
 def test_vllm_rollout_of_a_vlm_records_image_tokens_and_logprobs_the_trainer_recomputes(
     tmp_path, tiny_vlm64, keep_images
 ):
-    from rlcli.engine.train import episode_sequences
+    from rlcli.engine.trainer import episode_sequences
     from rlcli.models.loading import load_policy
 
     recipe = vlm_vllm_recipe(tmp_path, tiny_vlm64, env={**GUI_CLICK, "keep_images": keep_images})

@@ -9,7 +9,7 @@ import torch
 from helpers import make_ctx, write_recipe
 from rlcli.engine import update as update_module
 from rlcli.engine.rollout import run_rollout_stage
-from rlcli.engine.train import episode_sequences
+from rlcli.engine.trainer import episode_sequences
 from rlcli.store.episodes import stage_episodes
 
 GUI_CLICK = {"name": "gui_click", "kwargs": {"width": 112, "height": 112, "buttons": 2, "attempts": 2}, "max_turns": 2}

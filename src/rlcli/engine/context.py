@@ -6,7 +6,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, overload
 
 from rich.console import Console
 
@@ -15,6 +15,22 @@ from rlcli.recipe import Recipe
 from rlcli.store.db import RunDB
 from rlcli.store.records import GPU_MEMORY_KEYS
 from rlcli.store.stages import run_stage
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+
+class StageResult(Protocol):
+    """A stage's typed result: stored as to_dict() gives it, read back with from_dict once the stage is done."""
+
+    def to_dict(self) -> dict[str, Any]: ...
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Self: ...
+
+
+Result = TypeVar("Result", bound=StageResult)
+T = TypeVar("T")
 
 
 @dataclass
@@ -33,26 +49,66 @@ class RunContext:
     def run_dir(self) -> Path:
         return self.runs_dir / self.run
 
+    @overload
     def stage(
-        self, name: str, work: Callable[[], dict[str, Any] | None], params: dict[str, Any] | None = None, **options: Any
-    ) -> dict[str, Any]:
-        """`run_stage` on this run; options are run_stage's keywords (identity, new_stage_hint, commit).
+        self,
+        name: str,
+        work: Callable[[], dict[str, Any] | None],
+        params: dict[str, Any] | None = None,
+        *,
+        commit: Callable[[dict[str, Any]], None] | None = None,
+        **options: Any,
+    ) -> dict[str, Any]: ...
 
+    @overload
+    def stage(
+        self,
+        name: str,
+        work: Callable[[], Result],
+        params: dict[str, Any] | None = None,
+        *,
+        result: type[Result],
+        commit: Callable[[Result], None] | None = None,
+        **options: Any,
+    ) -> Result: ...
+
+    def stage(
+        self,
+        name: str,
+        work: Callable[[], Any],
+        params: dict[str, Any] | None = None,
+        *,
+        result: type[StageResult] | None = None,
+        commit: Callable[[Any], None] | None = None,
+        **options: Any,
+    ) -> Any:
+        """`run_stage` on this run; options are run_stage's other keywords (identity, new_stage_hint).
+
+        With a `result` type, `work` returns one, `commit` gets it, and so does the caller: the one
+        work returned, or, for a stage already done, the one read back from its stored result.
         On a GPU the stage's peak memory is recorded with it (GPU_MEMORY_KEYS), in the transaction
         that marks it done."""
         peak = GpuPeak()
-        commit = options.pop("commit", None)
+        made: list[StageResult] = []  # what a typed stage's work returned
 
-        def commit_with_memory(result: dict[str, Any]) -> None:
+        def stored_work() -> dict[str, Any] | None:
+            value = peak.measure(work)
+            if result is None:
+                return value
+            made.append(value)
+            return value.to_dict()
+
+        def commit_with_memory(stored: dict[str, Any]) -> None:
             if commit is not None:
-                commit(result)
+                commit(made[0] if made else stored)
             memory = peak.metrics()
             if memory:
                 self.rundb.log_metrics(self.run, name, 0, memory)
 
-        return run_stage(
-            self.rundb, self.run, name, lambda: peak.measure(work), params, commit=commit_with_memory, **options
-        )
+        stored = run_stage(self.rundb, self.run, name, stored_work, params, commit=commit_with_memory, **options)
+        if result is None:
+            return stored
+        return made[0] if made else result.from_dict(stored)
 
 
 # The peak seen so far by each stage in progress, outermost first: a stage inside another (train/3
@@ -67,7 +123,7 @@ class GpuPeak:
     def __init__(self) -> None:
         self.bytes: int | None = None
 
-    def measure(self, work: Callable[[], dict[str, Any] | None]) -> dict[str, Any] | None:
+    def measure(self, work: Callable[[], T]) -> T:
         torch = _cuda_torch()
         if torch is not None:
             if _open_peaks:

@@ -7,8 +7,9 @@ to a list of training sequences once their advantages are known.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -18,6 +19,12 @@ from rlcli.errors import RlcliError
 from rlcli.generation.sampler import sampling_config
 from rlcli.generation.seeds import derive_seed
 from rlcli.models import vision
+
+if TYPE_CHECKING:
+    from torch.optim.lr_scheduler import LRScheduler
+    from transformers import PreTrainedModel
+
+    from rlcli.recipe import GrpoSection, Recipe
 
 
 @dataclass
@@ -36,7 +43,34 @@ class TrainSequence:
     stale: bool = False  # sampled with weights older than those this update starts from (async GRPO)
 
 
-def update(ctx: RunContext, model, optimizer, scheduler, sequences: list[TrainSequence], it: int) -> dict[str, float]:
+@dataclass
+class MicroBatch:
+    """A micro-batch as the forward takes it (_collate): a shared prefix, forwarded once, then every
+    row's suffix, left-padded; the [B, keep] tensors cover each row's last `keep` positions, which
+    hold every trainable token."""
+
+    prefix_ids: torch.Tensor | None  # [1, prefix]; None: every row is forwarded whole
+    input_ids: torch.Tensor  # [B, width]
+    attention_mask: torch.Tensor  # [B, prefix + width]
+    position_ids: torch.Tensor | None  # None: an M-RoPE model (Qwen2-VL) computes its own 3-D positions
+    pixels: dict[str, Any]  # a vision-language model's image inputs (empty for text)
+    keep: int
+    targets: torch.Tensor  # [B, keep] the token ids whose logprobs are computed
+    mask: torch.Tensor  # [B, keep] 1 at trainable tokens
+    advantages: torch.Tensor  # [B, keep]
+    rollout_logprobs: torch.Tensor  # [B, keep] as the sampler recorded them
+    positions: int  # positions the forward runs
+    padding: int  # how many of them are padding
+
+
+def update(
+    ctx: RunContext,
+    model: PreTrainedModel,
+    optimizer: torch.optim.Optimizer,
+    scheduler: LRScheduler,
+    sequences: list[TrainSequence],
+    it: int,
+) -> dict[str, float]:
     """grpo.epochs passes over `sequences` in shuffled minibatches (one optimizer step each), every
     minibatch forwarded in length-sorted micro-batches whose gradients accumulate; returns the
     iteration's train/ statistics and perf/pad_frac. Only ctx.recipe is read."""
@@ -71,8 +105,8 @@ def update(ctx: RunContext, model, optimizer, scheduler, sequences: list[TrainSe
                 if not any(any(s.mask) for s in micro):
                     continue  # nothing to train on: it would add 0 to the gradient and to every statistic
                 batch = _collate(micro, model, share_prefix=not cfg.gradient_checkpointing, pictures=pictures)
-                forwarded += batch["positions"]
-                padded += batch["padding"]
+                forwarded += batch.positions
+                padded += batch.padding
                 logprobs, entropy = token_logprobs(model, batch, temperature, entropy=True)
                 old = (
                     _collate_values([old_logprobs[i] for i in micro_idx], batch)
@@ -80,19 +114,19 @@ def update(ctx: RunContext, model, optimizer, scheduler, sequences: list[TrainSe
                     else logprobs.detach()
                 )
                 if epoch == 0:  # `old` is the trainer's logprob under the weights that sampled the rollout
-                    gap_sum += float(((old - batch["rollout_logprobs"]).abs() * batch["mask"]).sum())
+                    gap_sum += float(((old - batch.rollout_logprobs).abs() * batch.mask).sum())
                 ref = None
                 if cfg.beta > 0:
                     from rlcli.models.loading import reference_context
 
                     with torch.no_grad(), reference_context(model):
                         ref, _ = token_logprobs(model, batch, temperature)
-                behaviour, tis_cap = _behaviour_logprobs(cfg, batch, old, micro)
+                behaviour, tis_cap = _behaviour_logprobs(cfg, batch.rollout_logprobs, old, micro)
                 loss, st = grpo.policy_loss(
                     logprobs,
                     old,
-                    batch["advantages"],
-                    batch["mask"],
+                    batch.advantages,
+                    batch.mask,
                     clip_low=cfg.clip_low,
                     clip_high=cfg.clip_high,
                     importance=cfg.importance,
@@ -108,11 +142,11 @@ def update(ctx: RunContext, model, optimizer, scheduler, sequences: list[TrainSe
                 grpo.check_finite("the loss", loss)
                 # Scale so that accumulated micro-batch gradients equal the minibatch's gradient.
                 if cfg.aggregation == "token_mean":
-                    share = float(batch["mask"].sum()) / max(mb_tokens, 1.0)
+                    share = float(batch.mask.sum()) / max(mb_tokens, 1.0)
                 else:
                     share = sum(1 for s in micro if any(s.mask)) / max(mb_seqs, 1)
                 (loss * share).backward()
-                w = float(batch["mask"].sum())
+                w = float(batch.mask.sum())
                 weight_sum += w
                 for k, v in st.items():
                     totals[k] = totals.get(k, 0.0) + float(v) * w
@@ -137,18 +171,20 @@ def update(ctx: RunContext, model, optimizer, scheduler, sequences: list[TrainSe
     return out
 
 
-def _behaviour_logprobs(cfg, batch: dict[str, Any], old, micro: list[TrainSequence]):
+def _behaviour_logprobs(
+    cfg: GrpoSection, rollout_logprobs: torch.Tensor, old: torch.Tensor, micro: list[TrainSequence]
+) -> tuple[torch.Tensor, float | None]:
     """(the logprobs policy_loss weighs `old` against, its tis_cap). Asynchronous GRPO (decoupled PPO, see
     engine/async_rollout.py): `old` is the proximal policy and a stale sequence's recorded rollout
     logprobs are its behaviour policy's, so it gets the weight pi_prox / pi_behav, truncated at tis_cap
     (ASYNC_TIS_CAP when null); without tis_cap a fresh sequence is on-policy and weighs exactly 1.
     A replayed episode (grpo.replay) counts as stale: its behaviour policy is the one that played it."""
     if not (cfg.max_staleness or cfg.replay is not None) or cfg.tis_cap is not None:
-        return batch["rollout_logprobs"], cfg.tis_cap
+        return rollout_logprobs, cfg.tis_cap
     from rlcli.engine.async_rollout import ASYNC_TIS_CAP
 
     stale = torch.tensor([[s.stale] for s in micro], device=old.device)
-    return torch.where(stale, batch["rollout_logprobs"], old), ASYNC_TIS_CAP
+    return torch.where(stale, rollout_logprobs, old), ASYNC_TIS_CAP
 
 
 def micro_batches(sequences: list[TrainSequence], indices: list[int], size: int) -> list[list[int]]:
@@ -182,8 +218,11 @@ def _pictures(ctx: RunContext, sequences: list[TrainSequence]) -> dict[str, Any]
 
 
 def _collate(
-    micro: list[TrainSequence], model, share_prefix: bool = True, pictures: dict[str, Any] | None = None
-) -> dict[str, Any]:
+    micro: list[TrainSequence],
+    model: PreTrainedModel,
+    share_prefix: bool = True,
+    pictures: dict[str, Any] | None = None,
+) -> MicroBatch:
     """A micro-batch as one shared prefix (forwarded once) plus left-padded suffixes; only the
     positions that end in trainable tokens are kept. share_prefix=False (gradient checkpointing,
     which cannot return a KV cache) forwards every row whole.
@@ -196,7 +235,7 @@ def _collate(
     from rlcli.models.vision import pixel_inputs, processor_of
 
     device = next(model.parameters()).device
-    images = [pictures[h] for s in micro for h in s.images]
+    images = [(pictures or {})[h] for s in micro for h in s.images]
     prefix = _shared_prefix(micro) if share_prefix and not images else 0
     width = max(len(s.ids) for s in micro) - prefix
     # The first trainable token over the batch, measured from the right: logits before it are not needed.
@@ -226,20 +265,20 @@ def _collate(
     attn = torch.cat([torch.ones((B, prefix), dtype=torch.long), attn], dim=-1)
     ids = ids.to(device)
     pixels = pixel_inputs(processor_of(model), images, model, input_ids=ids) if images else {}
-    return {
-        "pixels": pixels,
-        "prefix_ids": torch.tensor([micro[0].ids[:prefix]], device=device) if prefix else None,
-        "input_ids": ids,
-        "attention_mask": attn.to(device),
-        "position_ids": None if "mm_token_type_ids" in pixels else pos.to(device),
-        "keep": keep,
-        "positions": positions,
-        "padding": padded,
-        "targets": ids[:, width - keep :].to(device),
-        "mask": mask.to(device),
-        "advantages": adv.to(device),
-        "rollout_logprobs": roll.to(device),
-    }
+    return MicroBatch(
+        prefix_ids=torch.tensor([micro[0].ids[:prefix]], device=device) if prefix else None,
+        input_ids=ids,
+        attention_mask=attn.to(device),
+        position_ids=None if "mm_token_type_ids" in pixels else pos.to(device),
+        pixels=pixels,
+        keep=keep,
+        targets=ids[:, width - keep :].to(device),
+        mask=mask.to(device),
+        advantages=adv.to(device),
+        rollout_logprobs=roll.to(device),
+        positions=positions,
+        padding=padded,
+    )
 
 
 def _shared_prefix(micro: list[TrainSequence], minimum: int = 16) -> int:
@@ -256,10 +295,10 @@ def _shared_prefix(micro: list[TrainSequence], minimum: int = 16) -> int:
     return n if n >= minimum else 0
 
 
-def _collate_values(values: list, batch: dict[str, Any]):
-
-    keep = batch["keep"]
-    out = torch.zeros((len(values), keep), device=batch["mask"].device)
+def _collate_values(values: list[torch.Tensor], batch: MicroBatch) -> torch.Tensor:
+    """Per-row values (each row's tail, as _old_logprobs keeps them) laid out as the batch's [B, keep] tensors."""
+    keep = batch.keep
+    out = torch.zeros((len(values), keep), device=batch.mask.device)
     for b, v in enumerate(values):
         tail = v[-keep:]
         out[b, keep - len(tail) :] = tail
@@ -272,7 +311,9 @@ def _collate_values(values: list, batch: dict[str, Any]):
 LOGIT_CHUNK_VALUES = 2**24
 
 
-def token_logprobs(model, batch: dict[str, Any], temperature: float, *, entropy: bool = False):
+def token_logprobs(
+    model: PreTrainedModel, batch: MicroBatch, temperature: float, *, entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """[B, keep] logprobs of each row's tokens at its trainable positions (0 elsewhere: the loss never
     reads them) and, with entropy=True, the entropy of the policy there (detached).
 
@@ -280,7 +321,7 @@ def token_logprobs(model, batch: dict[str, Any], temperature: float, *, entropy:
     (grpo.chunked_token_logprobs): no [tokens, vocab] tensor for the micro-batch, in the forward or
     the backward. Positions that are not trainable (prompts, env observations) never meet the head."""
     hidden = _hidden_states(model, batch)
-    live = batch["mask"] > 0
+    live = batch.mask > 0
     head = output_head(model)
     config = _unwrap(model).config
     vocab = config.get_text_config().vocab_size
@@ -288,7 +329,7 @@ def token_logprobs(model, batch: dict[str, Any], temperature: float, *, entropy:
     logp, ent = grpo.chunked_token_logprobs(
         hidden[live],
         head,
-        batch["targets"][live],
+        batch.targets[live],
         chunk_size=max(1, LOGIT_CHUNK_VALUES // vocab),
         temperature=temperature,
         entropy=entropy,
@@ -298,33 +339,32 @@ def token_logprobs(model, batch: dict[str, Any], temperature: float, *, entropy:
     return zeros.masked_scatter(live, logp), (zeros.masked_scatter(live, ent) if entropy else None)
 
 
-def _unwrap(model):
+def _unwrap(model: PreTrainedModel) -> PreTrainedModel:
     """The transformers model under a peft wrapper (its LoRA layers in place), or the model itself."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def _hidden_states(model, batch: dict[str, Any]):
+def _hidden_states(model: PreTrainedModel, batch: MicroBatch) -> torch.Tensor:
     """Final hidden states at the positions that predict the last `keep` tokens of each row ([B, keep, H]),
     from the model's body (what its forward runs before the LM head). A shared prefix is forwarded once
     and its KV cache repeated for every row; gradients flow through it to all rows."""
     body = _unwrap(model).base_model
     cache = None
-    if batch["prefix_ids"] is not None:
-        cache = body(input_ids=batch["prefix_ids"], use_cache=True).past_key_values
-        cache.batch_repeat_interleave(batch["input_ids"].shape[0])
+    if batch.prefix_ids is not None:
+        cache = body(input_ids=batch.prefix_ids, use_cache=True).past_key_values
+        cache.batch_repeat_interleave(batch.input_ids.shape[0])
     out = body(
-        input_ids=batch["input_ids"],
-        attention_mask=batch["attention_mask"],
-        position_ids=batch["position_ids"],
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        position_ids=batch.position_ids,
         past_key_values=cache,
         use_cache=cache is not None,
-        **batch.get("pixels", {}),
+        **batch.pixels,
     )
-    keep = batch["keep"]
-    return out.last_hidden_state[:, -keep - 1 : -1]
+    return out.last_hidden_state[:, -batch.keep - 1 : -1]
 
 
-def output_head(model):
+def output_head(model: PreTrainedModel) -> Callable[[torch.Tensor], torch.Tensor]:
     """hidden states -> logits as the model's own forward computes them: its LM head, then the logit
     scaling or soft-capping some families apply after it (Granite, Cohere, Gemma 2/3).
     check_output_head compares it with the model's forward, for families that do something else."""
@@ -335,7 +375,7 @@ def output_head(model):
     scale = getattr(inner, "logit_scale", None)
     cap = getattr(config, "final_logit_softcapping", None)
 
-    def head(hidden):
+    def head(hidden: torch.Tensor) -> torch.Tensor:
         logits = lm_head(hidden)
         if scaling is not None:
             logits = logits / scaling
@@ -348,7 +388,7 @@ def output_head(model):
     return head
 
 
-def check_output_head(model, ids: list[int]) -> None:
+def check_output_head(model: PreTrainedModel, ids: list[int]) -> None:
     """Stop before training if output_head's logits differ from the model's forward on `ids` (a model
     family that transforms its logits in a way rlcli does not know would get wrong logprobs)."""
     was_training = model.training
@@ -368,28 +408,28 @@ def check_output_head(model, ids: list[int]) -> None:
 
 
 def _old_logprobs(
-    model,
+    model: PreTrainedModel,
     sequences: list[TrainSequence],
     micro_batch_size: int,
     temperature: float,
     share_prefix: bool,
     pictures: dict[str, Any] | None = None,
-) -> list:
+) -> list[torch.Tensor]:
     """Logprobs of every sequence under the weights at the start of the iteration (PPO's pi_old),
     left on the model's device (0 at positions that are not trainable)."""
-    out: list = [None] * len(sequences)
+    out: list[torch.Tensor] = [torch.empty(0)] * len(sequences)
     with torch.no_grad():
         for micro_idx in micro_batches(sequences, list(range(len(sequences))), micro_batch_size):
             micro = [sequences[i] for i in micro_idx]
             batch = _collate(micro, model, share_prefix, pictures)
             lp, _ = token_logprobs(model, batch, temperature)
             for b, i in enumerate(micro_idx):
-                n = min(len(sequences[i].ids), batch["keep"])
-                out[i] = lp[b, batch["keep"] - n :]
+                n = min(len(sequences[i].ids), batch.keep)
+                out[i] = lp[b, batch.keep - n :]
     return out
 
 
-def minibatches_per_epoch(recipe) -> int:
+def minibatches_per_epoch(recipe: Recipe) -> int:
     episodes = recipe.rollout.tasks * recipe.rollout.group_size
     size = recipe.grpo.minibatch_size or episodes
     return max(1, math.ceil(episodes / size))
