@@ -3,6 +3,13 @@ import os
 # No test may reach a model hub: fail at once instead of retrying.
 for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HUB_DISABLE_TELEMETRY"):
     os.environ.setdefault(var, "1")
+# One torch thread in this process and in every rlcli process a test starts (they inherit it). The
+# tests' models are tiny, and the suite often runs two processes at once (a command and its test, a
+# trainer and its worker, other work on the machine): a torch parallel region waits for its slowest thread,
+# so a second thread whose core is taken slows each op down many times over (one `rlcli eval` of
+# tests/test_kill_resume.py: 115 s with two threads beside other work, 18 s with one, same tokens).
+# Set before torch is imported; OMP_NUM_THREADS=2 on the command line overrides it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402 (the variables above must be set before any HF import)
 

@@ -620,6 +620,7 @@ def test_run_threads_sets_torch_threads_and_a_busy_machine_is_warned_about(monke
     before = torch.get_num_threads()
     warnings = []
     try:
+        torch.set_num_threads(2)  # the suite runs with one (tests/conftest.py): something for rlcli to change
         monkeypatch.setattr(threads, "busy_cores", lambda: 0.0)
         set_threads(1, warnings.append)
         assert torch.get_num_threads() == 1 and warnings == []
