@@ -47,7 +47,7 @@ class Rollout:
 
     summary: dict[str, Any]  # the rollout stage's result (EpisodeSummary's fields)
     fresh: bool  # played now, not before a resume: only then do its timings describe the work
-    timings: dict[str, float]  # perf/time_*_s of its rollout, labelling and refill rounds
+    timings: dict[str, float]  # perf/time_*_s: its rollout (or the wait for it), labelling, refill rounds
     sync_s: float | None = None  # the weight sync into the vLLM engine before it, done on resume too
     train_s: float | None = None  # train/i, up to its commit
 

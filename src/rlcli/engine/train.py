@@ -165,13 +165,13 @@ def _run_phase(ctx: RunContext, phase: int, start: Checkpoint | None) -> dict[st
     ):
         evals.before(trainer)
         for it in iterations:
-            rollout = rollouts.play(it)
-            with rollout.timed("perf/time_label_s"):
+            rollout = rollouts.play(it)  # rollout/i: the policy's episodes, stored token by token
+            with rollout.timed("perf/time_label_s"):  # label/i: the recipe's rewards for them
                 ctx.stage(f"label/{it}", lambda: label_stage_episodes(ctx, f"rollout/{it}", GRPO_LABEL_SET, reward_fns))
             rollouts.before_update(it, rollout, reward_fns)  # grpo.dynamic_sampling's extra rounds
-            metrics = _train(ctx, trainer, it, rollout)  # batch -> update -> checkpoint, committed with the metrics
+            metrics = _train(ctx, trainer, it, rollout)  # train/i: batch -> update -> checkpoint -> commit
             rollouts.after_update(it)  # the rollout worker gets the new weights
-            metrics |= evals.after(it)
+            metrics |= evals.after(it)  # grpo.eval_every: the new checkpoint's held-out success
             tracker.log(metrics, step=it)
             view.show(it, metrics)
             for warning in guardrails.check(ctx, it):  # once its metrics and held-out eval are stored
