@@ -16,7 +16,14 @@ import pytest  # noqa: E402 (the variables above must be set before any HF impor
 
 @pytest.fixture(scope="session")
 def session_models(tmp_path_factory):
-    return tmp_path_factory.mktemp("models")
+    """The model cache of the session. Under pytest-xdist the workers share one (the folder above
+    theirs), so that SmolLM2 is pulled once, not once per worker. pull_model builds beside the
+    destination and renames: two workers pulling at the same moment end up with one complete folder."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return tmp_path_factory.mktemp("models")
+    shared = tmp_path_factory.getbasetemp().parent / "models"
+    shared.mkdir(exist_ok=True)
+    return shared
 
 
 @pytest.fixture(autouse=True)

@@ -27,8 +27,8 @@ NO_QUANT = QuantizationSection()
 
 
 @pytest.fixture(scope="session")
-def shared_models_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("models")
+def shared_models_dir(session_models):
+    return session_models  # tests/conftest.py's: SmolLM2 is pulled once in the session, not here again
 
 
 @pytest.fixture(autouse=True)
