@@ -80,6 +80,23 @@ def run_cli(args: list[str], runs_dir: Path, cwd: Path | None = None, timeout: i
     )
 
 
+def run_in_process(args: list[str], runs_dir: Path) -> int:
+    """`rlcli ARGS` with RLCLI_HOME=runs_dir in this process; returns its exit code. For the runs a
+    test compares with, or resumes after a kill, where the process boundary is not what is tested:
+    a new process pays seconds of imports and model loading (and vLLM's engine start) again."""
+    import pytest
+
+    from rlcli.cli.app import main
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RLCLI_HOME", str(runs_dir))
+        try:
+            main([str(a) for a in args])
+        except SystemExit as exc:
+            return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    return 0
+
+
 def kill_sft_at_a_checkpoint_and_resume(recipe: Path, runs: Path, run: str = "t") -> subprocess.CompletedProcess:
     """Start `rlcli sft`, kill -9 it at its first database write after its first Trainer checkpoint is
     complete (its trainer_state.json is written last), run the same command again and return that run

@@ -8,7 +8,7 @@ import sqlite3
 
 import pytest
 
-from helpers import DEVICE, kill_when, make_ctx, run_cli, write_recipe
+from helpers import DEVICE, kill_when, make_ctx, run_cli, run_in_process, write_recipe
 from rlcli.engine.evaluate import eval_metrics, run_eval
 from rlcli.errors import UsageError
 from rlcli.recipe import load_recipe
@@ -126,25 +126,34 @@ def _save_fresh_adapter(ctx, folder):
     save_checkpoint(model, tokenizer, folder)
 
 
-@pytest.mark.parametrize("killed", ["ckpt-1", "ckpt-2"])  # mid-run (resumes in memory), the last (from disk)
-def test_kill_during_an_eval_stage_resumes_to_the_same_result(tmp_path, killed):
+@pytest.fixture(scope="module")
+def uninterrupted_eval_run(tmp_path_factory, session_models):
+    """The recipe of the eval kill tests and its run without a kill, which they compare with (read only)."""
+    folder = tmp_path_factory.mktemp("eval-kill")
     recipe = write_recipe(
-        tmp_path / "r.yaml",
+        folder / "r.yaml",
         env={"name": "guess_number", "max_turns": 3},
         rollout={"tasks": 2, "group_size": 2, "max_new_tokens": 12, "batch_size": 4},
         grpo={"iterations": 2, "eval_every": 1},
         eval={"tasks": 16, "k": 2, "temperature": 1.0},
     )
-    runs, clean = tmp_path / "runs", tmp_path / "clean"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RLCLI_MODELS", str(session_models))
+        assert run_in_process(["train", "grpo", "-r", str(recipe)], folder / "clean") == 0
+    return recipe, folder / "clean"
+
+
+@pytest.mark.parametrize("killed", ["ckpt-1", "ckpt-2"])  # mid-run (resumes in memory), the last (from disk)
+def test_kill_during_an_eval_stage_resumes_to_the_same_result(tmp_path, killed, uninterrupted_eval_run):
+    recipe, clean = uninterrupted_eval_run
+    runs = tmp_path / "runs"
     args = ["train", "grpo", "-r", str(recipe)]
     stage = f"eval/{killed}@t1-k2"
 
     stored = kill_when(args, runs, f"select count(*) from episodes where stage = '{stage}'", 4)
     assert 0 < stored < 32, "the kill must land mid-evaluation"
     assert query(runs, f"select status from stages where name = '{stage}'") == [("running",)]
-    resumed = run_cli(args, runs)
-    assert resumed.returncode == 0, resumed.stderr
-    assert run_cli(args, clean).returncode == 0
+    assert run_in_process(args, runs) == 0  # the resume: a new run of the command, in this process
 
     keys = query(runs, "select stage, task_index, sample_index from episodes where split = 'eval'")
     assert len(keys) == len(set(keys)) == 3 * 32
