@@ -10,7 +10,7 @@ import sqlite3
 
 import pytest
 
-from helpers import DEVICE, kill_when, make_ctx, run_cli, sequence_logprobs, write_recipe
+from helpers import DEVICE, kill_when, make_ctx, run_in_process, sequence_logprobs, write_recipe
 from rlcli.engine.rollout import load_rollout_policy, run_rollout_stage
 from rlcli.errors import UsageError
 from rlcli.generation.engines import generation_engine
@@ -135,8 +135,7 @@ def test_kill_during_a_vllm_rollout_resumes_without_duplicates(tmp_path, tiny64)
     # The engine starts first: 10-40 s.
     stored = kill_when(args, runs, "select count(*) from episodes", 4, timeout=300)
     assert 0 < stored < 24, "the kill must land mid-rollout"
-    done = run_cli(args, runs)
-    assert done.returncode == 0, done.stderr
+    assert run_in_process(args, runs) == 0  # the resume, with the session's engine (no second start)
 
     clean = tmp_path / "clean"  # uninterrupted, in this process (the shared engine)
     run_rollout_stage(make_ctx(recipe, clean), stage="rollout", policy="base", split="train")
