@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import kill_when, make_ctx, run_cli, write_recipe
+from helpers import kill_when, make_ctx, run_in_process, write_recipe
 from rlcli.errors import UsageError
 from rlcli.recipe import load_recipe
 
@@ -124,6 +124,17 @@ def _final_state(runs) -> dict[str, list]:
     return state
 
 
+@pytest.fixture(scope="module")
+def uninterrupted_loop(tmp_path_factory, session_models):
+    """The loop's recipe and its run without a kill, which both kill tests compare with (read only)."""
+    folder = tmp_path_factory.mktemp("loop")
+    recipe = _loop_recipe(folder)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RLCLI_MODELS", str(session_models))
+        assert run_in_process(["run", "-r", str(recipe)], folder / "clean") == 0
+    return recipe, folder / "clean"
+
+
 @pytest.mark.parametrize(
     "kill_at",
     [
@@ -134,18 +145,14 @@ def _final_state(runs) -> dict[str, list]:
     ],
     ids=["phase-start", "mid-phase"],
 )
-def test_kill_during_the_second_phase_resumes_to_the_uninterrupted_result(tmp_path, kill_at):
-    recipe = _loop_recipe(tmp_path)
-    clean, killed = tmp_path / "clean", tmp_path / "killed"
-    done = run_cli(["run", "-r", str(recipe)], clean)
-    assert done.returncode == 0, done.stderr
-
+def test_kill_during_the_second_phase_resumes_to_the_uninterrupted_result(tmp_path, kill_at, uninterrupted_loop):
+    recipe, clean = uninterrupted_loop
+    killed = tmp_path / "killed"
     assert kill_when(["run", "-r", str(recipe)], killed, kill_at, 1) >= 1
     with sqlite3.connect(killed / "rlcli.db") as conn:
         left = conn.execute("select count(*) from stages where name = 'train/3' and status = 'done'").fetchone()[0]
     assert left == 0, "the kill must land before the second phase ends"
-    resumed = run_cli(["run", "-r", str(recipe)], killed)
-    assert resumed.returncode == 0, resumed.stderr
+    assert run_in_process(["run", "-r", str(recipe)], killed) == 0  # the resume: a new run of the command
 
     a, b = _final_state(clean), _final_state(killed)
     assert a["weights"].keys() == b["weights"].keys()
