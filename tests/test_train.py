@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import shutil
 import sqlite3
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import RLCLI, cli_env, kill_when, make_ctx, run_cli, write_recipe
+from helpers import cli, kill_when, make_ctx, run_in_process, write_recipe
 from rlcli.engine import rollout_sources, train, update
 from rlcli.engine.labelling import GRPO_LABEL_SET
 from rlcli.engine.train import run_grpo
@@ -140,12 +139,11 @@ def _final_state(runs_dir, run="t"):
 def test_kill_and_resume_ends_identical_to_an_uninterrupted_run(tmp_path):
     recipe = _learnable_recipe(tmp_path, lora={"r": 4, "alpha": 8}, grpo={"iterations": 4})
     clean, killed = tmp_path / "clean", tmp_path / "killed"
-    assert run_cli(["train", "grpo", "-r", str(recipe)], clean).returncode == 0
+    assert run_in_process(["train", "grpo", "-r", str(recipe)], clean) == 0
 
     done = "select count(*) from stages where name like 'train/%' and status = 'done'"
     assert kill_when(["train", "grpo", "-r", str(recipe)], killed, done, 2, timeout=300) == 2  # of 4
-    resumed = run_cli(["train", "grpo", "-r", str(recipe)], killed)
-    assert resumed.returncode == 0, resumed.stderr
+    assert run_in_process(["train", "grpo", "-r", str(recipe)], killed) == 0  # the resume, in this process
 
     weights_a, metrics_a = _final_state(clean)
     weights_b, metrics_b = _final_state(killed)
@@ -502,26 +500,27 @@ def _interrupt_at(monkeypatch, stage: str) -> None:
     monkeypatch.setattr(rollout_sources, "collect", interrupted)
 
 
-def test_resume_from_another_directory_continues_from_the_checkpoint(tmp_path):
+def test_resume_from_another_directory_continues_from_the_checkpoint(tmp_path, capsys, monkeypatch):
     recipe = _learnable_recipe(tmp_path, lora={"r": 4, "alpha": 8}, grpo={"iterations": 1})
     first, second = tmp_path / "first", tmp_path / "second"
     first.mkdir(), second.mkdir()
     runs = first / "runs"
+    monkeypatch.setenv("RLCLI_HOME", str(runs))
 
     def grpo(cwd, runs_dir, *overrides):
-        args = RLCLI + ["--runs-dir", str(runs_dir), "train", "grpo", "-r", str(recipe), *overrides]
-        return subprocess.run(args, cwd=cwd, env=cli_env(runs), capture_output=True, text=True, timeout=300)
+        monkeypatch.chdir(cwd)  # the command in this process, run from cwd
+        return cli(capsys, "--runs-dir", runs_dir, "train", "grpo", "-r", recipe, *overrides)
 
-    assert grpo(first, "runs").returncode == 0
-    resumed = grpo(second, runs, "grpo.iterations=2")
-    assert resumed.returncode == 0, resumed.stderr
-    assert "iterations 1..1, starting from checkpoint" in resumed.stderr
+    assert grpo(first, "runs")[0] == 0
+    code, _, err = grpo(second, runs, "grpo.iterations=2")
+    assert code == 0, err
+    assert "iterations 1..1, starting from checkpoint" in err
 
     # A recorded checkpoint that cannot be found is an error naming it, never a fresh start.
     shutil.move(runs / "t" / "checkpoints" / "iter-0001", tmp_path / "moved")
-    gone = grpo(second, runs, "grpo.iterations=3")
-    assert gone.returncode == 2, gone.stderr
-    assert "iter-0001" in gone.stderr and "Traceback" not in gone.stderr
+    code, _, err = grpo(second, runs, "grpo.iterations=3")
+    assert code == 2, err
+    assert "iter-0001" in err and "Traceback" not in err
 
 
 def test_force_lr_takes_effect_on_resume(tmp_path):
