@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import signal
@@ -80,21 +82,26 @@ def run_cli(args: list[str], runs_dir: Path, cwd: Path | None = None, timeout: i
     )
 
 
-def run_in_process(args: list[str], runs_dir: Path) -> int:
-    """`rlcli ARGS` with RLCLI_HOME=runs_dir in this process; returns its exit code. For the runs a
-    test compares with, or resumes after a kill, where the process boundary is not what is tested:
-    a new process pays seconds of imports and model loading (and vLLM's engine start) again."""
+def run_in_process(args: list[str], runs_dir: Path, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """run_cli in this process: `rlcli ARGS` with RLCLI_HOME=runs_dir (from cwd), its stdout and stderr
+    captured. For the commands a test runs for its setup, compares with, or resumes after a kill,
+    where the process boundary is not what is tested: a new process pays seconds of imports (torch,
+    transformers, peft) and model loading again, and vLLM's engine start."""
     import pytest
 
     from rlcli.cli.app import main
 
-    with pytest.MonkeyPatch.context() as patch:
+    out, err = io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         patch.setenv("RLCLI_HOME", str(runs_dir))
+        if cwd is not None:
+            patch.chdir(cwd)
         try:
             main([str(a) for a in args])
+            code = 0
         except SystemExit as exc:
-            return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    return 0
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 def kill_sft_at_a_checkpoint_and_resume(recipe: Path, runs: Path, run: str = "t") -> subprocess.CompletedProcess:

@@ -244,11 +244,13 @@ def test_a_killed_curriculum_run_resumes_with_the_same_tasks(tmp_path):
     )
     args = ["train", "grpo", "-r", str(recipe)]
     straight, killed = tmp_path / "straight", tmp_path / "killed"
-    assert run_in_process(args, straight) == 0
+    done = run_in_process(args, straight)
+    assert done.returncode == 0, done.stderr
     # Killed in the middle of iteration 1's rollout: its draw is recorded, its episodes partly stored.
     count = kill_when(args, killed, "select count(*) from episodes where stage = 'rollout/1'", 2)
     assert 2 <= count < 6
-    assert run_in_process(args, killed) == 0  # the resume: a new run of the command, in this process
+    done = run_in_process(args, killed)  # the resume: a new run of the command, in this process
+    assert done.returncode == 0, done.stderr
 
     def played(runs):
         with sqlite3.connect(runs / "rlcli.db") as conn:

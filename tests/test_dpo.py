@@ -6,12 +6,11 @@ from __future__ import annotations
 import json
 import random
 import sqlite3
-import subprocess
 
 import pytest
 import torch
 
-from helpers import REPO, RLCLI, cli_env, kill_at_event, make_ctx, run_cli, sequence_logprobs, write_recipe
+from helpers import REPO, cli, kill_at_event, make_ctx, run_cli, sequence_logprobs, write_recipe
 from rlcli.engine.dpo import run_dpo
 from rlcli.engine.pairs import continuation, first_difference, mine_pairs, source_stages
 from rlcli.errors import UsageError
@@ -229,9 +228,10 @@ def test_dpo_on_a_vision_language_model_is_refused_before_any_stage_runs(tmp_pat
     assert not (runs / "t" / "checkpoints" / "sft").exists()  # refused before SFT ran
 
 
-def test_kill_during_dpo_resumes_from_its_checkpoint(tmp_path):
+def test_kill_during_dpo_resumes_from_its_checkpoint(tmp_path, capsys, monkeypatch):
+    # Two epochs of 8 steps. (Six, when the kill was a poll's and needed the time to land.)
     recipe = write_recipe(
-        tmp_path / "r.yaml", dpo={"epochs": 6, "batch_size": 1, "micro_batch_size": 1, "save_steps": 3}
+        tmp_path / "r.yaml", dpo={"epochs": 2, "batch_size": 1, "micro_batch_size": 1, "save_steps": 3}
     )
     runs = tmp_path / "runs"
     ctx = make_ctx(recipe, runs)
@@ -242,18 +242,18 @@ def test_kill_during_dpo_resumes_from_its_checkpoint(tmp_path):
     checkpoint = {"glob": "checkpoint-*/trainer_state.json", "root": str(runs / "t" / "dpo")}
     kill_at_event(args, runs, checkpoint, timeout=300, cwd=REPO)
 
-    command = RLCLI + args
-    resumed = subprocess.run(command, env=cli_env(runs), cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert resumed.returncode == 0, resumed.stderr
-    assert "dpo: resuming from" in resumed.stderr
-    summary = json.loads(resumed.stdout)
-    assert summary["steps"] == 8 * 6 and 0 < summary["resumed_from_step"] < 48
+    monkeypatch.setenv("RLCLI_HOME", str(runs))
+    code, out, err = cli(capsys, *args)  # the resume: a new run of the command, in this process
+    assert code == 0, err
+    assert "dpo: resuming from" in err
+    summary = json.loads(out)
+    assert summary["steps"] == 8 * 2 and summary["resumed_from_step"] == 3  # the first checkpoint's
     with sqlite3.connect(runs / "rlcli.db") as conn:
         pairs = conn.execute("select count(*) from dpo_pairs where stage = 'dpo'").fetchone()[0]
         loss_steps = [s for (s,) in conn.execute("select step from metrics where key = 'dpo/loss' order by step")]
         rows = conn.execute("select count(*) from checkpoints where stage = 'dpo'").fetchone()[0]
     assert pairs == 8 and rows == 1
-    assert loss_steps == list(range(1, 49))  # steps redone after the kill overwrite their rows
+    assert loss_steps == list(range(1, 17))  # steps redone after the kill overwrite their rows
 
 
 def test_full_fine_tuning_dpo_trains_and_saves_a_full_model(tmp_path):

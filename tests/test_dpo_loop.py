@@ -131,7 +131,8 @@ def uninterrupted_loop(tmp_path_factory, session_models):
     recipe = _loop_recipe(folder)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("RLCLI_MODELS", str(session_models))
-        assert run_in_process(["run", "-r", str(recipe)], folder / "clean") == 0
+        done = run_in_process(["run", "-r", str(recipe)], folder / "clean")
+        assert done.returncode == 0, done.stderr
     return recipe, folder / "clean"
 
 
@@ -152,7 +153,8 @@ def test_kill_during_the_second_phase_resumes_to_the_uninterrupted_result(tmp_pa
     with sqlite3.connect(killed / "rlcli.db") as conn:
         left = conn.execute("select count(*) from stages where name = 'train/3' and status = 'done'").fetchone()[0]
     assert left == 0, "the kill must land before the second phase ends"
-    assert run_in_process(["run", "-r", str(recipe)], killed) == 0  # the resume: a new run of the command
+    done = run_in_process(["run", "-r", str(recipe)], killed)  # the resume: a new run of the command
+    assert done.returncode == 0, done.stderr
 
     a, b = _final_state(clean), _final_state(killed)
     assert a["weights"].keys() == b["weights"].keys()

@@ -139,7 +139,8 @@ def uninterrupted_eval_run(tmp_path_factory, session_models):
     )
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("RLCLI_MODELS", str(session_models))
-        assert run_in_process(["train", "grpo", "-r", str(recipe)], folder / "clean") == 0
+        done = run_in_process(["train", "grpo", "-r", str(recipe)], folder / "clean")
+        assert done.returncode == 0, done.stderr
     return recipe, folder / "clean"
 
 
@@ -153,7 +154,8 @@ def test_kill_during_an_eval_stage_resumes_to_the_same_result(tmp_path, killed, 
     stored = kill_when(args, runs, f"select count(*) from episodes where stage = '{stage}'", 4)
     assert 0 < stored < 32, "the kill must land mid-evaluation"
     assert query(runs, f"select status from stages where name = '{stage}'") == [("running",)]
-    assert run_in_process(args, runs) == 0  # the resume: a new run of the command, in this process
+    done = run_in_process(args, runs)  # the resume: a new run of the command, in this process
+    assert done.returncode == 0, done.stderr
 
     keys = query(runs, "select stage, task_index, sample_index from episodes where split = 'eval'")
     assert len(keys) == len(set(keys)) == 3 * 32

@@ -24,7 +24,8 @@ def test_kill_during_label_resumes_without_duplicates(tmp_path):
     )
     runs = tmp_path / "runs"
     for stage in ("a", "b", "c"):  # the episodes to label (in this process: not what is tested)
-        assert run_in_process(["rollout", "-r", str(recipe), "--policy", "base", "--stage", stage], runs) == 0
+        done = run_in_process(["rollout", "-r", str(recipe), "--policy", "base", "--stage", stage], runs)
+        assert done.returncode == 0, done.stderr
 
     labelled = kill_when(
         ["label", "-r", str(recipe), "--label-set", "v1"],
@@ -33,7 +34,8 @@ def test_kill_during_label_resumes_without_duplicates(tmp_path):
         1,
     )
     assert labelled == 1, "the kill must land between the stages' labels"
-    assert run_in_process(["label", "-r", str(recipe), "--label-set", "v1"], runs) == 0  # the resume
+    done = run_in_process(["label", "-r", str(recipe), "--label-set", "v1"], runs)  # the resume
+    assert done.returncode == 0, done.stderr
 
     # Every episode of every stage has each component and the total exactly once.
     counts = query(
@@ -56,8 +58,10 @@ def test_kill_during_eval_resumes_to_the_same_result(tmp_path):
     stored = kill_when(args, runs, "select count(*) from episodes where stage = 'eval/base@t1-k2'", 4)
     assert 0 < stored < 32, "the kill must land mid-evaluation"
     assert query(runs, "select count(*) from evals") == [(0,)]
-    assert run_in_process(args, runs) == 0  # the resume, and the run without a kill: in this process
-    assert run_in_process(args, clean) == 0
+    done = run_in_process(args, runs)  # the resume, and the run without a kill: in this process
+    assert done.returncode == 0, done.stderr
+    done = run_in_process(args, clean)
+    assert done.returncode == 0, done.stderr
 
     keys = query(runs, "select task_index, sample_index from episodes where stage = 'eval/base@t1-k2'")
     assert len(keys) == len(set(keys)) == 32

@@ -139,11 +139,13 @@ def _final_state(runs_dir, run="t"):
 def test_kill_and_resume_ends_identical_to_an_uninterrupted_run(tmp_path):
     recipe = _learnable_recipe(tmp_path, lora={"r": 4, "alpha": 8}, grpo={"iterations": 4})
     clean, killed = tmp_path / "clean", tmp_path / "killed"
-    assert run_in_process(["train", "grpo", "-r", str(recipe)], clean) == 0
+    done = run_in_process(["train", "grpo", "-r", str(recipe)], clean)
+    assert done.returncode == 0, done.stderr
 
-    done = "select count(*) from stages where name like 'train/%' and status = 'done'"
-    assert kill_when(["train", "grpo", "-r", str(recipe)], killed, done, 2, timeout=300) == 2  # of 4
-    assert run_in_process(["train", "grpo", "-r", str(recipe)], killed) == 0  # the resume, in this process
+    trained = "select count(*) from stages where name like 'train/%' and status = 'done'"
+    assert kill_when(["train", "grpo", "-r", str(recipe)], killed, trained, 2, timeout=300) == 2  # of 4
+    done = run_in_process(["train", "grpo", "-r", str(recipe)], killed)  # the resume, in this process
+    assert done.returncode == 0, done.stderr
 
     weights_a, metrics_a = _final_state(clean)
     weights_b, metrics_b = _final_state(killed)

@@ -135,7 +135,8 @@ def test_kill_during_a_vllm_rollout_resumes_without_duplicates(tmp_path, tiny64)
     # The engine starts first: 10-40 s.
     stored = kill_when(args, runs, "select count(*) from episodes", 4, timeout=300)
     assert 0 < stored < 24, "the kill must land mid-rollout"
-    assert run_in_process(args, runs) == 0  # the resume, with the session's engine (no second start)
+    done = run_in_process(args, runs)  # the resume, with the session's engine (no second start)
+    assert done.returncode == 0, done.stderr
 
     clean = tmp_path / "clean"  # uninterrupted, in this process (the shared engine)
     run_rollout_stage(make_ctx(recipe, clean), stage="rollout", policy="base", split="train")
