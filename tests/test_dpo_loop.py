@@ -101,9 +101,9 @@ def test_stage_lists_that_repeat(tmp_path):
         load_recipe(recipe, ["run.stages=[sft, grpo, sft]", "sft.source=expert"])
     with pytest.raises(UsageError, match="grpo more than once.*grpo.max_staleness: 0"):
         load_recipe(recipe, ["grpo.max_staleness=1"])
-    from rlcli.engine.pipeline import dpo_stage_name
+    from rlcli.store.names import dpo_stage
 
-    assert [dpo_stage_name(k) for k in range(3)] == ["dpo", "dpo/2", "dpo/3"]
+    assert [dpo_stage(k) for k in range(3)] == ["dpo", "dpo/2", "dpo/3"]
 
 
 def _final_state(runs) -> dict[str, list]:

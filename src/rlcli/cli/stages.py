@@ -13,6 +13,7 @@ import typer
 
 from rlcli.cli.common import ForceOpt, JsonOpt, Overrides, RecipeOpt, RunOpt, stage_run
 from rlcli.errors import UsageError
+from rlcli.store.names import DpoStage, try_parse_stage
 
 app = typer.Typer()
 train_app = typer.Typer(help="Online training algorithms.", no_args_is_help=True)
@@ -119,7 +120,7 @@ def train_dpo_cmd(
     force: ForceOpt = False,
 ) -> None:
     """DPO on preference pairs mined from the run's labelled groups (best vs worst episode by reward)."""
-    if stage != "dpo" and not (stage.startswith("dpo/") and stage[4:] and "/" not in stage[4:]):
+    if not isinstance(try_parse_stage(stage), DpoStage):
         raise UsageError(f"--stage {stage!r}: expected dpo or dpo/<name>, e.g. dpo/2.")
     with stage_run(cli_ctx, recipe, run, overrides, force) as ctx:
         from dataclasses import asdict

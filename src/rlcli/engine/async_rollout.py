@@ -7,9 +7,9 @@ writes its stages and episodes into the same run database (WAL: one writer at a 
 waiting under the busy timeout).
 
 Messages over a pipe. Trainer -> worker:
-  ("weights", v, folder, label)  the weights after train/v (v = -1: the starting point) are in folder
-                                 (None: the base model): the checkpoint folder train/v saved, or, between
-                                 checkpoints, a weights-only folder under <run>/policy/
+  ("weights", v, folder, policy) the weights after train/v (v = -1: the starting point; policy: their
+                                 PolicyRef) are in folder (None: the base model): the checkpoint folder
+                                 train/v saved, or, between checkpoints, a weights-only folder under <run>/policy/
   ("rollout", j, tasks)          play rollout/j on these tasks with the newest weights received
   ("stop",)
 Worker -> trainer: ("done", j, seconds, version), or ("usage" | "error", text) when it stops on a failure.
@@ -22,8 +22,8 @@ starts the next rollout as soon as it is asked. With k = 1 rollout/j is thus alw
 train/j-2's weights (the starting point's for j <= 1), whatever the timing; with k > 1 the newest
 weights at the start of a rollout depend on timing. Every episode records its weights either way.
 
-Versions and staleness. An episode's `policy` label names the weights that sampled it: train/<v>, or
-base or sft for the starting point (version -1). Iteration i trains on rollout/i with staleness
+Versions and staleness. An episode's `policy` (a PolicyRef, store/names.py) names the weights that
+sampled it: train/<v>, or base or sft for the starting point (version -1). Iteration i trains on rollout/i with staleness
 i - 1 - v: the updates between the weights that sampled an episode and those being updated (0 in the
 synchronous loop), logged as train/staleness_mean and train/staleness_max.
 
@@ -62,6 +62,16 @@ from typing import Any
 from rlcli.engine.context import RunContext
 from rlcli.errors import RlcliError, UsageError
 from rlcli.generation.sampler import Sampler
+from rlcli.store.names import (
+    BASE,
+    SFT,
+    LabelStage,
+    PolicyRef,
+    StageNameError,
+    grpo_label_stage,
+    rollout_stage,
+    try_parse_stage,
+)
 
 # The truncation of the staleness correction's importance weights when grpo.tis_cap is null: a token
 # whose probability rose more than 2x since it was sampled counts at most twice.
@@ -70,17 +80,22 @@ START_VERSION = -1
 STALE_EVENT = "stale_rollouts"
 
 
-def policy_version(label: str) -> int | None:
-    """The iteration whose weights an episode of GRPO's loop was sampled with, from its policy label:
-    train/<v> -> v, base or sft (the starting point) -> -1; None for any other label (an older rlcli's)."""
-    if label.startswith("train/") and label.removeprefix("train/").isdigit():
-        return int(label.removeprefix("train/"))
-    return START_VERSION if label in ("base", "sft") else None
+def policy_version(policy: str) -> int | None:
+    """The iteration whose weights an episode of GRPO's loop was sampled with, from its stored policy:
+    train/<v> -> v, base or sft (the starting point) -> -1; None for any other policy (an older rlcli's)."""
+    try:
+        ref = PolicyRef.parse(policy)
+    except StageNameError:
+        return None
+    if ref.kind == "train":
+        return ref.number
+    return START_VERSION if ref in (BASE, SFT) else None
 
 
-def staleness(it: int, label: str) -> int:
-    """Updates between the weights that sampled an episode and those iteration `it` updates; 0 when unknown."""
-    version = policy_version(label)
+def staleness(it: int, policy: str) -> int:
+    """Updates between the weights that sampled an episode (its stored policy) and those iteration `it`
+    updates; 0 when unknown."""
+    version = policy_version(policy)
     return 0 if version is None else it - 1 - version
 
 
@@ -89,14 +104,14 @@ def set_aside_stale(ctx: RunContext, it: int, bound: int) -> int:
     from rlcli.store.episodes import set_aside_episodes, stage_episodes
     from rlcli.store.events import add_event
 
-    stage = f"rollout/{it}"
+    stage = rollout_stage(it)
     stale = [e for e in stage_episodes(ctx.rundb, ctx.run, stage) if staleness(it, e.policy) > bound]
     if not stale:
         return 0
     aside = set_aside_episodes(ctx.rundb, ctx.run, stage, [e.id for e in stale])
     # The stage plays them again; its labels (GRPO's, and any `rlcli label` set's) must cover the new ones.
     for row in ctx.rundb.stages(ctx.run):
-        if row.done and (row.name in (stage, f"label/{it}") or row.name.endswith(f"/{stage}")):
+        if row.done and _labels_or_plays(row.name, it):
             ctx.rundb.mark_stage(ctx.run, row.name, "pending")
     worst = max(staleness(it, e.policy) for e in stale)
     message = (
@@ -106,6 +121,13 @@ def set_aside_stale(ctx: RunContext, it: int, bound: int) -> int:
     add_event(ctx.rundb, ctx.run, stage, it, STALE_EVENT, message, {"episodes": len(stale), "moved_to": aside})
     ctx.console.print(f"train grpo: {message}.", highlight=False)
     return len(stale)
+
+
+def _labels_or_plays(name: str, it: int) -> bool:
+    """Whether stage `name` is rollout/it, its GRPO labels label/it, or an `rlcli label` set's labels of it."""
+    parsed = try_parse_stage(name)
+    labelled = isinstance(parsed, LabelStage) and parsed.stage == rollout_stage(it)
+    return labelled or name in (rollout_stage(it), grpo_label_stage(it))
 
 
 def thread_split(threads: int | None) -> tuple[int, int]:
@@ -198,9 +220,9 @@ class RolloutWorker:
         self.conn.close()
         shutil.rmtree(push_root(self.ctx), ignore_errors=True)
 
-    def push(self, version: int, folder: str | Path | None, label: str) -> None:
-        """The weights after train/`version` (or the starting point's) are in `folder`."""
-        self._send(("weights", version, None if folder is None else str(folder), label))
+    def push(self, version: int, folder: str | Path | None, policy: PolicyRef) -> None:
+        """The weights after train/`version` (or the starting point's, `policy`) are in `folder`."""
+        self._send(("weights", version, None if folder is None else str(folder), policy))
 
     def ask_through(self, it: int) -> None:
         """Ask for rollout/it..it+k, those not asked for yet (see the module docstring)."""
@@ -211,7 +233,7 @@ class RolloutWorker:
             if j in self.asked:
                 continue
             set_aside_stale(self.ctx, j, self.k)
-            self.fresh[j] = not stage_done(self.ctx.rundb, self.ctx.run, f"rollout/{j}")
+            self.fresh[j] = not stage_done(self.ctx.rundb, self.ctx.run, rollout_stage(j))
             self._send(("rollout", j, iteration_tasks(self.ctx, j)))
             self.asked.add(j)
 
@@ -225,7 +247,7 @@ class RolloutWorker:
         seconds, version = self.finished.pop(it)
         self.used_version = max(self.used_version, version)
         prune_pushes(self.ctx, self.used_version)
-        row = self.ctx.rundb.stage(self.ctx.run, f"rollout/{it}")
+        row = self.ctx.rundb.stage(self.ctx.run, rollout_stage(it))
         timings = {"perf/time_rollout_s": seconds, "perf/time_wait_s": waited}
         return row.result or {}, timings, self.fresh[it]
 
@@ -338,7 +360,7 @@ def _serve_rollouts(conn: Connection, spec: RolloutWorkerSpec) -> None:
     rundb = RunDB.open(spec.runs_dir)
     # The trainer's console shows the run; rollout progress bars from a second process would garble it.
     ctx = RunContext(recipe, rundb, spec.run, Path(spec.runs_dir), console=Console(stderr=True, quiet=True))
-    weights: tuple[int, str | None, str] | None = None  # (version, folder, label): the newest pushed
+    weights: tuple[int, str | None, PolicyRef] | None = None  # (version, folder, policy): the newest pushed
     asked: deque[tuple[int, list[int]]] = deque()
     policy = None  # (weights, sampler, tokenizer) loaded
 
@@ -381,16 +403,16 @@ def _load(recipe, folder: str | None) -> tuple[Sampler, Any]:
     return make_sampler(recipe, model, tokenizer, sampling, base=folder is None, checkpoint_folder=folder), tokenizer
 
 
-def _rollout(ctx: RunContext, j: int, tasks: list[int], label: str, sampler: Sampler, tokenizer) -> None:
+def _rollout(ctx: RunContext, j: int, tasks: list[int], policy: PolicyRef, sampler: Sampler, tokenizer) -> None:
     """rollout/j as the synchronous loop runs it: same stage, params, seeds and episodes."""
     from rlcli.engine.rollout import collect
 
     ctx.stage(
-        f"rollout/{j}",
+        rollout_stage(j),
         lambda: collect(
             ctx,
-            stage=f"rollout/{j}",
-            policy_label=label,
+            stage=rollout_stage(j),
+            policy=policy,
             sampler=sampler,
             tokenizer=tokenizer,
             task_indices=tasks,

@@ -21,6 +21,7 @@ import numpy as np
 from rlcli.engine.context import RunContext
 from rlcli.engine.labelling import GRPO_LABEL_SET
 from rlcli.generation.seeds import derive_seed
+from rlcli.store.names import rollout_stage
 from rlcli.store.tasks import TaskStats, compute_task_stats
 
 PRIOR = 0.5  # pseudo-successes and pseudo-failures added to every task's record
@@ -28,7 +29,7 @@ PRIOR = 0.5  # pseudo-successes and pseudo-failures added to every task's record
 
 def iteration_tasks(ctx: RunContext, it: int) -> list[int]:
     """The tasks of iteration `it`: those its rollout stage recorded, else a fresh choice."""
-    row = ctx.rundb.stage(ctx.run, f"rollout/{it}")
+    row = ctx.rundb.stage(ctx.run, rollout_stage(it))
     recorded = row.params.get("tasks") if row is not None else None
     # Before rlcli recorded the list, a rollout stage kept [first, last] of a sequential range.
     if isinstance(recorded, list) and len(recorded) == ctx.recipe.rollout.tasks:
@@ -62,7 +63,7 @@ def extra_tasks(ctx: RunContext, it: int, round_: int, played: list[int], count:
     of them (fewer when the pool runs out) that the iteration has not played yet, so that every group
     stays one task: those the round's stage recorded, else the sequence's next ones (sequential) or a
     draw seeded by (run seed, iteration, round) among the pool's unplayed tasks."""
-    row = ctx.rundb.stage(ctx.run, f"rollout/{it}+{round_}")
+    row = ctx.rundb.stage(ctx.run, rollout_stage(it, round_))
     recorded = row.params.get("tasks") if row is not None else None
     if isinstance(recorded, list):
         return [int(t) for t in recorded]

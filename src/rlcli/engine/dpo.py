@@ -30,6 +30,7 @@ from rlcli.engine.pairs import PreferenceExample, mine_pairs, preference_example
 from rlcli.engine.sft import RecipeLearningRate, _checkpointing_field, _training_dtype, last_trainer_checkpoint
 from rlcli.errors import RlcliError, UsageError
 from rlcli.store.checkpoints import add_checkpoint, checkpoints, require_folder
+from rlcli.store.names import BASE, DPO_STAGE, PolicyRef
 from rlcli.store.pairs import PairRecord, episodes_with_turns, record_pairs, stage_pairs
 from rlcli.store.records import Checkpoint
 
@@ -74,7 +75,7 @@ def check_text_model(recipe) -> None:
         )
 
 
-def run_dpo(ctx: RunContext, stage: str = "dpo") -> DpoSummary:
+def run_dpo(ctx: RunContext, stage: str = DPO_STAGE) -> DpoSummary:
     """`rlcli train dpo`: mine pairs (once), train on them, record the result as a checkpoint."""
     from rlcli.models.loading import check_trainer_device
 
@@ -110,7 +111,7 @@ def starting_checkpoint(ctx: RunContext, stage: str) -> Checkpoint | None:
     known = checkpoints(ctx.rundb, ctx.run)
     row = ctx.rundb.stage(ctx.run, stage)
     recorded = row.params.get("start") if row is not None else None
-    if recorded == "base":
+    if recorded == str(BASE):
         return None
     if recorded is not None and (found := next((c for c in known if c.id == recorded), None)) is not None:
         return found
@@ -128,7 +129,7 @@ def train_dpo(ctx: RunContext, stage: str, start: Checkpoint | None) -> DpoSumma
     if not pairs:
         # Like a GRPO iteration whose groups all have equal rewards: nothing to learn, not an error,
         # so that a recipe's sft -> grpo -> dpo -> eval goes on.
-        return DpoSummary(stage, "base" if start is None else str(start.id), 0, 0, 0, None, None, None, None, None)
+        return DpoSummary(stage, str(PolicyRef.of_checkpoint(start)), 0, 0, 0, None, None, None, None, None)
     examples = pair_examples(ctx, pairs)
     where = "the base model" if start is None else f"checkpoint {start.id} ({start.stage})"
     ctx.console.print(f"{stage}: training on {len(pairs)} preference pairs, starting from {where}")
@@ -169,7 +170,7 @@ def train_dpo(ctx: RunContext, stage: str, start: Checkpoint | None) -> DpoSumma
     margins = [h["rewards/margins"] for h in history if "rewards/margins" in h]
     return DpoSummary(
         stage=stage,
-        start="base" if start is None else str(start.id),
+        start=str(PolicyRef.of_checkpoint(start)),
         pairs=len(pairs),
         steps=trainer.state.global_step,
         resumed_from_step=int(resume.name.removeprefix("checkpoint-")) if resume else 0,

@@ -19,7 +19,8 @@ from rlcli.generation.sampler import Sampler, sampling_config
 from rlcli.store.checkpoints import checkpoint_note, resolve_checkpoint
 from rlcli.store.db import now
 from rlcli.store.episodes import stage_episodes
-from rlcli.store.evals import eval_decoding, eval_result, eval_stage_name, leading_tasks_success, replace_eval
+from rlcli.store.evals import eval_decoding, eval_result, leading_tasks_success, replace_eval
+from rlcli.store.names import EXPERT, SFT, SFT_STAGE, PolicyRef, eval_stage
 from rlcli.store.records import Checkpoint, Episode, EvalResult
 
 
@@ -94,16 +95,17 @@ def run_eval(ctx: RunContext, checkpoints: list[str]) -> list[EvalResult]:
     """Evaluate each checkpoint (base, sft, latest, best, expert or an id) once; return their results."""
     results, seen = [], set()
     for which in checkpoints:
-        ckpt = resolve_checkpoint(ctx.rundb, ctx.run, which) if which != "expert" else None
+        asked = PolicyRef.from_cli(which)
+        ckpt = resolve_checkpoint(ctx.rundb, ctx.run, asked) if asked != EXPERT else None
         note = checkpoint_note(ctx.rundb, ctx.run, which)
         if note:
             ctx.console.print(f"eval: {note}", highlight=False)
         elif which == "latest" and ckpt is None:
             ctx.console.print("eval: the run has no checkpoint yet; 'latest' is the base model.")
-        key = "expert" if which == "expert" else ("base" if ckpt is None else f"ckpt-{ckpt.id}")
-        if key in seen:
+        evaluated = EXPERT if asked == EXPERT else PolicyRef.of_checkpoint(ckpt)
+        if evaluated in seen:
             continue
-        seen.add(key)
+        seen.add(evaluated)
         results.append(evaluate_checkpoint(ctx, which, ckpt, ctx.recipe.eval.tasks))
     return results
 
@@ -118,8 +120,7 @@ def evaluate_checkpoint(
     done with fewer gets the missing ones, and an interrupted one finishes the tasks it was begun with.
     """
     temperature, k = eval_decoding(ctx.recipe)
-    key = "expert" if which == "expert" else ("base" if ckpt is None else f"ckpt-{ckpt.id}")
-    stage = eval_stage_name(key, temperature, k)
+    stage = eval_stage(EXPERT if PolicyRef.from_cli(which) == EXPERT else PolicyRef.of_checkpoint(ckpt), temperature, k)
     row = ctx.rundb.stage(ctx.run, stage)
     if row is not None and not row.done:
         tasks = max(tasks, row.params.get("tasks", 0))
@@ -140,8 +141,8 @@ def _evaluate(
     sampling = sampling_config(recipe.rollout)
     sampling.temperature = eval_decoding(recipe)[0]
     sampler: Sampler | None = None  # None: the env's expert plays
-    if which == "expert":
-        label, tokenizer = "expert", None
+    if PolicyRef.from_cli(which) == EXPERT:
+        policy_ref, tokenizer = EXPERT, None
     else:
         if policy is not None:
             model, tokenizer = policy
@@ -151,7 +152,7 @@ def _evaluate(
             model, tokenizer = load_policy(
                 recipe.model, recipe.lora, recipe.quantization, adapter=ckpt.path if ckpt else None, trainable=False
             )
-        label = "base" if ckpt is None else str(ckpt.id)
+        policy_ref = PolicyRef.of_checkpoint(ckpt)
         # A model in memory carries GRPO's adapter: even at the base model's weights, vLLM gets them synced.
         sampler = make_sampler(
             recipe,
@@ -164,7 +165,7 @@ def _evaluate(
     collect(
         ctx,
         stage=stage,
-        policy_label=label,
+        policy=policy_ref,
         sampler=sampler,
         tokenizer=tokenizer,
         task_indices=list(range(tasks)),
@@ -208,7 +209,7 @@ class TrainingEvals:
     def evaluate(self, ckpt: Checkpoint | None, step: int, in_memory: bool) -> dict[str, float]:
         """Evaluate `ckpt` (None: the base model) with the trainer's model when `in_memory` says it
         holds those weights (and there is one), else loaded from disk; return the metrics logged for `step`."""
-        which = "base" if ckpt is None else ("sft" if ckpt.stage == "sft" else str(ckpt.id))
+        which = str(SFT if ckpt is not None and ckpt.stage == SFT_STAGE else PolicyRef.of_checkpoint(ckpt))
         policy = (self.model, self.tokenizer) if in_memory and self.model is not None else None
         result = evaluate_checkpoint(self.ctx, which, ckpt, self.tasks, policy)
         rate = leading_tasks_success(self.ctx.rundb, self.ctx.run, result.stage, self.tasks)

@@ -27,6 +27,7 @@ from typing import Any
 from rlcli.engine.context import RunContext
 from rlcli.store.checkpoints import checkpoints
 from rlcli.store.events import add_event
+from rlcli.store.names import SFT_STAGE, train_stage
 
 REWARD = "rollout/reward_mean"
 ENTROPY = "train/entropy"
@@ -176,7 +177,7 @@ def warnings_at(ctx: RunContext, it: int) -> list[RunWarning]:
 
     heldout = series(HELDOUT)
     eval_tasks = cfg.eval_tasks or ctx.recipe.eval.tasks  # the tasks grpo.eval_every's evals play
-    start = "sft" if any(c.stage == "sft" for c in checkpoints(ctx.rundb, ctx.run)) else "base"
+    start = "sft" if any(c.stage == SFT_STAGE for c in checkpoints(ctx.rundb, ctx.run)) else "base"
     found = [
         reward_up_heldout_down(series(REWARD), heldout, it, ctx.run),
         worse_than_start(heldout, it, eval_tasks * ctx.recipe.eval.k, start),
@@ -191,7 +192,7 @@ def check(ctx: RunContext, it: int) -> list[RunWarning]:
     return [
         w
         for w in warnings_at(ctx, it)
-        if add_event(ctx.rundb, ctx.run, f"train/{it}", it, w.kind, w.message, w.details)
+        if add_event(ctx.rundb, ctx.run, train_stage(it), it, w.kind, w.message, w.details)
     ]
 
 

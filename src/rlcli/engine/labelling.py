@@ -13,11 +13,9 @@ from rlcli.engine.context import RunContext
 from rlcli.errors import UsageError
 from rlcli.rewards.episodes import message_text
 from rlcli.store.episodes import stage_episodes, stages_with_episodes, store_rewards, unlabelled_count
+from rlcli.store.names import GRPO_LABEL_SET, RESERVED_LABEL_SETS, check_user_name, label_stage
 from rlcli.store.records import Episode, RewardRow
-from rlcli.store.stages import check_user_name
 from rlcli.store.tasks import refresh_task_stats
-
-GRPO_LABEL_SET = "grpo"  # the labels `train grpo` trains on; no `rlcli label` may replace them
 
 
 @dataclass(frozen=True)
@@ -99,14 +97,14 @@ def run_label_stage(ctx: RunContext, *, label_set: str) -> list[LabelSummary]:
     """`rlcli label`: label every rollout stage of the run that has episodes, under one label set."""
     from rlcli.rewards.scoring import build_reward_fns
 
-    check_user_name("--label-set", label_set, reserved=(GRPO_LABEL_SET,))
+    check_user_name("--label-set", label_set, reserved=RESERVED_LABEL_SETS)
     stages = stages_with_episodes(ctx.rundb, ctx.run)
     if not stages:
         raise UsageError(f"Run {ctx.run!r} has no episodes to label; run `rlcli rollout` first.")
     fns = build_reward_fns(ctx.recipe.rewards, device=ctx.recipe.model.device)
     summaries = []
     for stage in stages:
-        name = f"label/{label_set}/{stage}"
+        name = label_stage(label_set, stage)
         row = ctx.rundb.stage(ctx.run, name)
         if row is not None and row.done and unlabelled_count(ctx.rundb, ctx.run, stage, label_set):
             # The stage gained episodes since it was labelled (a raised eval.tasks): label it again.

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from rlcli.engine.context import RunContext
 from rlcli.store.checkpoints import BestAndLatest, best_and_latest
+from rlcli.store.names import dpo_stage
 
 if TYPE_CHECKING:  # the stages import torch: load them only when the recipe runs them
     from rlcli.engine.dpo import DpoSummary
@@ -48,7 +49,7 @@ def run_all(ctx: RunContext, on_summary: Callable[[StageSummary], None] | None =
         elif stage == "dpo":
             from rlcli.engine.dpo import run_dpo
 
-            show(run_dpo(ctx, dpo_stage_name(repeat)))
+            show(run_dpo(ctx, dpo_stage(repeat)))
         else:
             from rlcli.engine.evaluate import run_eval
 
@@ -58,12 +59,6 @@ def run_all(ctx: RunContext, on_summary: Callable[[StageSummary], None] | None =
     if ending.latest is not None or ending.best is not None:
         show(ending)
     return ending
-
-
-def dpo_stage_name(repeat: int) -> str:
-    """The stage of run.stages' dpo number `repeat` (from 0): dpo, then dpo/2, dpo/3, ... (`rlcli train dpo
-    --stage dpo/2` names the same stage)."""
-    return "dpo" if repeat == 0 else f"dpo/{repeat + 1}"
 
 
 def planned_stages(recipe) -> list[str]:

@@ -43,10 +43,9 @@ from rlcli.models import vision
 from rlcli.store.checkpoints import resolve_checkpoint
 from rlcli.store.db import now
 from rlcli.store.episodes import episode_summary, store_episodes, stored_episode_keys
+from rlcli.store.names import BASE, EXPERT, RESERVED_STAGES, PolicyRef, check_user_name
 from rlcli.store.records import EndReason, Episode, EpisodeSummary, Turn
-from rlcli.store.stages import OWN_STAGES, check_user_name
 
-EXPERT = "expert"
 LINGER = 0.1  # share of the last sampling call's time spent waiting for more envs to answer
 
 
@@ -507,7 +506,7 @@ def collect(
     ctx: RunContext,
     *,
     stage: str,
-    policy_label: str,
+    policy: PolicyRef,
     sampler: Sampler | None = None,
     tokenizer=None,
     task_indices: list[int],
@@ -518,7 +517,8 @@ def collect(
 ) -> dict[str, Any]:
     """Roll out every missing episode of a stage and store it; return the stage's result.
 
-    sampler: the policy's Sampler (see `make_sampler`); None plays the env's expert.
+    policy: the weights the sampler plays, recorded with every episode; sampler: the policy's Sampler
+    (see `make_sampler`); None plays the env's expert.
     """
     from rlcli.envs.loading import load_env
 
@@ -546,7 +546,7 @@ def collect(
                 runner = EpisodeRunner(envs, limits, sampler, tokenizer)
                 for chunk in todo:
                     episodes = runner.run(chunk, on_turns=lambda n: advance(0, n))
-                    records = [ep.to_record(ctx.run, stage, iteration, split, policy_label) for ep in episodes]
+                    records = [ep.to_record(ctx.run, stage, iteration, split, str(policy)) for ep in episodes]
                     store_episodes(ctx.rundb, records)
                     advance(len(chunk), 0)
     return asdict(episode_summary(ctx.rundb, ctx.run, stage))
@@ -591,54 +591,56 @@ class _progress:
 
 
 def load_rollout_policy(ctx: RunContext, policy: str):
-    """Resolve base / latest / expert / a checkpoint id into (label, model, tokenizer)."""
-    if policy == EXPERT:
+    """Resolve base / sft / latest / best / expert / a checkpoint id (the CLI form) into (the
+    PolicyRef resolved: base, expert or a checkpoint id; model; tokenizer)."""
+    ref = PolicyRef.from_cli(policy)
+    if ref == EXPERT:
         return EXPERT, None, None
     from rlcli.models.loading import load_policy
 
-    row = resolve_checkpoint(ctx.rundb, ctx.run, policy) if policy != "base" else None
-    label = "base" if row is None else str(row.id)
+    row = resolve_checkpoint(ctx.rundb, ctx.run, ref)
     recipe = ctx.recipe
     model, tokenizer = load_policy(
         recipe.model, recipe.lora, recipe.quantization, adapter=row.path if row else None, trainable=False
     )
-    return label, model, tokenizer
+    return PolicyRef.of_checkpoint(row), model, tokenizer
 
 
 def run_rollout_stage(ctx: RunContext, *, stage: str, policy: str, split: str) -> EpisodeSummary:
     """`rlcli rollout`: tasks x group size episodes with one policy, stored token by token."""
     if split not in ("train", "eval"):
         raise UsageError(f"--split must be train or eval, got {split!r}.")
-    check_user_name("--stage", stage, reserved=OWN_STAGES)
+    check_user_name("--stage", stage, reserved=RESERVED_STAGES)
     recipe = ctx.recipe
+    asked = PolicyRef.from_cli(policy)
     # The weights, resolved now, define the stage: `latest` after more training is another policy.
-    checkpoint = resolve_checkpoint(ctx.rundb, ctx.run, policy) if policy not in (EXPERT, "base") else None
-    weights = policy if policy == EXPERT else ("base" if checkpoint is None else str(checkpoint.id))
+    checkpoint = resolve_checkpoint(ctx.rundb, ctx.run, asked) if asked != EXPERT else None
+    weights = EXPERT if asked == EXPERT else PolicyRef.of_checkpoint(checkpoint)
 
     def work() -> dict[str, Any]:
-        label, model, tokenizer = load_rollout_policy(ctx, weights)
+        resolved, model, tokenizer = load_rollout_policy(ctx, str(weights))
         sampler: Sampler | None = None
         if model is not None:
             folder = checkpoint.path if checkpoint is not None else None
             sampling = sampling_config(recipe.rollout)
-            sampler = make_sampler(recipe, model, tokenizer, sampling, base=label == "base", checkpoint_folder=folder)
+            sampler = make_sampler(recipe, model, tokenizer, sampling, base=resolved == BASE, checkpoint_folder=folder)
         summary = collect(
             ctx,
             stage=stage,
-            policy_label=label,
+            policy=resolved,
             sampler=sampler,
             tokenizer=tokenizer,
             task_indices=list(range(recipe.rollout.tasks)),
             group_size=recipe.rollout.group_size,
             split=split,
         )
-        return {"policy": label, **summary}
+        return {"policy": str(resolved), **summary}
 
     ctx.stage(
         stage,
         work,
         {"policy_asked": policy},
-        identity={"policy": weights, "split": split},
+        identity={"policy": str(weights), "split": split},
         new_stage_hint="use another --stage name for a new stage",
     )
     return episode_summary(ctx.rundb, ctx.run, stage)

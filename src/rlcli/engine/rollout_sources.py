@@ -34,6 +34,7 @@ from rlcli.generation.engines import generation_engine, make_sampler
 from rlcli.generation.sampler import Sampler, sampling_config
 from rlcli.models.loading import save_checkpoint
 from rlcli.store.episodes import episodes_for_training
+from rlcli.store.names import PolicyRef, grpo_label_stage, rollout_stage
 from rlcli.store.stages import stage_done
 
 if TYPE_CHECKING:
@@ -120,12 +121,12 @@ class SyncRollouts:
         """rollout/it with the weights in memory, synced into the vLLM engine first."""
         ctx = self.ctx
         tasks = iteration_tasks(ctx, it)  # grpo.sampling; a resumed iteration reuses its recorded draw
-        sizes = group_sizes(ctx, it, f"rollout/{it}", tasks)  # rollout.group_size_hard, recorded likewise
+        sizes = group_sizes(ctx, it, rollout_stage(it), tasks)  # rollout.group_size_hard, recorded likewise
         set_aside_stale(ctx, it, 0)  # sampled ahead by an asynchronous run that is resumed synchronously
-        fresh = not stage_done(ctx.rundb, ctx.run, f"rollout/{it}")
+        fresh = not stage_done(ctx.rundb, ctx.run, rollout_stage(it))
         sync_s = self._sync_engine(it) if self.engine is not None else None
         start = time.perf_counter()
-        summary = self._collect(it, f"rollout/{it}", tasks, sizes, f"rollout {it}")
+        summary = self._collect(it, rollout_stage(it), tasks, sizes, f"rollout {it}")
         return Rollout(summary, fresh, {"perf/time_rollout_s": time.perf_counter() - start}, sync_s)
 
     def before_update(self, it: int, rollout: Rollout, reward_fns: list[RewardFn]) -> None:
@@ -160,19 +161,19 @@ class SyncRollouts:
         rollout.tasks of them are in hand or grpo.max_rollout_rounds is reached. Each round's tasks are
         recorded with its stage, so a resumed run replays the same ones."""
         ctx, recipe = self.ctx, self.ctx.recipe
-        stages = [f"rollout/{it}"]
+        stages = [rollout_stage(it)]
         played = list(iteration_tasks(ctx, it))
         for r in range(1, recipe.grpo.max_rollout_rounds):
             short = recipe.rollout.tasks - _informative_groups(ctx, stages)
             if short <= 0:
                 break
-            stage = f"rollout/{it}+{r}"
+            stage = rollout_stage(it, r)
             tasks = extra_tasks(ctx, it, r, played, short)
             if not tasks:  # the pool holds no task this iteration has not played
                 break
             sizes = group_sizes(ctx, it, stage, tasks)
             self._collect(it, stage, tasks, sizes, f"rollout {it}+{r}", round=r)
-            ctx.stage(f"label/{it}+{r}", partial(label_stage_episodes, ctx, stage, GRPO_LABEL_SET, reward_fns))
+            ctx.stage(grpo_label_stage(it, r), partial(label_stage_episodes, ctx, stage, GRPO_LABEL_SET, reward_fns))
             stages.append(stage)
             played += tasks
 
@@ -186,7 +187,7 @@ class SyncRollouts:
             lambda: collect(
                 ctx,
                 stage=stage,
-                policy_label=self.trainer.policy_label(it),
+                policy=self.trainer.policy(it),
                 sampler=self.sampler,
                 tokenizer=self.trainer.tokenizer,
                 task_indices=tasks,
@@ -239,10 +240,11 @@ class AsyncRollouts:
             )
             # The weights the first rollouts play with: the checkpoint resumed from, else the starting point.
             if trainer.resumed:
-                self.worker.push(trainer.resumed.iteration, trainer.resumed.path, f"train/{trainer.resumed.iteration}")
+                resumed = trainer.resumed.iteration
+                self.worker.push(resumed, trainer.resumed.path, PolicyRef.train(resumed))
             else:
                 origin = trainer.origin.path if trainer.origin is not None else None
-                self.worker.push(START_VERSION, origin, trainer.start_label)
+                self.worker.push(START_VERSION, origin, trainer.start_policy)
             self.worker.ask_through(trainer.next_iteration)
             yield
 
@@ -258,7 +260,7 @@ class AsyncRollouts:
     def after_update(self, it: int) -> None:
         """Push the new weights, unless the phase has no rollout left to play."""
         if it + 1 < self.trainer.end:
-            self.worker.push(it, self._weights_folder(it), f"train/{it}")
+            self.worker.push(it, self._weights_folder(it), PolicyRef.train(it))
 
     def _weights_folder(self, it: int) -> Path:
         """The folder holding iteration it's weights: its checkpoint's, else a weights-only folder

@@ -31,9 +31,9 @@ from rlcli.errors import RlcliError, UsageError
 from rlcli.models import vision
 from rlcli.store.checkpoints import add_checkpoint
 from rlcli.store.episodes import episodes_for_sft, stage_episodes
+from rlcli.store.names import EXPERT, SFT_DEMOS_STAGE, SFT_STAGE
 
-DEMOS_STAGE = "sft/demos"
-METRICS_STAGE = "sft"
+METRICS_STAGE = SFT_STAGE
 # Trainer log keys -> metric keys in the run database.
 LOGGED = {"loss": "sft/loss", "eval_loss": "sft/eval_loss", "learning_rate": "sft/lr", "grad_norm": "sft/grad_norm"}
 
@@ -84,7 +84,7 @@ def run_sft(ctx: RunContext) -> SftSummary:
             data["data_sha256"] = digest
     return SftSummary(
         **ctx.stage(
-            "sft",
+            SFT_STAGE,
             lambda: asdict(train_sft(ctx)),
             cfg.model_dump(mode="json"),
             identity=data,
@@ -157,7 +157,9 @@ def train_sft(ctx: RunContext) -> SftSummary:
         final_loss=losses[-1] if losses else None,
         eval_loss=eval_losses[-1] if eval_losses else None,
         # A crash between this row and the stage's "done" mark re-runs the stage, which reuses the row.
-        checkpoint_id=add_checkpoint(ctx.rundb, ctx.run, "sft", 0, path, "lora" if recipe.lora is not None else "full"),
+        checkpoint_id=add_checkpoint(
+            ctx.rundb, ctx.run, SFT_STAGE, 0, path, "lora" if recipe.lora is not None else "full"
+        ),
         path=str(path),
     )
 
@@ -181,15 +183,15 @@ def load_conversations(ctx: RunContext) -> list[Conversation]:
 
 def expert_conversations(ctx: RunContext) -> list[Conversation]:
     """sft.demos episodes played by the env's expert (stage sft/demos), read back from the database."""
-    from rlcli.engine.rollout import EXPERT, collect
+    from rlcli.engine.rollout import collect
 
     demos = ctx.recipe.sft.demos
     ctx.stage(
-        DEMOS_STAGE,
+        SFT_DEMOS_STAGE,
         lambda: collect(
             ctx,
-            stage=DEMOS_STAGE,
-            policy_label=EXPERT,
+            stage=SFT_DEMOS_STAGE,
+            policy=EXPERT,
             task_indices=list(range(demos)),
             group_size=1,
             split="train",
@@ -197,7 +199,7 @@ def expert_conversations(ctx: RunContext) -> list[Conversation]:
         ),
         {"demos": demos},
     )
-    episodes = stage_episodes(ctx.rundb, ctx.run, DEMOS_STAGE)
+    episodes = stage_episodes(ctx.rundb, ctx.run, SFT_DEMOS_STAGE)
     ok = [e for e in episodes if e.status == "ok"]
     if not ok:
         first_error = next((e.error for e in episodes if e.error), "no episodes")

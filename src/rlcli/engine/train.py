@@ -68,6 +68,14 @@ from rlcli.engine.rollout_sources import Rollout, rollout_source
 from rlcli.engine.trainer import METRICS_STAGE, GrpoTrainer, IterationStats, saves_checkpoint
 from rlcli.errors import UsageError
 from rlcli.store.checkpoints import checkpoints, train_checkpoints
+from rlcli.store.names import (
+    GrpoStage,
+    grpo_label_stage,
+    grpo_phase_stage,
+    rollout_stage,
+    train_stage,
+    try_parse_stage,
+)
 from rlcli.store.records import Checkpoint, Stage
 
 if TYPE_CHECKING:
@@ -88,9 +96,9 @@ def run_grpo(ctx: RunContext, phase: int = 0) -> None:
         _run_phase(ctx, 0, None)
         return
     n = ctx.recipe.grpo.iterations
-    first, name = phase * n, f"grpo/{phase}"
+    first, name = phase * n, grpo_phase_stage(phase)
     row = ctx.rundb.stage(ctx.run, name)
-    if row is None and ctx.rundb.stage(ctx.run, f"rollout/{first}") is not None:
+    if row is None and ctx.rundb.stage(ctx.run, rollout_stage(first)) is not None:
         raise UsageError(
             f"Run {ctx.run!r}: GRPO phase {phase} would start at iteration {first}, which an earlier phase has "
             "already run (grpo.iterations was larger then); set grpo.iterations back, or start a new run."
@@ -108,10 +116,10 @@ def check_phases(ctx: RunContext) -> None:
     """Refuse a grpo.iterations that would move the iterations of a GRPO phase already begun."""
     n = ctx.recipe.grpo.iterations
     for row in ctx.rundb.stages(ctx.run):
-        phase = row.name.removeprefix("grpo/")
-        if row.name.startswith("grpo/") and phase.isdigit() and "first_iteration" in row.params:
-            first, last = row.params["first_iteration"], row.params["last_iteration"]
-            if (first, last) != (int(phase) * n, int(phase) * n + n - 1):
+        stage = try_parse_stage(row.name)
+        if isinstance(stage, GrpoStage) and stage.phase and "first_iteration" in row.params:
+            phase, first, last = stage.phase, row.params["first_iteration"], row.params["last_iteration"]
+            if (first, last) != (phase * n, phase * n + n - 1):
                 raise UsageError(
                     f"Run {ctx.run!r}: GRPO phase {phase} runs iterations {first}..{last}, and each phase runs "
                     f"grpo.iterations of them, numbered on from the phase before; set grpo.iterations back to "
@@ -167,7 +175,10 @@ def _run_phase(ctx: RunContext, phase: int, start: Checkpoint | None) -> dict[st
         for it in iterations:
             rollout = rollouts.play(it)  # rollout/i: the policy's episodes, stored token by token
             with rollout.timed("perf/time_label_s"):  # label/i: the recipe's rewards for them
-                ctx.stage(f"label/{it}", lambda: label_stage_episodes(ctx, f"rollout/{it}", GRPO_LABEL_SET, reward_fns))
+                ctx.stage(
+                    grpo_label_stage(it),
+                    lambda: label_stage_episodes(ctx, rollout_stage(it), GRPO_LABEL_SET, reward_fns),
+                )
             rollouts.before_update(it, rollout, reward_fns)  # grpo.dynamic_sampling's extra rounds
             metrics = _train(ctx, trainer, it, rollout)  # train/i: batch -> update -> checkpoint -> commit
             rollouts.after_update(it)  # the rollout worker gets the new weights
@@ -195,7 +206,7 @@ def _train(ctx: RunContext, trainer: GrpoTrainer, it: int, rollout: Rollout) -> 
         rollout.train_s = time.perf_counter() - started
         trainer.commit(it, stats, iteration_metrics(rollout, stats))
 
-    stats = ctx.stage(f"train/{it}", work, params={"iteration": it}, result=IterationStats, commit=commit)
+    stats = ctx.stage(train_stage(it), work, params={"iteration": it}, result=IterationStats, commit=commit)
     return iteration_metrics(rollout, stats)
 
 
@@ -248,7 +259,7 @@ class HeldOutEvals:
         """The held-out metrics of iteration it's checkpoint, when its eval is due (with the model in memory)."""
         if self.evals is None or not evaluates_after(self.ctx.recipe.grpo, it):
             return {}
-        saved = [c for c in train_checkpoints(self.ctx.rundb, self.ctx.run) if c.stage == f"train/{it}"]
+        saved = [c for c in train_checkpoints(self.ctx.rundb, self.ctx.run) if c.stage == train_stage(it)]
         return self.evals.evaluate(saved[-1], it, in_memory=True)
 
 

@@ -38,6 +38,7 @@ from rlcli.models.loading import (
 )
 from rlcli.store.checkpoints import add_checkpoint, checkpoints, require_folder, train_checkpoints
 from rlcli.store.episodes import episodes_for_training, set_aside_count
+from rlcli.store.names import BASE, GRPO_STAGE, SFT_STAGE, PolicyRef, rollout_stage, train_stage
 from rlcli.store.records import Checkpoint, LabelledEpisode, Turn
 from rlcli.store.replays import record_replays, replay_candidates
 from rlcli.store.stages import stage_done
@@ -48,7 +49,7 @@ if TYPE_CHECKING:
 
     from rlcli.recipe import GrpoSection
 
-METRICS_STAGE = "grpo"
+METRICS_STAGE = GRPO_STAGE
 TRAINER_STATE = "trainer_state.pt"
 
 
@@ -110,8 +111,8 @@ class GrpoTrainer:
         self.first, self.end = phase * self.cfg.iterations, (phase + 1) * self.cfg.iterations
         self.title = f"train grpo phase {phase}" if phase else "train grpo"
         self.origin = start if phase else newest_sft(ctx)  # the weights the phase starts from (None: the base)
-        # The policy label of the phase's first rollout: the stage that wrote those weights.
-        self.start_label = self.origin.stage if self.origin is not None else "base"
+        # The policy of the phase's first rollout, named by the stage that wrote those weights.
+        self.start_policy = PolicyRef.written_by(self.origin.stage) if self.origin is not None else BASE
         self.resumed: Checkpoint | None = None
         self.state: dict[str, Any] | None = None  # the resumed checkpoint's trainer state
         self.next_iteration = self.first
@@ -150,8 +151,9 @@ class GrpoTrainer:
             _apply_recipe_hyperparameters(self.optimizer, self.scheduler, cfg, self.schedule)
         # Stages after the checkpoint were done with weights that were not saved: redo them.
         for it in range(self.next_iteration, self.end):
-            if stage_done(self.ctx.rundb, self.ctx.run, f"train/{it}"):
-                self.ctx.rundb.mark_stage(self.ctx.run, f"train/{it}", "pending")
+            if stage_done(self.ctx.rundb, self.ctx.run, train_stage(it)):
+                self.ctx.rundb.mark_stage(self.ctx.run, train_stage(it), "pending")
+        supersede_lost_rollouts(self.ctx, self.next_iteration, self.end, synchronous=not cfg.max_staleness)
         self.ctx.console.print(
             f"{self.title}: iterations {self.next_iteration}..{self.end - 1}, starting from {self._starting_point()}"
         )
@@ -160,15 +162,15 @@ class GrpoTrainer:
         if self.resumed:
             shown = f"checkpoint {self.resumed.id}"
         elif self.phase and self.origin is not None:
-            shown = f"{self.start_label} (checkpoint {self.origin.id})"
+            shown = f"{self.start_policy} (checkpoint {self.origin.id})"
         else:
-            shown = self.start_label
+            shown = str(self.start_policy)
         anchor = f", KL to {'sft' if self.reference else 'base'} (beta {self.cfg.beta:g})" if self.cfg.beta > 0 else ""
         return shown + anchor
 
-    def policy_label(self, it: int) -> str:
+    def policy(self, it: int) -> PolicyRef:
         """The weights iteration it's rollouts play: the update before's, or the phase's starting point."""
-        return f"train/{it - 1}" if it > self.first else self.start_label
+        return PolicyRef.train(it - 1) if it > self.first else self.start_policy
 
     def batch(self, it: int) -> IterationBatch:
         """Iteration it's batch from its stored, labelled episodes: those of its rollout stages
@@ -208,7 +210,7 @@ class GrpoTrainer:
             played = lags[: len(episodes) - len(replayed)]
             metrics["train/staleness_mean"] = sum(played) / len(played)
             metrics["train/staleness_max"] = max(played)
-        if discarded := set_aside_count(ctx.rundb, ctx.run, f"rollout/{it}"):
+        if discarded := set_aside_count(ctx.rundb, ctx.run, rollout_stage(it)):
             metrics["train/discarded_episodes"] = discarded
 
         if cfg.gamma is not None:
@@ -281,7 +283,7 @@ class GrpoTrainer:
         record_replays(ctx.rundb, ctx.run, it, stats.replayed or [])
         if saves_checkpoint(self.cfg, it):
             kind = "lora" if ctx.recipe.lora is not None else "full"
-            add_checkpoint(ctx.rundb, ctx.run, f"train/{it}", it, checkpoint_folder(ctx, it), kind)
+            add_checkpoint(ctx.rundb, ctx.run, train_stage(it), it, checkpoint_folder(ctx, it), kind)
         ctx.rundb.log_metrics(ctx.run, METRICS_STAGE, it, metrics)
 
 
@@ -314,12 +316,12 @@ def episode_sequences(episode_id: int, group: int, turns: list[Turn]) -> list[Tr
 def rollout_stages(ctx: RunContext, it: int) -> list[str]:
     """The rollout stages iteration it trains on: rollout/it, and with grpo.dynamic_sampling the extra
     rounds that SyncRollouts finished (rollout/it+1, ...), within grpo.max_rollout_rounds."""
-    stages = [f"rollout/{it}"]
+    stages = [rollout_stage(it)]
     if ctx.recipe.grpo.dynamic_sampling:
         for r in range(1, ctx.recipe.grpo.max_rollout_rounds):
-            if not stage_done(ctx.rundb, ctx.run, f"rollout/{it}+{r}"):
+            if not stage_done(ctx.rundb, ctx.run, rollout_stage(it, r)):
                 break
-            stages.append(f"rollout/{it}+{r}")
+            stages.append(rollout_stage(it, r))
     return stages
 
 
@@ -381,7 +383,7 @@ def checkpoint_folder(ctx: RunContext, it: int) -> Path:
 
 
 def newest_sft(ctx: RunContext) -> Checkpoint | None:
-    sft = [c for c in checkpoints(ctx.rundb, ctx.run) if c.stage == "sft"]
+    sft = [c for c in checkpoints(ctx.rundb, ctx.run) if c.stage == SFT_STAGE]
     return sft[-1] if sft else None
 
 
@@ -487,7 +489,7 @@ def reference_checkpoint(ctx: RunContext, state: dict[str, Any] | None) -> Check
                 f"run keeps it; set grpo.reference: {was} (or auto), or start a new run."
             )
         return found
-    sft = [c for c in run_checkpoints if c.stage == "sft"]
+    sft = [c for c in run_checkpoints if c.stage == SFT_STAGE]
     if choice == "sft" and not sft:
         raise UsageError(
             f"grpo.reference is sft, but run {ctx.run!r} has no SFT checkpoint; run `rlcli sft` first "

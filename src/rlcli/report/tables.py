@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from collections import Counter
 from dataclasses import asdict
 from typing import Any
@@ -22,6 +21,7 @@ from rlcli.report.text import literal, printable
 from rlcli.report.views import COMPARE_METRICS, KEY_METRICS, OTHER_CHECKPOINTS, ending_view, eval_view
 from rlcli.rewards.episodes import message_text
 from rlcli.store.checkpoints import BestAndLatest
+from rlcli.store.names import BASE, PolicyRef, stage_family
 from rlcli.store.records import EpisodeSummary
 
 
@@ -147,14 +147,14 @@ def _stage_groups(stages: list[dict[str, Any]]) -> list[tuple[str, list[dict[str
     # One row per numbered family keeps a 100-iteration run readable; the JSON keeps every stage.
     groups: dict[str, list[dict[str, Any]]] = {}
     for s in stages:
-        match = re.fullmatch(r"(.*)/(\d+)", s["name"])
-        groups.setdefault(match.group(1) if match else s["name"], []).append(s)
+        family = stage_family(s["name"])
+        groups.setdefault(family[0] if family else s["name"], []).append(s)
     out = []
     for prefix, members in groups.items():
         if len(members) == 1:
             out.append((members[0]["name"], members))
         else:
-            numbers = [int(m["name"].rsplit("/", 1)[1]) for m in members]
+            numbers = [family[1] for m in members if (family := stage_family(m["name"]))]
             out.append((f"{prefix}/{min(numbers)}…{max(numbers)}", members))
     return out
 
@@ -380,7 +380,7 @@ def dpo_table(summary: Any) -> Table:
     table.add_column(style="bold")
     table.add_column(justify="right")
     rows = [
-        ("started from", "base" if summary.start == "base" else f"checkpoint {summary.start}"),
+        ("started from", "base" if PolicyRef.parse(summary.start) == BASE else f"checkpoint {summary.start}"),
         ("preference pairs", summary.pairs),
         ("steps", summary.steps),
         ("resumed from step", summary.resumed_from_step or None),

@@ -13,7 +13,8 @@ from pathlib import Path
 
 from rlcli.errors import UsageError
 from rlcli.store.db import RunDB, now
-from rlcli.store.evals import eval_decoding, eval_results, eval_stage_name, leading_tasks_success
+from rlcli.store.evals import eval_decoding, eval_results, leading_tasks_success
+from rlcli.store.names import EXPERT, SFT_STAGE, PolicyRef, TrainStage, eval_stage, try_parse_stage
 from rlcli.store.records import Checkpoint
 
 
@@ -41,16 +42,18 @@ def checkpoints(rundb: RunDB, run: str) -> list[Checkpoint]:
     return [Checkpoint(**{**row, "path": str(_resolved_path(rundb, row["path"], run))}) for row in rows]
 
 
-def resolve_checkpoint(rundb: RunDB, run: str, which: str) -> Checkpoint | None:
-    """base -> None (the base model); sft / latest / best / a numeric id -> that checkpoint.
+def resolve_checkpoint(rundb: RunDB, run: str, which: str | PolicyRef) -> Checkpoint | None:
+    """base -> None (the base model); sft / latest / best / a numeric id -> that checkpoint (`which`
+    in the CLI form, PolicyRef.from_cli).
 
     best: the best held-out success (see best_checkpoint), which may be None (the base model).
     latest: the newest checkpoint, or with grpo.keep_best the best one once evals exist.
     """
-    if which == "base":
+    ref = which if isinstance(which, PolicyRef) else PolicyRef.from_cli(which)
+    if ref.kind == "base":
         return None
     rows = checkpoints(rundb, run)
-    if which == "best":
+    if ref.kind == "best":
         best = best_checkpoint(rundb, run)
         if best is None:
             raise UsageError(
@@ -58,21 +61,22 @@ def resolve_checkpoint(rundb: RunDB, run: str, which: str) -> Checkpoint | None:
                 "run with grpo.eval_every or rlcli eval first."
             )
         return best.checkpoint
-    if which == "latest":
+    if ref.kind == "latest":
         if rundb.run_recipe(run).grpo.keep_best and (best := best_checkpoint(rundb, run)) is not None:
             return best.checkpoint
         return rows[-1] if rows else None
-    if which == "sft":
-        sft_rows = [r for r in rows if r.stage == "sft"]
+    if ref.kind == "sft":
+        sft_rows = [r for r in rows if r.stage == SFT_STAGE]
         if not sft_rows:
             raise UsageError(f"Run {run!r} has no SFT checkpoint; run `rlcli sft` first or choose base/latest.")
         return sft_rows[-1]
-    if which.isdigit():
+    if ref.kind == "checkpoint":
         for row in rows:
-            if row.id == int(which):
+            if row.id == ref.number:
                 return row
-        raise UsageError(f"Run {run!r} has no checkpoint with id {which}; `rlcli runs show {run}` lists them.")
-    raise UsageError(f"Unknown checkpoint {which!r}: expected base, sft, latest, best or a checkpoint id.")
+        raise UsageError(f"Run {run!r} has no checkpoint with id {ref}; `rlcli runs show {run}` lists them.")
+    assert ref == EXPERT, f"from_cli gives no {ref.kind} reference"
+    raise UsageError(f"Unknown checkpoint {str(ref)!r}: expected base, sft, latest, best or a checkpoint id.")
 
 
 @dataclass(frozen=True)
@@ -87,14 +91,14 @@ class RankedCheckpoint:
     @property
     def name(self) -> str:
         """What -c takes to name it again: base or the checkpoint id."""
-        return "base" if self.checkpoint is None else str(self.checkpoint.id)
+        return str(PolicyRef.of_checkpoint(self.checkpoint))
 
     def describe(self) -> str:
         """e.g. "checkpoint 7 (iteration 11, held-out 0.41)"."""
         if self.checkpoint is None:
             return f"the base model (held-out {self.success_rate:.2f})"
         c = self.checkpoint
-        where = "sft" if c.stage == "sft" else f"iteration {c.iteration}"
+        where = "sft" if c.stage == SFT_STAGE else f"iteration {c.iteration}"
         return f"checkpoint {c.id} ({where}, held-out {self.success_rate:.2f})"
 
 
@@ -113,10 +117,10 @@ def ranked_checkpoints(rundb: RunDB, run: str) -> list[RankedCheckpoint]:
     found: list[tuple[Checkpoint | None, int, str]] = []
     for result in eval_results(rundb, run):
         ckpt = by_id.get(result.checkpoint_id) if result.checkpoint_id is not None else None
-        key = "base" if result.checkpoint_id is None else f"ckpt-{result.checkpoint_id}"
         if result.checkpoint_id is not None and ckpt is None:
             continue  # a checkpoint row that is gone
-        if result.stage == eval_stage_name(key, temperature, k):  # this leaves out expert and other decodings
+        policy = PolicyRef.of_checkpoint(ckpt)
+        if result.stage == eval_stage(policy, temperature, k):  # this leaves out expert and other decodings
             found.append((ckpt, result.tasks, result.stage))
     if not found:
         return []
@@ -176,7 +180,7 @@ def best_and_latest(rundb: RunDB, run: str) -> BestAndLatest:
 
 def train_checkpoints(rundb: RunDB, run: str) -> list[Checkpoint]:
     """GRPO's checkpoints (stages train/<i>), oldest first."""
-    return [c for c in checkpoints(rundb, run) if c.stage.startswith("train/")]
+    return [c for c in checkpoints(rundb, run) if isinstance(try_parse_stage(c.stage), TrainStage)]
 
 
 def require_folder(checkpoint: Checkpoint) -> Path:

@@ -11,6 +11,7 @@ from rlcli.errors import UsageError
 from rlcli.store.blobs import pack_floats, pack_ids, unpack_floats, unpack_ids
 from rlcli.store.db import RunDB
 from rlcli.store.images import insert_images
+from rlcli.store.names import stale_stage, stale_stages_like
 from rlcli.store.records import EndReason, Episode, EpisodeSummary, LabelledEpisode, RewardRow, Turn
 
 TOTAL = "total"  # the reward component that holds a label set's weighted sum
@@ -56,9 +57,9 @@ def set_aside_episodes(rundb: RunDB, run: str, stage: str, episode_ids: list[int
     that the stage plays them again; return the new stage's name."""
     with rundb.transaction() as db:
         (earlier,) = db.execute(
-            "select count(distinct stage) from episodes where run = ? and stage like ?", [run, f"stale/{stage}/%"]
+            "select count(distinct stage) from episodes where run = ? and stage like ?", [run, stale_stages_like(stage)]
         ).fetchone()
-        aside = f"stale/{stage}/{earlier + 1}"
+        aside = stale_stage(stage, earlier + 1)
         # One JSON parameter, not one per episode: a large rollout would pass SQLite's parameter cap.
         db.execute(
             "update episodes set stage = ? where id in (select value from json_each(?))",
@@ -70,7 +71,7 @@ def set_aside_episodes(rundb: RunDB, run: str, stage: str, episode_ids: list[int
 def set_aside_count(rundb: RunDB, run: str, stage: str) -> int:
     """How many of `stage`'s episodes were set aside as stale (set_aside_episodes)."""
     (count,) = rundb.db.execute(
-        "select count(*) from episodes where run = ? and stage like ?", [run, f"stale/{stage}/%"]
+        "select count(*) from episodes where run = ? and stage like ?", [run, stale_stages_like(stage)]
     ).fetchone()
     return count
 

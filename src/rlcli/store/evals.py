@@ -22,14 +22,6 @@ def eval_decoding(recipe: Recipe) -> tuple[float, int]:
     return temperature, recipe.eval.k
 
 
-def eval_stage_name(key: str, temperature: float, k: int) -> str:
-    """The stage of one checkpoint's eval (key: base, expert, ckpt-<id>) with one decoding.
-
-    Another decoding (temperature, k) is another measurement, stored beside the first.
-    """
-    return f"eval/{key}" if (temperature, k) == (0.0, 1) else f"eval/{key}@t{temperature:g}-k{k}"
-
-
 def replace_eval(rundb: RunDB, result: EvalResult) -> None:
     """Store a stage's eval result in place of any earlier one (a re-run with more tasks)."""
     row = {**asdict(result), "details": json.dumps(result.details)}

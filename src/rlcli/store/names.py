@@ -27,12 +27,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal, Protocol
 
 from rlcli.errors import UsageError
-
-if TYPE_CHECKING:
-    from rlcli.store.records import Checkpoint
 
 # The label set GRPO trains on (label/<i> stages, task_stats); no `rlcli label` may replace it.
 GRPO_LABEL_SET = "grpo"
@@ -66,6 +63,11 @@ POLICY_FORMS = "base, expert, sft, train/<iteration>, dpo, dpo/<name> or a check
 CLI_POLICY_FORMS = "base, sft, latest, best or a checkpoint id"
 
 
+class _Row(Protocol):  # a Checkpoint (store/records.py imports this module)
+    @property
+    def id(self) -> int: ...
+
+
 @dataclass(frozen=True)
 class PolicyRef:
     """Which weights: the base model, the env's expert, the SFT checkpoint, the weights after GRPO
@@ -86,7 +88,7 @@ class PolicyRef:
         return PolicyRef("checkpoint", number=checkpoint_id)
 
     @staticmethod
-    def of_checkpoint(checkpoint: Checkpoint | None) -> PolicyRef:
+    def of_checkpoint(checkpoint: _Row | None) -> PolicyRef:
         """A checkpoint row by its id; None: the base model."""
         return BASE if checkpoint is None else PolicyRef.checkpoint(checkpoint.id)
 

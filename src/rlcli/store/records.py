@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from rlcli.store.names import EvalStage, PolicyRef, try_parse_stage
+
 
 class EndReason(str, Enum):
     """Why an episode ended; the values are the strings stored in `episodes.end_reason`."""
@@ -215,8 +217,10 @@ class EvalResult:
         time it is evaluated, so name the one it was; a sampled eval says how it sampled, to tell
         it from the greedy one of the same checkpoint."""
         which, ckpt = self.checkpoint, self.checkpoint_id
-        decoding = self.stage.partition("@")[2]
-        label = which if ckpt is None else f"ckpt-{ckpt}" if which == str(ckpt) else f"{which} (ckpt-{ckpt})"
+        stage = try_parse_stage(self.stage)
+        decoding = stage.decoding if isinstance(stage, EvalStage) else ""
+        key = None if ckpt is None else EvalStage(PolicyRef.checkpoint(ckpt)).key  # ckpt-<id>
+        label = which if key is None else key if which == str(ckpt) else f"{which} ({key})"
         return f"{label} @{decoding}" if decoding else label
 
 

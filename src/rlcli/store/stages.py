@@ -1,6 +1,7 @@
 """Stage bookkeeping: one process per run, skip what is done, resume what is not, record failures.
 
-A stage is a named unit of a run (`sft`, `rollout/0`, `train/3`, `eval/final`). Its work must be
+A stage is a named unit of a run (`sft`, `rollout/0`, `train/3`, `eval/base`; store/names.py builds and
+parses the names). Its work must be
 idempotent at the granularity it commits (episodes, optimizer checkpoints), so that re-running
 after a crash continues instead of repeating.
 """
@@ -176,21 +177,6 @@ def _check_identity(run: str, row: Stage, identity: dict[str, Any], new_stage_hi
         was = ", ".join(f"{key}={row.params[key]!r}" for key in changed)
         asked = ", ".join(f"{key}={identity[key]!r}" for key in changed)
         raise UsageError(f"Stage {row.name!r} of run {run!r} was run with {was}, not {asked}; {new_stage_hint}.")
-
-
-# The stage names without a '/' that rlcli's own stages use (grpo is the GRPO metrics' stage): a user
-# stage under one of them would take that stage over, its summary read as the other stage's.
-OWN_STAGES = ("sft", "dpo", "grpo")
-
-
-def check_user_name(option: str, name: str, reserved: tuple[str, ...]) -> str:
-    """A stage or label-set name a user gives must stay out of the names rlcli's own stages use."""
-    if not name or "/" in name or name in reserved:
-        raise UsageError(
-            f"{option} {name!r} is not allowed: names with '/' (rollout/<i>, train/<i>, eval/..., label/...) "
-            f"and {', '.join(map(repr, reserved))} belong to rlcli's own stages; choose another name."
-        )
-    return name
 
 
 def stage_done(rundb: RunDB, run: str, name: str) -> bool:
