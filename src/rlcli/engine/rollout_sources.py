@@ -72,6 +72,8 @@ class Rollout:
 
 
 class RolloutSource(Protocol):
+    """An iteration's rollouts as the GRPO loop asks for them (see the module docstring)."""
+
     def running(self) -> contextlib.AbstractContextManager[None]:
         """The sampler or the worker, for the iterations the trainer has left (trainer.resume())."""
         ...
