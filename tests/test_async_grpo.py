@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers import RLCLI, cli_env, kill_when, make_ctx, run_cli, sequence_logprobs, write_recipe
+from helpers import RLCLI, cli_env, kill_when, make_ctx, run_in_process, sequence_logprobs, write_recipe
 from rlcli.engine import async_rollout, rollout_sources
 from rlcli.engine.async_rollout import policy_version, staleness, thread_split
 from rlcli.engine.train import run_grpo
@@ -321,7 +321,7 @@ def test_kill_the_trainer_then_rerun_reuses_rollouts_sampled_ahead(tmp_path):
         time.sleep(0.1)
     assert not any(_alive(p) for p in workers), "the rollout worker must die with the trainer"
 
-    done = run_cli(args, runs)
+    done = run_in_process(args, runs)
     assert done.returncode == 0, done.stderr
     _check_complete(runs, 5, bound=1)
     for name, ids in ahead.items():  # reused, not played again
@@ -351,6 +351,6 @@ def test_kill_the_worker_stops_the_trainer_and_a_rerun_resumes(tmp_path):
     assert proc.returncode == 1, stderr
     assert "rollout worker process died" in stderr
 
-    done = run_cli(args, runs)
+    done = run_in_process(args, runs)
     assert done.returncode == 0, done.stderr
     _check_complete(runs, 5, bound=1)

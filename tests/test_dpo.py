@@ -10,7 +10,7 @@ import sqlite3
 import pytest
 import torch
 
-from helpers import REPO, cli, kill_at_event, make_ctx, run_cli, sequence_logprobs, write_recipe
+from helpers import REPO, cli, kill_at_event, make_ctx, run_in_process, sequence_logprobs, write_recipe
 from rlcli.engine.dpo import run_dpo
 from rlcli.engine.pairs import continuation, first_difference, mine_pairs, source_stages
 from rlcli.errors import UsageError
@@ -207,7 +207,7 @@ def test_dpo_mistakes_are_one_sentence(tmp_path):
     ctx.recipe.dpo.micro_batch_size = 3
     with pytest.raises(UsageError, match=r"dpo.batch_size \(8\) must be a multiple"):
         run_dpo(ctx)
-    result = run_cli(["train", "dpo", "-r", str(tmp_path / "r.yaml"), "--stage", "train/0"], runs)
+    result = run_in_process(["train", "dpo", "-r", str(tmp_path / "r.yaml"), "--stage", "train/0"], runs)
     assert result.returncode == 2 and "expected dpo or dpo/<name>" in result.stderr
 
 
@@ -222,7 +222,7 @@ def test_dpo_on_a_vision_language_model_is_refused_before_any_stage_runs(tmp_pat
     )
     runs = tmp_path / "runs"
     for args in (["run", "-r", str(recipe)], ["train", "dpo", "-r", str(recipe)]):
-        result = run_cli(args, runs)
+        result = run_in_process(args, runs)
         assert result.returncode == 2 and "rlcli's DPO trains text models only" in result.stderr, result.stderr
         assert "Traceback" not in result.stderr
     assert not (runs / "t" / "checkpoints" / "sft").exists()  # refused before SFT ran

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from helpers import kill_when, make_ctx, run_cli, write_env_file, write_recipe
+from helpers import kill_when, make_ctx, run_in_process, write_env_file, write_recipe
 from rlcli.engine.curriculum import extra_tasks
 from rlcli.engine.trainer import training_batch
 from rlcli.errors import UsageError
@@ -97,7 +97,7 @@ def test_dynamic_sampling_refills_to_the_target_and_resumes_the_same_after_kill(
         grpo={"iterations": 2, "dynamic_sampling": True, "max_rollout_rounds": 4},
     )
     runs = tmp_path / "runs"
-    result = run_cli(["train", "grpo", "-r", str(recipe)], runs)
+    result = run_in_process(["train", "grpo", "-r", str(recipe)], runs)
     assert result.returncode == 0, result.stderr
     played = _rounds(runs, recipe)
     assert sorted(played) == [0, 1]
@@ -135,7 +135,7 @@ def test_dynamic_sampling_refills_to_the_target_and_resumes_the_same_after_kill(
         at_least=1,
     )
     assert count >= 1
-    result = run_cli(["train", "grpo", "-r", str(recipe)], killed)
+    result = run_in_process(["train", "grpo", "-r", str(recipe)], killed)
     assert result.returncode == 0, result.stderr
     resumed = _rounds(killed, recipe)
     for it in (0, 1):

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from helpers import cli, kill_at_event, kill_when, make_ctx, run_cli, write_env_file, write_recipe
+from helpers import cli, kill_at_event, kill_when, make_ctx, run_in_process, write_env_file, write_recipe
 from rlcli.engine.rollout import run_rollout_stage
 from rlcli.envs.protocol import EnvTimeout
 from rlcli.envs.workers import EnvLost, EnvReply, EnvWorkerPool
@@ -492,10 +492,10 @@ def test_kill_during_a_rollout_with_workers_leaves_no_worker_and_resumes_without
         time.sleep(0.1)
     assert not any(_alive(p) for p in pids), "an env worker outlived the killed rollout"
 
-    done = run_cli(args, runs)
+    done = run_in_process(args, runs)
     assert done.returncode == 0, done.stderr
     clean = tmp_path / "clean"
-    assert run_cli(args, clean).returncode == 0
+    assert run_in_process(args, clean).returncode == 0
     same = (
         "select e.task_index, e.sample_index, e.status, t.turn_index, t.completion_ids, t.reward from episodes e "
         "join turns t on t.episode_id = e.id order by 1, 2, 4"

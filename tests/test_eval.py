@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from helpers import make_ctx, run_cli, write_recipe
+from helpers import make_ctx, run_in_process, write_recipe
 from rlcli.engine.evaluate import eval_metrics, mean_interval, pass_at_k, run_eval, wilson_interval
 from rlcli.store.records import EndReason, Episode
 
@@ -150,11 +150,11 @@ def test_eval_with_other_decoding_or_more_tasks_is_measured_not_read_back(tmp_pa
 def test_cli_eval_json_and_runs_show_include_evals(tmp_path):
     runs = tmp_path / "runs"
     recipe = write_recipe(tmp_path / "r.yaml", env={"name": "arithmetic"}, eval={"tasks": 2})
-    out = run_cli(["eval", "-r", str(recipe), "-c", "base", "--json"], runs)
+    out = run_in_process(["eval", "-r", str(recipe), "-c", "base", "--json"], runs)
     assert out.returncode == 0, out.stderr
     rows = json.loads(out.stdout)
     assert rows[0]["checkpoint"] == "base" and rows[0]["tasks"] == 2
-    show = run_cli(["runs", "show", "t", "--json"], runs)
+    show = run_in_process(["runs", "show", "t", "--json"], runs)
     data = json.loads(show.stdout)
     assert data["evals"][0]["success_rate"] == rows[0]["success_rate"]
     assert any(s["name"] == "eval/base" and s["status"] == "done" for s in data["stages"])

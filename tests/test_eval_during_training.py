@@ -8,7 +8,7 @@ import sqlite3
 
 import pytest
 
-from helpers import DEVICE, kill_when, make_ctx, run_cli, run_in_process, write_recipe
+from helpers import DEVICE, kill_when, make_ctx, run_in_process, write_recipe
 from rlcli.engine.evaluate import eval_metrics, run_eval
 from rlcli.errors import UsageError
 from rlcli.recipe import load_recipe
@@ -307,18 +307,18 @@ def test_run_reports_best_and_latest_and_eval_takes_best(tmp_path):
         eval={"tasks": 2, "checkpoints": ["base", "latest", "best"]},
     )
     runs = tmp_path / "runs"
-    done = run_cli(["run", "-r", str(recipe)], runs)
+    done = run_in_process(["run", "-r", str(recipe)], runs)
     assert done.returncode == 0, done.stderr
     assert "best and latest" in done.stderr
     episodes = query(runs, "select count(*) from episodes")
     # The tiny random model never succeeds: every eval ties, so best is the newest checkpoint.
-    again = run_cli(["eval", "-r", str(recipe), "-c", "best", "--json"], runs)
+    again = run_in_process(["eval", "-r", str(recipe), "-c", "best", "--json"], runs)
     assert again.returncode == 0, again.stderr
     assert "best = checkpoint 2 (iteration 1, held-out 0.00)" in again.stderr
     assert query(runs, "select count(*) from episodes") == episodes  # reused, not played again
-    shown = run_cli(["runs", "show", "t", "--json"], runs)
+    shown = run_in_process(["runs", "show", "t", "--json"], runs)
     ending = json.loads(shown.stdout)["ending"]
     assert ending["best"]["id"] == ending["latest"]["id"] == 2 and ending["latest"]["success_rate"] == 0.0
     assert json.loads(shown.stdout)["heldout_curve"] == [0.0, 0.0, 0.0]
-    plotted = run_cli(["runs", "plot", "t", "--out", str(tmp_path / "curves.png")], runs)
+    plotted = run_in_process(["runs", "plot", "t", "--out", str(tmp_path / "curves.png")], runs)
     assert plotted.returncode == 0 and (tmp_path / "curves.png").stat().st_size > 0, plotted.stderr

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import make_ctx, run_cli, write_env_file, write_recipe
+from helpers import make_ctx, run_in_process, write_env_file, write_recipe
 from rlcli.errors import UsageError
 from rlcli.recipe import load_recipe
 
@@ -45,7 +45,7 @@ def test_grpo_plays_each_iteration_at_its_horizon_and_eval_at_the_last(tmp_path)
     )
     runs = tmp_path / "runs"
     for command in (["train", "grpo"], ["eval", "-c", "latest"]):
-        result = run_cli([*command, "-r", str(recipe)], runs)
+        result = run_in_process([*command, "-r", str(recipe)], runs)
         assert result.returncode == 0, result.stderr
     ctx = make_ctx(recipe, runs)
     for it, horizon in enumerate((1, 2, 3)):

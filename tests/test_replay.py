@@ -7,7 +7,7 @@ from collections import defaultdict
 
 import pytest
 
-from helpers import make_ctx, run_cli, write_env_file, write_recipe
+from helpers import make_ctx, run_in_process, write_env_file, write_recipe
 from rlcli.engine.update import _behaviour_logprobs
 from rlcli.recipe import load_recipe
 from rlcli.store.replays import replays
@@ -51,7 +51,7 @@ def test_groups_without_success_get_stored_successes_recorded_and_counted(tmp_pa
         grpo={"iterations": 4, "replay": {"max_per_group": 1, "min_reward": 1.0}},
     )
     runs = tmp_path / "runs"
-    result = run_cli(["train", "grpo", "-r", str(recipe)], runs)
+    result = run_in_process(["train", "grpo", "-r", str(recipe)], runs)
     assert result.returncode == 0, result.stderr
     ctx = make_ctx(recipe, runs)
     rewards = {}  # episode id -> (iteration, task, total)

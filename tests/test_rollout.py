@@ -8,7 +8,15 @@ import sqlite3
 import pytest
 import torch
 
-from helpers import DEVICE, kill_when, make_ctx, run_cli, sequence_logprobs, write_env_file, write_recipe
+from helpers import (
+    DEVICE,
+    kill_when,
+    make_ctx,
+    run_in_process,
+    sequence_logprobs,
+    write_env_file,
+    write_recipe,
+)
 from rlcli.engine.rollout import load_rollout_policy, run_rollout_stage
 from rlcli.envs.loading import load_env
 from rlcli.generation.seeds import derive_seed
@@ -215,7 +223,7 @@ def test_kill_during_rollout_resumes_without_duplicates(tmp_path):
     )
     stored = kill_when(["rollout", "-r", str(recipe), "--policy", "base"], runs, "select count(*) from episodes", 4)
     assert 0 < stored < 24, "the kill must land mid-rollout"
-    done = run_cli(["rollout", "-r", str(recipe), "--policy", "base"], runs)
+    done = run_in_process(["rollout", "-r", str(recipe), "--policy", "base"], runs)
     assert done.returncode == 0, done.stderr
     with sqlite3.connect(runs / "rlcli.db") as conn:
         keys = conn.execute("select task_index, sample_index from episodes where stage = 'rollout'").fetchall()
@@ -226,7 +234,7 @@ def test_kill_during_rollout_resumes_without_duplicates(tmp_path):
     assert len(keys) == len(set(keys)) == 24
     # The resumed run equals an uninterrupted one.
     clean = tmp_path / "clean"
-    assert run_cli(["rollout", "-r", str(recipe), "--policy", "base"], clean).returncode == 0
+    assert run_in_process(["rollout", "-r", str(recipe), "--policy", "base"], clean).returncode == 0
     with sqlite3.connect(clean / "rlcli.db") as conn:
         reference = conn.execute(
             "select e.task_index, e.sample_index, t.turn_index, t.completion_ids from episodes e "

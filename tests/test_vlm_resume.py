@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import sqlite3
 
-from helpers import kill_when, run_cli, write_recipe
+from helpers import kill_when, run_in_process, write_recipe
 
 EPISODES = (
     "select e.id, e.task_index, e.sample_index, e.seed, e.status, e.end_reason, e.env_return, e.num_turns, "
@@ -38,9 +38,9 @@ def test_kill_during_vlm_rollout_resumes_to_the_uninterrupted_result(tmp_path):
 
     stored = kill_when(args, runs, "select count(*) from episodes", 3)
     assert 0 < stored < 12, "the kill must land mid-rollout"
-    resumed = run_cli(args, runs)
+    resumed = run_in_process(args, runs)
     assert resumed.returncode == 0, resumed.stderr
-    assert run_cli(args, clean).returncode == 0
+    assert run_in_process(args, clean).returncode == 0
 
     episodes = query(runs, EPISODES)
     keys = [(task, sample) for _, task, sample, *_ in episodes]
