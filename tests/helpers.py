@@ -106,13 +106,12 @@ def run_in_process(args: list[str], runs_dir: Path, cwd: Path | None = None) -> 
 
 def kill_sft_at_a_checkpoint_and_resume(recipe: Path, runs: Path, run: str = "t") -> subprocess.CompletedProcess:
     """Start `rlcli sft`, kill -9 it at its first database write after its first Trainer checkpoint is
-    complete (its trainer_state.json is written last), run the same command again and return that run
-    (which should resume from the checkpoint)."""
+    complete (its trainer_state.json is written last), run the same command again (in this process)
+    and return that run (which should resume from the checkpoint)."""
     checkpoints = runs / run / "sft"
     event = {"glob": "checkpoint-*/trainer_state.json", "root": str(checkpoints)}
     kill_at_event(["sft", "-r", str(recipe)], runs, event, cwd=REPO, timeout=300)
-    command = [str(Path(sys.executable).parent / "rlcli"), "sft", "-r", str(recipe)]
-    return subprocess.run(command, env=cli_env(runs), cwd=REPO, capture_output=True, text=True, timeout=300)
+    return run_in_process(["sft", "-r", str(recipe)], runs, cwd=REPO)
 
 
 def write_env_file(path: Path, body: str) -> Path:
