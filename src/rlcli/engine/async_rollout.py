@@ -23,9 +23,9 @@ train/j-2's weights (the starting point's for j <= 1), whatever the timing; with
 weights at the start of a rollout depend on timing. Every episode records its weights either way.
 
 Versions and staleness. An episode's `policy` (a PolicyRef, store/names.py) names the weights that
-sampled it: train/<v>, or base or sft for the starting point (version -1). Iteration i trains on rollout/i with staleness
-i - 1 - v: the updates between the weights that sampled an episode and those being updated (0 in the
-synchronous loop), logged as train/staleness_mean and train/staleness_max.
+sampled it: train/<v>, or base or sft for the starting point (version -1). Iteration i trains on
+rollout/i with staleness i - 1 - v: the updates between the weights that sampled an episode and those
+being updated (0 in the synchronous loop), logged as train/staleness_mean and train/staleness_max.
 
 Off-policy correction: decoupled PPO (AReaL). The ratio's pi_old is the proximal policy, the
 trainer's weights at the start of the iteration's update, so clipping bounds each step as in PPO;
