@@ -1,6 +1,10 @@
 """Kill-fuzz: `rlcli run` (SFT, two GRPO iterations, eval) is killed with SIGKILL at random
-moments, resumed after each kill, and must end with the same database and adapter weights as a run
-that was never interrupted.
+moments, resumed after each kill, and must end with the same database (every table) and adapter
+weights as a run that was never interrupted. The recipe meets what makes a resume hard: env steps
+that outlast env.step_timeout_s and env steps that raise (both fixed by the task's seed, so every
+run meets the same ones: the episodes fail, and must stay failed and out of training after a
+resume), and grpo.checkpoint_every 2, so that a kill in iteration 1 resumes from before iteration 0's
+update and redoes it (engine/trainer.py, supersede_lost_rollouts).
 
 The delays are drawn, seeded, uniformly over the duration of one uninterrupted invocation measured
 at the start of the test, so kills land anywhere in an invocation: during imports and start-up,
@@ -25,7 +29,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import RLCLI, cli_env, write_recipe
+from helpers import RLCLI, cli_env, kill_when, run_in_process, write_recipe
 
 # A reward that differs between samples of a group, so that every GRPO iteration updates the
 # adapter (equal rewards make a group zero-variance and the update is skipped).
@@ -34,21 +38,52 @@ DISTINCT_CHARS = (
 )
 
 
+# guess_number whose env fails on some tasks, chosen by the task's seed so that every run meets the
+# same failures: on seeds 2, 8, 14, ... (train tasks 2 and 8, played by iterations 0 and 1 and by the
+# SFT demos) the second step outlasts env.step_timeout_s (end_reason env_timeout, transient); on seeds
+# 4, 10, ... (and the first eval task, seed 1000000) the first step raises (end_reason error).
+FLAKY_ENV = """
+import time
+
+from rlcli.builtin_envs.guess_number import GuessNumber
+
+
+class Flaky(GuessNumber):
+    def reset(self, seed):
+        self.seed = seed
+        return super().reset(seed)
+
+    def step(self, action):
+        if self.turns == 1 and self.seed % 6 == 2:
+            time.sleep(2.0)  # env.step_timeout_s is 0.5
+        if self.turns == 0 and self.seed % 6 == 4:
+            raise ConnectionError("the env's backend went away")
+        return super().step(action)
+
+
+def make_env(**kwargs):
+    return Flaky(**kwargs)
+"""
+FLAKY = {"step_timeout_s": 0.5, "max_turns": 3}
+
+
 def tiny_recipe(tmp_path: Path) -> Path:
     """Multi-turn episodes (turn tokens and logprobs), six rollout chunks per stage (a kill can
-    land between their commits), SFT with a trainer checkpoint at each of its 6 steps, a
-    checkpoint per GRPO iteration, and three evaluated checkpoints (base, sft, latest). On 2 CPU
-    cores the work takes about 2.5 s, beside about 4.5 s of imports and model loading that every
-    invocation pays."""
+    land between their commits), SFT with a trainer checkpoint at each of its 6 steps, GRPO with
+    grpo.checkpoint_every 2 (iteration 0 saves none), an env that times out and raises on some tasks
+    (FLAKY_ENV: 6 timeouts of 0.5 s in a run), and three evaluated checkpoints (base, sft, latest).
+    On 2 CPU cores the work takes about 5.5 s, beside about 4.5 s of imports and model loading that
+    every invocation pays."""
     (tmp_path / "distinct.py").write_text(DISTINCT_CHARS)
+    (tmp_path / "flaky.py").write_text(FLAKY_ENV)
     return write_recipe(
         tmp_path / "r.yaml",
         run={"name": "fuzz", "seed": 0},
-        env={"name": "guess_number", "max_turns": 3},
+        env={"name": str(tmp_path / "flaky.py"), **FLAKY},
         rollout={"tasks": 6, "group_size": 2, "max_new_tokens": 16, "batch_size": 2, "temperature": 1.0},
         rewards=[{"fn": "env_return"}, {"fn": f"{tmp_path / 'distinct.py'}:distinct", "name": "distinct"}],
         sft={"source": "expert", "demos": 12, "batch_size": 2, "micro_batch_size": 2, "save_steps": 1},
-        grpo={"iterations": 2, "lr": 1e-2},
+        grpo={"iterations": 2, "lr": 1e-2, "checkpoint_every": 2},
         eval={"tasks": 4},
     )
 
@@ -114,12 +149,18 @@ def table_exists(conn: sqlite3.Connection, name: str) -> bool:
 #   resume, not the work);
 # - `resumed_from_step` in a stage's result: where its last attempt started, which is what a kill
 #   changes;
-# - checkpoint paths: each run has its own runs dir, so they are compared relative to it.
+# - checkpoint paths: each run has its own runs dir, so they are compared relative to it;
+# - the episodes a resume superseded (stage superseded/<stage>/<n>) with their turns and labels
+#   (SUPERSEDED): a rollout that a kill left played with weights the resume then recomputed
+#   (grpo.checkpoint_every 2 saves none after iteration 0), set aside and played again. They are
+#   extra rows, which the uninterrupted run cannot have; the stage played again must equal its
+#   uninterrupted self, row for row, and nothing reads the set-aside ones.
 # Everything else is compared exactly, floats and token blobs included: every random draw derives
 # from the run seed, and resumed weights are loaded bit for bit from float32 safetensors, so a
 # resumed run repeats the same CPU computation.
 VOLATILE_COLUMNS = {"id", "pid", "gen_time_s", "env_time_s"}
 VOLATILE_RESULT_FIELDS = {"resumed_from_step"}
+SUPERSEDED = "superseded/"
 
 # Rows are matched on these columns (after ids are translated, see `Snapshot.normalise`), so that a
 # difference names the row and the column; a table not listed here is matched on its whole row.
@@ -179,8 +220,16 @@ class Snapshot:
         ]
         for values in self.conn.execute(f"select {', '.join(columns)} from {table}"):
             row = {c: self.normalise(c, v) for c, v in zip(columns, values)}
-            if not (table == "metrics" and row["key"].startswith("perf/")):
+            if not (table == "metrics" and row["key"].startswith("perf/")) and not self.superseded(row):
                 yield row
+
+    @staticmethod
+    def superseded(row: dict) -> bool:
+        """An episode a resume set aside, or a turn or label of one (its episode_id is normalised to
+        (stage, task, sample))."""
+        episode = row.get("episode_id")
+        stage = episode[0] if isinstance(episode, tuple) else row.get("stage")
+        return isinstance(stage, str) and stage.startswith(SUPERSEDED)
 
     def normalise(self, column: str, value):
         if value is None:
@@ -319,3 +368,72 @@ def test_killed_and_resumed_run_equals_an_uninterrupted_one(tmp_path, kills, see
         actual = Snapshot(fuzzed)
         assert_same_database(expected, actual)
         assert_same_files(expected, actual)
+
+
+def nudge_every_update(monkeypatch) -> None:
+    """Each GRPO update, in this process, ends with its trainable weights moved by 1e-3: the same in
+    every run that has it, and not in a process without it. A stand-in for a GPU, where an update
+    redone after a kill computes other weights than the killed process had (its reductions are not
+    bit-reproducible), which a CPU never does."""
+    from rlcli.engine.trainer import GrpoTrainer
+
+    iteration = GrpoTrainer.iteration
+
+    def nudged(self, batch):
+        stats = iteration(self, batch)
+        with torch.no_grad():
+            for p in self.model.parameters():
+                if p.requires_grad:
+                    p.add_(1e-3)
+        return stats
+
+    monkeypatch.setattr(GrpoTrainer, "iteration", nudged)
+
+
+def test_a_resume_redoes_the_work_after_the_last_checkpoint_as_an_uninterrupted_run_does(tmp_path, monkeypatch):
+    """grpo.checkpoint_every 2: iteration 0 saves no checkpoint, and rollout/1 is played with its
+    weights. Killed in train/1, the run resumes from the start of the phase and redoes train/0, whose
+    weights may differ from the lost ones (on a GPU; nudge_every_update stands in for it here): the
+    rollout/1 they played must not be trained on, but played again with the redone weights, as an
+    uninterrupted run with those weights plays it. The run then equals that uninterrupted run: every
+    table (but the set-aside episodes, SUPERSEDED) and the weights of every checkpoint. Its env times
+    out and raises on some tasks (FLAKY_ENV): the resume must not play those episodes again."""
+    (tmp_path / "distinct.py").write_text(DISTINCT_CHARS)
+    (tmp_path / "flaky.py").write_text(FLAKY_ENV)
+    recipe = write_recipe(
+        tmp_path / "r.yaml",
+        run={"name": "fuzz", "seed": 0},
+        env={"name": str(tmp_path / "flaky.py"), **FLAKY},
+        rollout={"tasks": 6, "group_size": 2, "max_new_tokens": 12, "batch_size": 4, "temperature": 1.0},
+        rewards=[{"fn": "env_return"}, {"fn": f"{tmp_path / 'distinct.py'}:distinct", "name": "distinct"}],
+        grpo={"iterations": 2, "lr": 1e-2, "checkpoint_every": 2},
+    )
+    clean, killed = tmp_path / "clean", tmp_path / "killed"
+    args = ["train", "grpo", "-r", str(recipe)]
+
+    # Killed at train/1's commit (its update done, its checkpoint folder written, its row not): no
+    # checkpoint row yet, so the resume starts the phase again. The killed process is not nudged.
+    training = "select count(*) from stages where name = 'train/1' and status = 'running'"
+    kill_when(args, killed, training, 1, timeout=300)
+    with closing(sqlite3.connect(killed / "rlcli.db")) as conn:
+        assert conn.execute("select count(*) from checkpoints").fetchone() == (0,)
+        done = {name for (name,) in conn.execute("select name from stages where status = 'done'")}
+        failed = conn.execute(
+            "select end_reason, count(*) from episodes where status = 'failed' group by 1 order by 1"
+        ).fetchall()
+    assert {"train/0", "rollout/1", "label/1"} <= done
+    assert failed == [("env_timeout", 4), ("error", 4)], "the env timed out and raised in both rollouts"
+
+    nudge_every_update(monkeypatch)
+    resumed = run_in_process(args, killed, cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    uninterrupted = run_in_process(args, clean, cwd=tmp_path)
+    assert uninterrupted.returncode == 0, uninterrupted.stderr
+
+    expected, actual = Snapshot(clean), Snapshot(killed)
+    assert_same_database(expected, actual)
+    assert_same_files(expected, actual)
+    with closing(sqlite3.connect(killed / "rlcli.db")) as conn:
+        aside = conn.execute("select stage, policy, count(*) from episodes where stage like 'superseded/%' group by 1")
+        assert aside.fetchall() == [("superseded/rollout/1/1", "train/0", 12)]
+    assert "rollout/1 was begun with weights that this resume recomputes" in resumed.stderr

@@ -14,6 +14,8 @@ every episode's sampling seed is derived from (run seed, stage, task, sample), t
 dropout seeds from (run seed, iteration), and a checkpoint holds the adapter, the optimizer and the learning-rate
 schedule. A resumed run reloads the newest readable checkpoint and redoes any later `train/i` from
 stored rollouts, so it ends with the same weights and metrics as a run that was never interrupted.
+The rollouts that a redone iteration's lost weights played (grpo.checkpoint_every > 1) are superseded:
+set aside and played again by the recomputed weights (engine/trainer.py, supersede_lost_rollouts).
 An iteration's checkpoint row, metrics and `done` mark are committed together, once its checkpoint
 folder is on disk (fsynced).
 

@@ -467,6 +467,45 @@ def resume_point(ctx: RunContext, first: int = 0) -> tuple[Checkpoint | None, di
     return None, None
 
 
+def supersede_lost_rollouts(ctx: RunContext, next_iteration: int, end: int, *, synchronous: bool) -> None:
+    """The resume rule for the work after the checkpoint resumed from (docs/database.md, "Resuming GRPO").
+
+    A resume redoes train/<next_iteration> .. from that checkpoint, so the weights those updates made
+    before the kill are gone (grpo.checkpoint_every > 1 saved none of them), and the redo may compute
+    others (a GPU's reductions are not bit-reproducible). A rollout stage of these iterations that such
+    weights played, or in the synchronous loop will play (rollout/i for i > next_iteration, its extra rounds
+    included), is therefore superseded: its episodes are set aside into superseded/<stage>/<n>, kept with
+    their turns and labels but never trained on nor counted, and its rows and those of its label stages are
+    removed, so that it is drawn, played and labelled again, as the first time, by the recomputed weights.
+    rollout/<next_iteration> (played by the checkpoint's own weights) and what the iterations before it
+    trained on are kept: an iteration's data is fixed once it has trained and its weights are saved.
+    On a CPU the redo computes the same weights, and the stage is played again to the same episodes."""
+    from rlcli.engine.async_rollout import policy_version
+    from rlcli.store.episodes import stage_episodes, supersede_stage
+    from rlcli.store.names import GrpoLabelStage, LabelStage, RolloutStage, try_parse_stage
+    from rlcli.store.tasks import refresh_task_stats
+
+    rows = {row.name: try_parse_stage(row.name) for row in ctx.rundb.stages(ctx.run)}
+    for name, parsed in rows.items():
+        if not isinstance(parsed, RolloutStage) or not next_iteration <= parsed.iteration < end:
+            continue
+        played = {episode.policy for episode in stage_episodes(ctx.rundb, ctx.run, name)}
+        versions = [v for v in map(policy_version, played) if v is not None]
+        if not (synchronous and parsed.iteration > next_iteration) and not any(v >= next_iteration for v in versions):
+            continue
+        labels = [GrpoLabelStage(parsed.iteration, parsed.round).name]
+        labels += [other for other, p in rows.items() if isinstance(p, LabelStage) and p.stage == name]
+        aside, moved = supersede_stage(ctx.rundb, ctx.run, name, [name, *labels])
+        if moved:
+            refresh_task_stats(ctx.rundb, ctx.run, aside, GRPO_LABEL_SET)  # counted without them
+        kept = f"its {moved} episodes set aside as {aside}" if moved else "it had stored no episode yet"
+        ctx.console.print(
+            f"train grpo: {name} was begun with weights that this resume recomputes from the last checkpoint "
+            f"({', '.join(sorted(played)) or 'the update before it'}); it starts again ({kept}).",
+            highlight=False,
+        )
+
+
 def reference_checkpoint(ctx: RunContext, state: dict[str, Any] | None) -> Checkpoint | None:
     """The KL anchor that grpo.reference names: the run's SFT checkpoint, or None for the base model
     (auto: sft when the run has one). A resumed run keeps the anchor its checkpoint recorded, so the

@@ -11,7 +11,13 @@ from rlcli.errors import UsageError
 from rlcli.store.blobs import pack_floats, pack_ids, unpack_floats, unpack_ids
 from rlcli.store.db import RunDB
 from rlcli.store.images import insert_images
-from rlcli.store.names import stale_stage, stale_stages_like
+from rlcli.store.names import (
+    ANY_SUPERSEDED_LIKE,
+    stale_stage,
+    stale_stages_like,
+    superseded_stage,
+    superseded_stages_like,
+)
 from rlcli.store.records import EndReason, Episode, EpisodeSummary, LabelledEpisode, RewardRow, Turn
 
 TOTAL = "total"  # the reward component that holds a label set's weighted sum
@@ -66,6 +72,26 @@ def set_aside_episodes(rundb: RunDB, run: str, stage: str, episode_ids: list[int
             [aside, json.dumps(episode_ids)],
         )
     return aside
+
+
+def supersede_stage(rundb: RunDB, run: str, stage: str, stage_rows: list[str]) -> tuple[str, int]:
+    """A GRPO resume redoes rollout `stage` from scratch (engine/trainer.py, supersede_lost_rollouts), in one
+    transaction: its episodes move, with their turns and labels, into superseded/<stage>/<n>, where nothing
+    that trains or draws tasks reads them (ANY_SUPERSEDED_LIKE), and the rows of `stage_rows` (the stage and
+    its label stages) are removed, so that each runs again as the first time, its tasks drawn again. Return
+    the stage the episodes went to and how many they were."""
+    with rundb.transaction() as db:
+        (earlier,) = db.execute(
+            "select count(distinct stage) from episodes where run = ? and stage like ?",
+            [run, superseded_stages_like(stage)],
+        ).fetchone()
+        aside = superseded_stage(stage, earlier + 1)
+        moved = db.execute("update episodes set stage = ? where run = ? and stage = ?", [aside, run, stage]).rowcount
+        db.execute(
+            "delete from stages where run = ? and name in (select value from json_each(?))",
+            [run, json.dumps(stage_rows)],
+        )
+    return aside, moved
 
 
 def set_aside_count(rundb: RunDB, run: str, stage: str) -> int:
@@ -176,15 +202,16 @@ def labelled_with_turns(rundb: RunDB, rows: Iterable[dict[str, Any]], label_set:
 
 
 def episodes_for_sft(rundb: RunDB, run: str) -> list[LabelledEpisode]:
-    """A run's finished training episodes (eval episodes are held out), each with the total of the
-    newest label set that covers it, else its env return."""
+    """A run's finished training episodes (eval episodes are held out, and superseded ones left out), each
+    with the total of the newest label set that covers it, else its env return."""
     rows = rundb.db.query(
         """select e.*, coalesce(
                (select r.value from rewards r where r.episode_id = e.id and r.component = ?
                 order by r.id desc limit 1),
                e.env_return, 0) as total
-           from episodes e where e.run = ? and e.status = 'ok' and e.split = 'train' order by e.id""",
-        [TOTAL, run],
+           from episodes e where e.run = ? and e.status = 'ok' and e.split = 'train' and e.stage not like ?
+           order by e.id""",
+        [TOTAL, run, ANY_SUPERSEDED_LIKE],
     )
     out = []
     for row in rows:

@@ -13,6 +13,8 @@ typed record. The forms (docs/database.md):
   train/<i>                          GRPO iteration i's update (and the checkpoint it saves)
   eval/<key>[@t<temp>-k<k>]          an eval of key base, expert or ckpt-<id>; the suffix when it samples
   stale/<stage>/<n>                  episodes of <stage> that asynchronous GRPO set aside (episodes only)
+  superseded/<stage>/<n>             episodes of <stage> played with weights a GRPO resume recomputes, set
+                                     aside (episodes only; engine/trainer.py, supersede_lost_rollouts)
   <name>                             a user's stage (`rlcli rollout --stage`): no '/', not a reserved name
 
 A policy reference (PolicyRef) names the weights that play or are evaluated. Its stored form (the
@@ -41,7 +43,7 @@ RESERVED_LABEL_SETS = (GRPO_LABEL_SET,)
 STAGE_FORMS = (
     "sft, sft/demos, dpo, dpo/<name>, grpo, grpo/<phase>, rollout/<i>[+<round>], label/<i>[+<round>], "
     "label/<label set>/<stage>, train/<i>, eval/<base|expert|ckpt-<id>>[@t<temperature>-k<k>], "
-    "stale/<stage>/<n>, or a user stage name without '/'"
+    "stale/<stage>/<n>, superseded/<stage>/<n>, or a user stage name without '/'"
 )
 _N = r"(0|[1-9][0-9]*)"  # a count as rlcli writes it: no sign, no leading zeros
 _ITERATION = re.compile(rf"{_N}(?:\+([1-9][0-9]*))?")
@@ -272,6 +274,19 @@ class StaleStage:
 
 
 @dataclass(frozen=True)
+class SupersededStage:
+    """Episodes of rollout `stage` played with weights that a GRPO resume recomputed (those of an iteration
+    after the checkpoint it resumed from), set aside the n-th time (an episodes' stage only)."""
+
+    stage: str
+    n: int
+
+    @property
+    def name(self) -> str:
+        return f"superseded/{self.stage}/{self.n}"
+
+
+@dataclass(frozen=True)
 class UserStage:
     """A stage a user named (`rlcli rollout --stage`)."""
 
@@ -288,6 +303,7 @@ StageName = (
     | TrainStage
     | EvalStage
     | StaleStage
+    | SupersededStage
     | UserStage
 )
 
@@ -340,6 +356,20 @@ def stale_stages_like(stage: str) -> str:
     return f"stale/{stage}/%"
 
 
+def superseded_stage(stage: str, n: int) -> str:
+    return SupersededStage(stage, n).name
+
+
+def superseded_stages_like(stage: str) -> str:
+    """The SQL LIKE pattern of every superseded_stage(stage, n)."""
+    return f"superseded/{stage}/%"
+
+
+# The SQL LIKE pattern of every superseded stage: their episodes are kept, and left out of what trains or
+# draws tasks (task_stats, grpo.replay, SFT on a run's episodes).
+ANY_SUPERSEDED_LIKE = "superseded/%"
+
+
 SFT_STAGE = SftStage().name
 SFT_DEMOS_STAGE = SftStage(demos=True).name
 GRPO_STAGE = GrpoStage().name  # the GRPO loop's metrics series
@@ -380,10 +410,10 @@ def parse_stage(name: str) -> StageName:
             parsed = LabelStage(label_set, stage)
     elif head == "eval" and (match := _EVAL.fullmatch(rest)):
         parsed = _eval_stage(match)
-    elif head == "stale":
+    elif head in ("stale", "superseded"):
         stage, _, n = rest.rpartition("/")
         if re.fullmatch(_N, n) and n != "0" and _parses(stage):
-            parsed = StaleStage(stage, int(n))
+            parsed = StaleStage(stage, int(n)) if head == "stale" else SupersededStage(stage, int(n))
     if parsed is None or parsed.name != name:  # e.g. eval/base@t0-k1, which rlcli writes as eval/base
         raise StageNameError(name)
     return parsed

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from rlcli.store.db import RunDB, now
 from rlcli.store.episodes import TOTAL, labelled_with_turns
+from rlcli.store.names import ANY_SUPERSEDED_LIKE
 from rlcli.store.records import LabelledEpisode
 
 
@@ -17,14 +18,14 @@ def replay_candidates(
 ) -> list[LabelledEpisode]:
     """Up to `limit` finished training episodes of a task from GRPO iterations before `before_iteration`
     whose total under the label set is at least `min_reward`, best first (the newest among equals),
-    with their turns."""
+    with their turns; never one a GRPO resume superseded (played with weights it recomputed)."""
     rows = rundb.db.query(
         """select e.*, r.value as total from episodes e
            join rewards r on r.episode_id = e.id and r.label_set = ? and r.component = ?
            where e.run = ? and e.task_index = ? and e.split = 'train' and e.status = 'ok'
-             and e.iteration is not null and e.iteration < ? and r.value >= ?
+             and e.iteration is not null and e.iteration < ? and r.value >= ? and e.stage not like ?
            order by r.value desc, e.id desc limit ?""",
-        [label_set, TOTAL, run, task_index, before_iteration, min_reward, limit],
+        [label_set, TOTAL, run, task_index, before_iteration, min_reward, ANY_SUPERSEDED_LIKE, limit],
     )
     return labelled_with_turns(rundb, rows, label_set)
 

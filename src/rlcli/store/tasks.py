@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from rlcli.store.db import RunDB, now
 from rlcli.store.episodes import TOTAL
+from rlcli.store.names import ANY_SUPERSEDED_LIKE
 
 
 @dataclass(frozen=True)
@@ -29,11 +30,12 @@ class TaskStats:
         return self.successes / self.attempts if self.attempts else 0.0
 
 
-# What the stats count: a run's finished train episodes that the label set labelled.
+# What the stats count: a run's finished train episodes that the label set labelled, but for those a
+# GRPO resume superseded (played with weights it recomputed; store/episodes.py, supersede_stage).
 _AGGREGATE = """
     select e.task_index, count(*), sum(e.success), avg(r.value), max(e.iteration)
     from episodes e join rewards r on r.episode_id = e.id and r.label_set = ? and r.component = ?
-    where e.run = ? and e.split = 'train' and e.status = 'ok' {extra}
+    where e.run = ? and e.split = 'train' and e.status = 'ok' and e.stage not like ? {extra}
     group by e.task_index order by e.task_index
 """
 
@@ -44,7 +46,7 @@ def compute_task_stats(
     """The stats straight from the episodes and labels; `before_iteration` counts only GRPO
     iterations before it (what a draw for that iteration may know), `tasks` only those tasks."""
     extra = ""
-    params: list[str | int] = [label_set, TOTAL, run]
+    params: list[str | int] = [label_set, TOTAL, run, ANY_SUPERSEDED_LIKE]
     if before_iteration is not None:
         extra += " and e.iteration is not null and e.iteration < ?"
         params.append(before_iteration)
@@ -57,8 +59,9 @@ def compute_task_stats(
 
 
 def refresh_task_stats(rundb: RunDB, run: str, stage: str, label_set: str) -> int:
-    """Recompute the stored stats of the tasks a stage played, from every episode of those tasks;
-    return how many tasks were updated. Idempotent: running it again changes nothing."""
+    """Recompute the stored stats of the tasks a stage played, from every episode of those tasks (a task
+    with none left that counts, its episodes all superseded, loses its row); return how many tasks were
+    updated. Idempotent: running it again changes nothing."""
     tasks = [
         t
         for (t,) in rundb.db.execute(
@@ -69,6 +72,11 @@ def refresh_task_stats(rundb: RunDB, run: str, stage: str, label_set: str) -> in
         return 0
     stats = compute_task_stats(rundb, run, label_set, tasks=tasks)
     with rundb.transaction() as db:
+        gone = sorted(set(tasks) - {s.task_index for s in stats})
+        db.execute(
+            "delete from task_stats where run = ? and label_set = ? and task_index in (select value from json_each(?))",
+            [run, label_set, json.dumps(gone)],
+        )
         db.table("task_stats").upsert_all(
             [
                 {
