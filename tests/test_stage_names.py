@@ -5,6 +5,9 @@ The literal names here are the stored form: existing run databases hold them, so
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 
 from helpers import make_ctx, write_recipe
@@ -189,6 +192,20 @@ def test_reserved_names_and_families():
     assert check_user_name("--stage", "mine", reserved=("sft", "dpo", "grpo")) == "mine"
     assert stage_family("rollout/3") == ("rollout", 3) and stage_family("label/x/rollout/3") == ("label/x/rollout", 3)
     assert stage_family("rollout/3+1") is None and stage_family("mine") is None
+
+
+def test_no_other_module_builds_a_stage_name():
+    """Stage names are built in store/names.py only (update.py's f"train/{k}" is a metric key)."""
+    built = re.compile(r'f"(rollout|train|label|eval|grpo|dpo|stale|superseded|sft)/\{')
+    src = Path(__file__).resolve().parents[1] / "src" / "rlcli"
+    found = [
+        f"{path.relative_to(src)}:{number}: {line.strip()}"
+        for path in sorted(src.rglob("*.py"))
+        if path.name != "names.py"
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if built.search(line) and 'f"train/{k}"' not in line
+    ]
+    assert not found, "build these with rlcli.store.names:\n" + "\n".join(found)
 
 
 # --- what a real run writes ------------------------------------------------------------------------
