@@ -136,6 +136,14 @@ def run_status(runs: Path) -> str | None:
     return row and row[0]
 
 
+def end_reasons(runs: Path) -> set[str]:
+    """How the run's failed episodes ended."""
+    with closing(sqlite3.connect(runs / "rlcli.db")) as conn:
+        return {
+            reason for (reason,) in conn.execute("select distinct end_reason from episodes where status = 'failed'")
+        }
+
+
 def table_exists(conn: sqlite3.Connection, name: str) -> bool:
     return conn.execute("select 1 from sqlite_master where type = 'table' and name = ?", [name]).fetchone() is not None
 
@@ -356,6 +364,7 @@ def test_killed_and_resumed_run_equals_an_uninterrupted_one(tmp_path, kills, see
     clean = tmp_path / "clean"
     uninterrupted = Invocation(recipe, clean, tmp_path / "clean.log")
     assert uninterrupted.finished_within(600)
+    assert {"env_timeout", "error"} <= end_reasons(clean), "the recipe's env times out and raises"
     expected, fuzzer = Snapshot(clean), Fuzzer(recipe, seed, uninterrupted.elapsed)
 
     # Kills that a completed run did not use go to a fresh run, so that kills land in unfinished
@@ -365,6 +374,9 @@ def test_killed_and_resumed_run_equals_an_uninterrupted_one(tmp_path, kills, see
         fuzzed_runs += 1
         fuzzed = tmp_path / f"fuzzed-{fuzzed_runs}"
         kills_left -= fuzzer.kill_and_resume(fuzzed, kills_left)
+        with closing(sqlite3.connect(fuzzed / "rlcli.db")) as conn:
+            aside = conn.execute("select count(*) from episodes where stage like ?", [SUPERSEDED + "%"]).fetchone()[0]
+        print(f"{fuzzed.name}: complete, {aside} episodes superseded by its resumes")
         actual = Snapshot(fuzzed)
         assert_same_database(expected, actual)
         assert_same_files(expected, actual)
@@ -437,3 +449,61 @@ def test_a_resume_redoes_the_work_after_the_last_checkpoint_as_an_uninterrupted_
         aside = conn.execute("select stage, policy, count(*) from episodes where stage like 'superseded/%' group by 1")
         assert aside.fetchall() == [("superseded/rollout/1/1", "train/0", 12)]
     assert "rollout/1 was begun with weights that this resume recomputes" in resumed.stderr
+
+
+# guess_number whose second step on seed 2 outlasts env.step_timeout_s while the runs dir holds a file
+# `hang`: a timeout that need not recur (the env's backend was slow for a while).
+HANGS_FOR_A_WHILE = """
+import os
+import time
+from pathlib import Path
+
+from rlcli.builtin_envs.guess_number import GuessNumber
+
+
+class SlowForAWhile(GuessNumber):
+    def reset(self, seed):
+        self.seed = seed
+        return super().reset(seed)
+
+    def step(self, action):
+        if self.turns == 1 and self.seed == 2 and (Path(os.environ["RLCLI_HOME"]) / "hang").exists():
+            time.sleep(2.0)
+        return super().step(action)
+
+
+def make_env(**kwargs):
+    return SlowForAWhile(**kwargs)
+"""
+
+
+def test_a_resume_trains_on_the_episodes_an_uninterrupted_run_trained_on(tmp_path):
+    """Issue 32, item 2: episodes that timed out stay failed and out of train/i in a run never
+    interrupted; killed in train/i, the resume must not play them again (the timeout need not recur,
+    and here it does not) and train on more than that run did. A stored episode is final."""
+    (tmp_path / "slow.py").write_text(HANGS_FOR_A_WHILE)
+    recipe = write_recipe(
+        tmp_path / "r.yaml",
+        run={"name": "fuzz", "seed": 0},
+        env={"name": str(tmp_path / "slow.py"), **FLAKY},
+        rollout={"tasks": 4, "group_size": 2, "max_new_tokens": 12, "batch_size": 4, "temperature": 1.0},
+        grpo={"iterations": 1, "lr": 1e-2, "drop_zero_var_groups": False},
+    )
+    clean, killed = tmp_path / "clean", tmp_path / "killed"
+    args = ["train", "grpo", "-r", str(recipe)]
+    for runs in (clean, killed):
+        runs.mkdir()
+        (runs / "hang").touch()
+    uninterrupted = run_in_process(args, clean, cwd=tmp_path)
+    assert uninterrupted.returncode == 0, uninterrupted.stderr
+    assert end_reasons(clean) == {"env_timeout"}
+
+    kill_when(args, killed, "select count(*) from stages where name = 'train/0' and status = 'running'", 1)
+    (killed / "hang").unlink()  # the env is fast again
+    resumed = run_in_process(args, killed, cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    for runs in (clean, killed):
+        (runs / "hang").unlink(missing_ok=True)
+    expected, actual = Snapshot(clean), Snapshot(killed)
+    assert_same_database(expected, actual)
+    assert_same_files(expected, actual)
