@@ -41,9 +41,9 @@ def recomputed_gap(ctx, model, sequences) -> float:
     batch = update_module._collate(sequences, model, True, pictures)
     with torch.no_grad():
         logprobs, _ = update_module.token_logprobs(model, batch, 1.0)
-    live = batch["mask"] > 0
+    live = batch.mask > 0
     assert int(live.sum()) == sum(len(t) for s in sequences for t in [[m for m in s.mask if m]])
-    return float((logprobs - batch["rollout_logprobs"])[live].abs().max())
+    return float((logprobs - batch.rollout_logprobs)[live].abs().max())
 
 
 @pytest.mark.parametrize("keep_images", ["all", 1])
