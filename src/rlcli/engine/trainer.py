@@ -153,7 +153,7 @@ class GrpoTrainer:
         for it in range(self.next_iteration, self.end):
             if stage_done(self.ctx.rundb, self.ctx.run, train_stage(it)):
                 self.ctx.rundb.mark_stage(self.ctx.run, train_stage(it), "pending")
-        supersede_lost_rollouts(self.ctx, self.next_iteration, self.end, synchronous=not cfg.max_staleness)
+        supersede_lost_rollouts(self.ctx, self.next_iteration, self.end)
         self.ctx.console.print(
             f"{self.title}: iterations {self.next_iteration}..{self.end - 1}, starting from {self._starting_point()}"
         )
@@ -467,17 +467,19 @@ def resume_point(ctx: RunContext, first: int = 0) -> tuple[Checkpoint | None, di
     return None, None
 
 
-def supersede_lost_rollouts(ctx: RunContext, next_iteration: int, end: int, *, synchronous: bool) -> None:
+def supersede_lost_rollouts(ctx: RunContext, next_iteration: int, end: int) -> None:
     """The resume rule for the work after the checkpoint resumed from (docs/database.md, "Resuming GRPO").
 
     A resume redoes train/<next_iteration> .. from that checkpoint, so the weights those updates made
     before the kill are gone (grpo.checkpoint_every > 1 saved none of them), and the redo may compute
-    others (a GPU's reductions are not bit-reproducible). A rollout stage of these iterations that such
-    weights played, or in the synchronous loop will play (rollout/i for i > next_iteration, its extra rounds
-    included), is therefore superseded: its episodes are set aside into superseded/<stage>/<n>, kept with
-    their turns and labels but never trained on nor counted, and its rows and those of its label stages are
-    removed, so that it is drawn, played and labelled again, as the first time, by the recomputed weights.
-    rollout/<next_iteration> (played by the checkpoint's own weights) and what the iterations before it
+    others (a GPU's reductions are not bit-reproducible). A rollout stage of these iterations (its extra
+    rounds included) that holds an episode such weights played is therefore superseded, and so is one begun
+    after rollout/<next_iteration> that holds no episode yet (its recorded draw may rest on redone work):
+    its episodes are set aside into superseded/<stage>/<n>, kept with their turns and labels but never
+    trained on nor counted, and its rows and those of its label stages are removed, so that it is drawn,
+    played and labelled again, as the first time, by the recomputed weights. In the synchronous loop that
+    is every rollout/i begun for i > next_iteration. rollout/<next_iteration> (played by the checkpoint's
+    weights), one sampled ahead with saved weights (grpo.max_staleness), and what the iterations before
     trained on are kept: an iteration's data is fixed once it has trained and its weights are saved.
     On a CPU the redo computes the same weights, and the stage is played again to the same episodes."""
     from rlcli.engine.async_rollout import policy_version
@@ -491,7 +493,7 @@ def supersede_lost_rollouts(ctx: RunContext, next_iteration: int, end: int, *, s
             continue
         played = {episode.policy for episode in stage_episodes(ctx.rundb, ctx.run, name)}
         versions = [v for v in map(policy_version, played) if v is not None]
-        if not (synchronous and parsed.iteration > next_iteration) and not any(v >= next_iteration for v in versions):
+        if not any(v >= next_iteration for v in versions) and (played or parsed.iteration == next_iteration):
             continue
         labels = [GrpoLabelStage(parsed.iteration, parsed.round).name]
         labels += [other for other, p in rows.items() if isinstance(p, LabelStage) and p.stage == name]
