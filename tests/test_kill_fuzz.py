@@ -29,7 +29,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import RLCLI, cli_env, kill_when, run_in_process, write_recipe
+from helpers import RLCLI, cli_env, kill_when, make_ctx, run_in_process, write_recipe
 
 # A reward that differs between samples of a group, so that every GRPO iteration updates the
 # adapter (equal rewards make a group zero-variance and the update is skipped).
@@ -507,3 +507,47 @@ def test_a_resume_trains_on_the_episodes_an_uninterrupted_run_trained_on(tmp_pat
     expected, actual = Snapshot(clean), Snapshot(killed)
     assert_same_database(expected, actual)
     assert_same_files(expected, actual)
+
+
+def test_superseded_episodes_are_kept_and_read_by_nothing_that_trains_or_draws(tmp_path):
+    """store/episodes.py supersede_stage: the episodes move with their turns and labels, the stage and
+    label rows go, and task statistics, grpo.replay's candidates and SFT on the run's episodes no
+    longer see them (nor a task_stats row that only they made)."""
+    from rlcli.store.episodes import episodes_for_sft, stage_episodes, store_episodes, store_rewards, supersede_stage
+    from rlcli.store.records import Episode, RewardRow, Turn
+    from rlcli.store.replays import replay_candidates
+    from rlcli.store.tasks import compute_task_stats, refresh_task_stats, stored_task_stats
+
+    ctx = make_ctx(write_recipe(tmp_path / "r.yaml"), tmp_path / "runs")
+    rundb, run = ctx.rundb, ctx.run
+
+    def episode(stage: str, iteration: int, task: int) -> Episode:
+        return Episode(
+            id=None, run=run, stage=stage, iteration=iteration, split="train", task_index=task, sample_index=0,
+            seed=task, policy=f"train/{iteration - 1}", status="ok", end_reason=None, env_return=1.0, success=True,
+            num_turns=1, num_tokens=2, task={}, messages=[], template_consistent=True, error=None,
+            created_at="2025-01-01T00:00:00.000+00:00", turns=[Turn(0, [1, 2], [3, 4], [-1.0, -1.0])],
+        )  # fmt: skip
+
+    store_episodes(rundb, [episode("rollout/1", 1, 0), episode("rollout/2", 2, 0), episode("rollout/2", 2, 5)])
+    ids = {(e.stage, e.task_index): e.id for s in ("rollout/1", "rollout/2") for e in stage_episodes(rundb, run, s)}
+    store_rewards(rundb, [RewardRow(i, "grpo", "total", 1.0, None) for i in ids.values()])
+    for stage in ("rollout/2", "label/2", "label/mine/rollout/2", "rollout/1"):
+        rundb.mark_stage(run, stage, "done")
+    for stage in ("rollout/1", "rollout/2"):
+        refresh_task_stats(rundb, run, stage, "grpo")
+    assert [(s.task_index, s.attempts) for s in stored_task_stats(rundb, run, "grpo")] == [(0, 2), (5, 1)]
+
+    aside, moved = supersede_stage(rundb, run, "rollout/2", ["rollout/2", "label/2", "label/mine/rollout/2"])
+    assert (aside, moved) == ("superseded/rollout/2/1", 2)
+    assert [s.name for s in rundb.stages(run)] == ["rollout/1"]
+    kept = stage_episodes(rundb, run, aside)
+    assert {e.id for e in kept} == {ids["rollout/2", 0], ids["rollout/2", 5]}
+    refresh_task_stats(rundb, run, aside, "grpo")
+    assert [(s.task_index, s.attempts) for s in stored_task_stats(rundb, run, "grpo")] == [(0, 1)]
+    assert [(s.task_index, s.attempts) for s in compute_task_stats(rundb, run, "grpo")] == [(0, 1)]
+    assert [e.episode.id for e in replay_candidates(rundb, run, 0, 9, "grpo", 0.5, 5)] == [ids["rollout/1", 0]]
+    assert [e.episode.id for e in episodes_for_sft(rundb, run)] == [ids["rollout/1", 0]]
+    # Superseded again (a second kill): the next set-aside stage.
+    store_episodes(rundb, [episode("rollout/2", 2, 0)])
+    assert supersede_stage(rundb, run, "rollout/2", ["rollout/2"]) == ("superseded/rollout/2/2", 1)
