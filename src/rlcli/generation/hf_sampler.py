@@ -26,17 +26,23 @@ is the other one.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from rlcli.generation.sampler import Sample, SamplingConfig
 from rlcli.models import vision
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from rlcli.models.loading import PolicyModel
+
 
 class HfSampler:
     """The Sampler over `sample_batch`: a generator per episode, and the chunk's KV cache across turns."""
 
-    def __init__(self, model, tokenizer, config: SamplingConfig) -> None:
+    def __init__(self, model: PolicyModel, tokenizer: PreTrainedTokenizerBase, config: SamplingConfig) -> None:
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.processor = vision.processor_of(tokenizer)  # a vision-language model's; None for text
         self.generators: list[torch.Generator] = []
@@ -84,11 +90,11 @@ def _filter_logits(scores: torch.Tensor, top_k: int, top_p: float) -> torch.Tens
     return scores
 
 
-def model_device(model) -> torch.device:
+def model_device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-def make_generator(model, seed: int) -> torch.Generator:
+def make_generator(model: torch.nn.Module, seed: int) -> torch.Generator:
     """An episode's own random stream, on the model's device (a CUDA draw needs a CUDA generator)."""
     return torch.Generator(device=model_device(model)).manual_seed(seed)
 
@@ -116,17 +122,18 @@ class TurnCache:
     ended can be dropped before the next turn.
     """
 
-    kv: object = None
+    kv: Any = None  # transformers' Cache (DynamicCache): its rows are selected in place
     attention: torch.Tensor | None = None
     ids: list[list[int]] = field(default_factory=list)
-    keys: list = field(default_factory=list)
+    keys: list[int] = field(default_factory=list)
     images: list[int] = field(default_factory=list)  # per row, how many of its prompt's images it holds
     # per row, position - index of its next token: 0 but after images with 3-D positions (M-RoPE)
     shifts: list[int] = field(default_factory=list)
 
-    def align(self, keys: list) -> None:
+    def align(self, keys: list[int]) -> None:
         """Keep the rows of `keys`, in that order; a key the cache has not seen empties it."""
         if self.kv is not None and keys != self.keys:
+            assert self.attention is not None  # set together with kv
             if set(keys) <= set(self.keys):
                 rows = [self.keys.index(k) for k in keys]
                 self.kv.batch_select_indices(torch.tensor(rows, device=self.attention.device))
@@ -150,8 +157,8 @@ class TurnCache:
 
 @torch.no_grad()
 def sample_batch(
-    model,
-    tokenizer,
+    model: PolicyModel,
+    tokenizer: PreTrainedTokenizerBase,
     prompts: list[list[int]],
     generators: list[torch.Generator],
     cfg: SamplingConfig,
@@ -159,7 +166,7 @@ def sample_batch(
     turn_cache: TurnCache | None = None,
     *,
     images: list[list[vision.ImageRef]] | None = None,
-    processor=None,
+    processor: Any = None,
 ) -> list[Sample]:
     """Continue each prompt by up to its own token budget; one forward per step for the batch.
 
@@ -185,6 +192,7 @@ def sample_batch(
         cache, cached_len, shifts = None, [0] * len(fresh), [0] * len(fresh)
         cached_attention = torch.zeros((len(fresh), 0), dtype=torch.long, device=device)
     else:
+        assert turn_cache is not None and turn_cache.attention is not None  # fresh came from its rows
         cache, cached_attention, cached_len = (turn_cache.kv, turn_cache.attention, [len(c) for c in turn_cache.ids])
         fresh_images = [imgs[held:] for imgs, held in zip(images, turn_cache.images)]
         shifts = list(turn_cache.shifts)
@@ -217,6 +225,7 @@ def sample_batch(
     )
     cache, logits = out.past_key_values, out.logits[:, -1, :]
     if len(fresh) < batch:  # each distinct prompt was prefilled once: give every row its copy
+        assert copies is not None  # fewer rows prefilled than prompts: only on a full prefill
         rows = torch.tensor(copies, device=device)
         cache.batch_select_indices(rows)
         logits, attention = logits[rows], attention[rows]
@@ -274,7 +283,15 @@ def sample_batch(
     return [Sample(ids[i], logps[i], finished[i]) for i in range(batch)]
 
 
-def _mrope_rows(model, processor, fresh, fresh_images, grids, positions, shifts) -> torch.Tensor:
+def _mrope_rows(
+    model: PolicyModel,
+    processor: Any,
+    fresh: list[list[int]],
+    fresh_images: list[list[vision.ImageRef]],
+    grids: torch.Tensor,
+    positions: torch.Tensor,
+    shifts: list[int],
+) -> torch.Tensor:
     """[3, rows, width] positions of a prefill on an M-RoPE model: `positions` (1-D, left-padded)
     for rows without new images, vision.mrope_positions moved to where each row's new tokens start
     for the others, whose `shifts` it updates in place."""
@@ -291,8 +308,8 @@ def _mrope_rows(model, processor, fresh, fresh_images, grids, positions, shifts)
     return out
 
 
-def _eos_ids(model, tokenizer) -> set[int]:
-    ids = set()
+def _eos_ids(model: PolicyModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    ids: set[int] = set()
     for source in (getattr(model, "generation_config", None), tokenizer):
         value = getattr(source, "eos_token_id", None)
         if isinstance(value, int):
@@ -302,7 +319,7 @@ def _eos_ids(model, tokenizer) -> set[int]:
     return ids
 
 
-def _hits_stop(tokenizer, ids: list[int], stops: list[str]) -> bool:
+def _hits_stop(tokenizer: PreTrainedTokenizerBase, ids: list[int], stops: list[str]) -> bool:
     if not stops:
         return False
     tail = tokenizer.decode(ids[-16:], skip_special_tokens=False)

@@ -8,9 +8,12 @@ Rollouts, evaluation, the judge and the asynchronous rollout worker take a `Samp
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from rlcli.models import vision
+
+if TYPE_CHECKING:
+    from rlcli.recipe import RolloutSection
 
 
 @dataclass
@@ -27,7 +30,7 @@ class SamplingConfig:
         return self.temperature if self.temperature > 0 else 1.0
 
 
-def sampling_config(rollout_cfg: Any) -> SamplingConfig:
+def sampling_config(rollout_cfg: RolloutSection) -> SamplingConfig:
     """The recipe's sampling settings (its `rollout` section)."""
     return SamplingConfig(
         temperature=rollout_cfg.temperature,

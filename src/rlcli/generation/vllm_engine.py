@@ -40,7 +40,7 @@ import tempfile
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
 import torch
 
@@ -49,6 +49,15 @@ from rlcli.errors import RlcliError, UsageError
 from rlcli.generation.sampler import Sample, SamplingConfig
 from rlcli.generation.seeds import derive_seed
 from rlcli.models import vision
+
+if TYPE_CHECKING:
+    from vllm import LLM
+
+    from rlcli.models.loading import PolicyModel
+    from rlcli.recipe import Recipe
+
+# The weight types vLLM's LLM takes (its `dtype` argument).
+VllmDtype: TypeAlias = Literal["auto", "half", "float16", "bfloat16", "float", "float32"]
 
 # Sampled-token logprobs after temperature (and top-k/top-p, when they are on); see the module doc.
 LOGPROBS_MODE = "processed_logprobs"
@@ -77,7 +86,7 @@ class VllmEngine:
         model_path: str | os.PathLike,
         *,
         max_model_len: int,
-        dtype: str = "auto",
+        dtype: VllmDtype = "auto",
         device: str = "auto",
         gpu_memory_utilization: float = 0.9,
         kv_cache_memory_bytes: int | None = None,
@@ -114,7 +123,9 @@ class VllmEngine:
         # leave the trainer beside it one core; on a CPU it binds its OpenMP threads (as many, above).
         threads = torch.get_num_threads()
         free_before = _free_gpu_bytes(current_platform)
-        self.llm = LLM(
+        # A vision-language model's engine sizes its encoder budget for this many images per prompt.
+        images: dict[str, Any] = {"limit_mm_per_prompt": {"image": max_images}} if max_images is not None else {}
+        self.llm: LLM | None = LLM(
             model=str(model_path),
             max_model_len=max_model_len,
             dtype=dtype,
@@ -126,15 +137,15 @@ class VllmEngine:
             logprobs_mode=LOGPROBS_MODE,
             seed=seed,
             enable_sleep_mode=sleep_mode,
-            # A vision-language model's engine sizes its encoder budget for this many images per prompt.
-            **({"limit_mm_per_prompt": {"image": max_images}} if max_images is not None else {}),
+            **images,
             **lora,
             **_whole_prefills_on_cpu(current_platform, max_model_len),
         )
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
         # What vLLM holds on the GPU (weights, KV cache, CUDA graphs): perf/vllm_mem_gb. None on a CPU.
-        self.reserved_gb = None if free_before is None else (free_before - _free_gpu_bytes(current_platform)) / 1e9
+        free_after = _free_gpu_bytes(current_platform)
+        self.reserved_gb = None if free_before is None or free_after is None else (free_before - free_after) / 1e9
         self.sleep_mode, self.asleep = sleep_mode, False
         self.serves_base = True  # the policy of model_path; False once other weights or an adapter are served
         # The base weights under the policy: model_path's as loaded ("none"), or their copy through
@@ -173,16 +184,19 @@ class VllmEngine:
         params = [_sampling_params(config, seed, budget, bad_words) for seed, budget in zip(seeds, budgets)]
         requests = []
         for i, prompt in enumerate(prompts):
-            request = TokensPrompt(prompt_token_ids=list(prompt))
+            # vLLM declares the other keys NotRequired through typing.NotRequired, which mypy's Python 3.10
+            # target does not know: it reads them as required.
+            request = TokensPrompt(prompt_token_ids=list(prompt))  # type: ignore[typeddict-item]
             if images is not None and images[i]:
                 request["multi_modal_data"] = {"image": list(images[i])}
             requests.append(request)
-        outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self.adapter)
-        for i, output in enumerate(outputs if expanded is not None else []):
-            if list(output.prompt_token_ids) != list(expanded[i]):
+        outputs = self._running().generate(requests, params, use_tqdm=False, lora_request=self.adapter)
+        for output, wanted in zip(outputs, expanded if expanded is not None else []):
+            got = list(output.prompt_token_ids or [])
+            if got != list(wanted):
                 raise RlcliError(
-                    f"vLLM expanded a prompt's images into {len(output.prompt_token_ids)} tokens where the model's "
-                    f"processor gave {len(expanded[i])}: its image processing differs from the processor's "
+                    f"vLLM expanded a prompt's images into {len(got)} tokens where the model's "
+                    f"processor gave {len(wanted)}: its image processing differs from the processor's "
                     "(preprocessor_config.json); set rollout.engine: hf for this model."
                 )
         return [_sample(output.outputs[0]) for output in outputs]
@@ -198,11 +212,11 @@ class VllmEngine:
         """
         pairs = weights.items() if isinstance(weights, Mapping) else weights
         with self._weights_awake():
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(pairs)})
-            self.llm.collective_rpc(_repack_tied_cpu_weights)
-        self.llm.reset_prefix_cache()
+            self._running().collective_rpc("reload_weights", kwargs={"weights_iterator": iter(pairs)})
+            self._running().collective_rpc(_repack_tied_cpu_weights)
+        self._running().reset_prefix_cache()
         # A vision tower that trains (full fine-tune, lora.target_vision) makes cached image features stale.
-        self.llm.llm_engine.reset_encoder_cache()
+        self._running().llm_engine.reset_encoder_cache()
 
     def load_adapter(self, folder: str | os.PathLike) -> None:
         """Serve the LoRA adapter saved in `folder` (peft's save_pretrained) over the base weights.
@@ -218,7 +232,7 @@ class VllmEngine:
         n = self._adapters_loaded
         request = LoRARequest(f"rlcli-policy-{n}", n, str(folder))
         with self._weights_awake():
-            self.llm.llm_engine.add_lora(request)
+            self._running().llm_engine.add_lora(request)
         self.serve_base()
         self.adapter = request
 
@@ -227,7 +241,7 @@ class VllmEngine:
         if self.adapter is None:
             return
         self.wake_up()
-        self.llm.llm_engine.remove_lora(self.adapter.lora_int_id)
+        self._running().llm_engine.remove_lora(self.adapter.lora_int_id)
         old = Path(self.adapter.lora_path)
         if self._scratch is not None and old.parent == self._scratch:
             shutil.rmtree(old, ignore_errors=True)
@@ -240,14 +254,20 @@ class VllmEngine:
         back; merged sync reloads them anyway. A no-op unless the engine was built with sleep_mode.
         """
         if self.sleep_mode and not self.asleep:
-            self.llm.sleep(level=1)
+            self._running().sleep(level=1)
             self.asleep = True
 
     def wake_up(self) -> None:
         """Take the GPU memory back after `sleep`; every method that uses the engine calls it first."""
         if self.asleep:
-            self.llm.wake_up()
+            self._running().wake_up()
             self.asleep = False
+
+    def _running(self) -> LLM:
+        """The vLLM engine; an error once `shutdown` stopped it."""
+        if self.llm is None:
+            raise RlcliError("This vLLM engine was shut down.")
+        return self.llm
 
     @contextlib.contextmanager
     def _weights_awake(self) -> Iterator[None]:
@@ -260,11 +280,11 @@ class VllmEngine:
         if not self.asleep:
             yield
             return
-        self.llm.wake_up(tags=["weights"])
+        self._running().wake_up(tags=["weights"])
         yield
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        self.llm.wake_up(tags=["kv_cache"])
+        self._running().wake_up(tags=["kv_cache"])
         self.asleep = False
 
     def shutdown(self) -> None:
@@ -278,7 +298,7 @@ class VllmEngine:
         self.llm = None
         cleanup_dist_env_and_memory()
 
-    def save_adapter(self, model: Any) -> Path:
+    def save_adapter(self, model: PolicyModel) -> Path:
         """Save model's active LoRA adapter into a new folder of this engine's scratch directory.
 
         The directory is a temporary one, removed when the engine goes (a killed process leaves it
@@ -297,7 +317,7 @@ class VllmEngine:
         folder = self._scratch / f"sync-{self._adapters_loaded + 1}"
         active = model.active_adapter
         # Only the trainable adapter: a frozen reference adapter beside it (grpo.reference) is not the policy.
-        model.save_pretrained(folder, selected_adapters=[active])
+        model.save_pretrained(str(folder), selected_adapters=[active])
         return folder if active == "default" else folder / active  # peft puts other names in a subfolder
 
 
@@ -381,7 +401,7 @@ def shutdown_shared_engine() -> None:
 
 
 def policy_engine(
-    recipe: Any, model: Any, *, base: bool, adapter_folder: str | os.PathLike | None = None
+    recipe: Recipe, model: PolicyModel, *, base: bool, adapter_folder: str | os.PathLike | None = None
 ) -> VllmEngine:
     """The shared engine over the recipe's model, serving `model`'s policy: its weights with the LoRA
     merged in, or (rollout.vllm_sync adapter) the base weights and its adapter.
@@ -414,7 +434,8 @@ def policy_engine(
         device=device,
         gpu_memory_utilization=min(memory, 0.9),
         kv_cache_memory_bytes=int(memory) if memory > 1 else None,
-        max_lora_rank=recipe.lora.r if recipe.rollout.vllm_sync == "adapter" else None,
+        # vllm_sync adapter without a lora section is refused by the recipe.
+        max_lora_rank=recipe.lora.r if recipe.rollout.vllm_sync == "adapter" and recipe.lora is not None else None,
         sleep_mode=sleep_mode or None,  # None: the default, so that the key matches an engine built without it
         max_images=max_images_per_prompt(recipe, model_path),
     )
@@ -436,14 +457,14 @@ def policy_engine(
     return engine
 
 
-def max_images_per_prompt(recipe: Any, model_path: str | os.PathLike) -> int | None:
+def max_images_per_prompt(recipe: Recipe, model_path: str | Path) -> int | None:
     """A vision-language model's env.keep_images when it is a number: no prompt holds more images.
     None: vLLM's default, or a text model (whose engine takes no images)."""
     keep = recipe.env.keep_images
     return keep if isinstance(keep, int) and vision.vision_model_type(model_path) is not None else None
 
 
-def sleeps_around_updates(recipe: Any) -> bool:
+def sleeps_around_updates(recipe: Recipe) -> bool:
     """rollout.vllm_sleep resolved: auto sleeps when the engine and the trainer share a CUDA device
     and the loop is synchronous (an asynchronous rollout worker samples while the trainer updates)."""
     from rlcli.models.loading import resolve_device
@@ -464,7 +485,7 @@ def shares_gpu(engine_device: str, trainer_device: str) -> bool:
     return int(engine_device.partition(":")[2] or 0) == int(trainer_device.partition(":")[2] or 0)
 
 
-def sync_weights(engine: VllmEngine, model: Any, adapter_folder: str | os.PathLike | None = None) -> None:
+def sync_weights(engine: VllmEngine, model: PolicyModel, adapter_folder: str | os.PathLike | None = None) -> None:
     """Serve the model's current policy (after a GRPO update, or another checkpoint).
 
     With adapter-only sync, adapter_folder may name a folder that already holds model's adapter (the
@@ -472,7 +493,7 @@ def sync_weights(engine: VllmEngine, model: Any, adapter_folder: str | os.PathLi
     """
     if engine.adapter_sync:
         saved = adapter_folder is not None and (Path(adapter_folder) / "adapter_config.json").is_file()
-        engine.load_adapter(adapter_folder if saved else engine.save_adapter(model))
+        engine.load_adapter(adapter_folder if adapter_folder is not None and saved else engine.save_adapter(model))
     else:
         engine.load_weights(merged_weights(model))
     engine.serves_base = False
@@ -577,7 +598,7 @@ def _sample(completion: Any) -> Sample:
 
 
 @torch.no_grad()
-def merged_weights(model: Any, with_adapters: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+def merged_weights(model: PolicyModel, with_adapters: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """The model's full weights under its Hugging Face names, with active LoRA adapters merged in
     (with_adapters False: the base weights under them).
 
@@ -602,12 +623,15 @@ def merged_weights(model: Any, with_adapters: bool = True) -> Iterator[tuple[str
             if with_adapters and not module.merged and not module.disable_adapters:
                 for adapter in module.active_adapters:
                     if adapter in module.lora_A:
-                        delta = module.get_delta_weight(adapter)
+                        # Every concrete LoRA layer (Linear, Embedding, Conv) defines get_delta_weight;
+                        # peft's LoraLayer base class, which isinstance matches them by, does not declare it.
+                        delta = module.get_delta_weight(adapter)  # type: ignore[attr-defined]
                         dtype = torch.promote_types(weight.dtype, delta.dtype)
                         weight = weight.to(dtype) + delta.to(dtype)
             yield f"{name}.weight", weight.detach()
-            if layer.bias is not None:
-                yield f"{name}.bias", layer.bias.detach()
+            bias = layer.bias  # a Parameter, or None
+            if isinstance(bias, torch.Tensor):
+                yield f"{name}.bias", bias.detach()
             continue
         for param_name, param in module.named_parameters(recurse=False):
             if id(param) in seen:

@@ -17,7 +17,7 @@ import weakref
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from rlcli.console import err_console
 from rlcli.errors import UsageError
@@ -25,7 +25,13 @@ from rlcli.export_folder import check_export_target, export_folder
 from rlcli.models.cache import resolve_model
 
 if TYPE_CHECKING:
+    from peft import PeftModel
+    from transformers import PreTrainedModel
+
     from rlcli.recipe import LoraSection, ModelSection, QuantizationSection
+
+    # The policy as rlcli holds it: a transformers model, or a PeftModel around one (a LoRA run's).
+    PolicyModel: TypeAlias = PreTrainedModel | PeftModel
 
 # --- loading the policy ---------------------------------------------------------------
 
