@@ -20,7 +20,7 @@ import random
 import shutil
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 # Heavy (torch), but this module is only imported by the commands that train.
 from transformers import TrainerCallback
@@ -32,6 +32,18 @@ from rlcli.models import vision
 from rlcli.store.checkpoints import add_checkpoint
 from rlcli.store.episodes import episodes_for_sft, stage_episodes
 from rlcli.store.names import EXPERT, SFT_DEMOS_STAGE, SFT_STAGE
+
+if TYPE_CHECKING:
+    import torch
+    from rich.progress import TaskID
+    from torch.optim import Optimizer
+    from torch.optim.lr_scheduler import LambdaLR
+    from transformers import PreTrainedTokenizerBase, ProcessorMixin, TrainerControl, TrainerState, TrainingArguments
+    from trl import SFTConfig, SFTTrainer
+
+    from rlcli.models.loading import PolicyModel
+    from rlcli.recipe import EnvSection, Recipe
+    from rlcli.store.db import RunDB
 
 METRICS_STAGE = SFT_STAGE
 # Trainer log keys -> metric keys in the run database.
@@ -131,6 +143,7 @@ def train_sft(ctx: RunContext) -> SftSummary:
         trainer = build_trainer(ctx, model, tokenizer, train_rows, eval_rows, callbacks)
     else:
         trainer = build_image_trainer(ctx, model, processor, pictures, train_rows, eval_rows, callbacks)
+    assert trainer.args.output_dir is not None  # sft_args sets it
     resume = last_trainer_checkpoint(Path(trainer.args.output_dir))
     if resume is not None:
         ctx.console.print(f"sft: resuming from {resume}")
@@ -226,6 +239,7 @@ def episode_conversations(ctx: RunContext) -> list[Conversation]:
     tools = _env_tools(ctx.rundb.run_recipe(run).env)
     for labelled in episodes_for_sft(ctx.rundb, run):
         episode, transcript = labelled.episode, json.dumps(labelled.episode.messages)
+        assert labelled.reward is not None  # episodes_for_sft falls back to the env return, then 0
         if labelled.reward < cfg.min_reward or transcript in seen:
             continue
         seen.add(transcript)
@@ -238,7 +252,7 @@ def episode_conversations(ctx: RunContext) -> list[Conversation]:
     return conversations
 
 
-def _env_tools(env_cfg) -> list[dict] | None:
+def _env_tools(env_cfg: EnvSection) -> list[dict] | None:
     """The tool schemas the env shows the policy, so SFT renders prompts exactly as rollouts did."""
     from rlcli.envs.loading import load_env
 
@@ -248,7 +262,9 @@ def _env_tools(env_cfg) -> list[dict] | None:
 # --- tokenisation: the assistant-only loss mask ----------------------------------------------------
 
 
-def tokenize_conversation(tokenizer, conversation: Conversation, end_ids: set[int]) -> tuple[list[int], list[int]]:
+def tokenize_conversation(
+    tokenizer: PreTrainedTokenizerBase, conversation: Conversation, end_ids: set[int]
+) -> tuple[list[int], list[int]]:
     """Token ids and a 0/1 loss mask that is 1 only on trained assistant replies.
 
     The conversation is rendered incrementally through the chat template: the messages before each
@@ -282,19 +298,26 @@ def tokenize_conversation(tokenizer, conversation: Conversation, end_ids: set[in
     return ids, mask
 
 
-def _render(tokenizer, messages: list[dict], tools: list[dict] | None, *, add_generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(
-        messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
+def _render(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict], tools: list[dict] | None, *, add_generation_prompt: bool
+) -> str:
+    text = tokenizer.apply_chat_template(
+        messages,
+        # transformers types tools as an (invariant) list of dicts or callables: a list of dicts is one.
+        tools=tools,  # type: ignore[arg-type]
+        add_generation_prompt=add_generation_prompt,
+        tokenize=False,
     )
+    return cast(str, text)  # tokenize=False: the text
 
 
-def _encode(tokenizer, text: str) -> list[int]:
+def _encode(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     # The rendered text already holds every special token the template wants (as the rollout sees it).
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def encode_conversations(
-    tokenizer, conversations: list[Conversation], max_length: int, end_ids: set[int]
+    tokenizer: PreTrainedTokenizerBase, conversations: list[Conversation], max_length: int, end_ids: set[int]
 ) -> tuple[list[dict[str, list[int]]], int]:
     """Pre-tokenised rows (`input_ids`, `assistant_masks`) cut at max_length, and how many were cut.
 
@@ -320,7 +343,7 @@ def encode_conversations(
 # --- tokenisation with images: a vision-language model's conversations ------------------------------
 
 
-def with_images(rundb, conversations: list[Conversation]) -> tuple[list[Conversation], dict[str, Any]]:
+def with_images(rundb: RunDB, conversations: list[Conversation]) -> tuple[list[Conversation], dict[str, Any]]:
     """The conversations with every image part holding its PIL image and sha256, and sha256 -> image.
 
     Episodes (expert demos, a run's good episodes) name their screenshots by hash: those come back
@@ -374,7 +397,7 @@ def _image_parts(messages: list[dict]) -> list[dict]:
 
 
 def tokenize_image_conversation(
-    processor, conversation: Conversation, end_ids: set[int], keep_images: int | None
+    processor: ProcessorMixin, conversation: Conversation, end_ids: set[int], keep_images: int | None
 ) -> list[dict[str, Any]]:
     """tokenize_conversation for a vision-language model: rows of `input_ids`, `assistant_masks`,
     `image_hashes` (the images in the ids, in order) and `image_spans` (the start and end of the
@@ -429,7 +452,11 @@ def _image_row(ids: list[int], mask: list[int], images: list[vision.ImageRef], s
 
 
 def encode_image_conversations(
-    processor, conversations: list[Conversation], max_length: int, end_ids: set[int], keep_images: int | None
+    processor: ProcessorMixin,
+    conversations: list[Conversation],
+    max_length: int,
+    end_ids: set[int],
+    keep_images: int | None,
 ) -> tuple[list[dict[str, Any]], int]:
     """encode_conversations for a vision-language model (rows of tokenize_image_conversation).
 
@@ -471,7 +498,14 @@ def split_examples(rows: list[dict], eval_fraction: float, seed: int) -> tuple[l
 # --- training -------------------------------------------------------------------------------------
 
 
-def build_trainer(ctx: RunContext, model, tokenizer, train_rows: list[dict], eval_rows: list[dict], callbacks: list):
+def build_trainer(
+    ctx: RunContext,
+    model: PolicyModel,
+    tokenizer: PreTrainedTokenizerBase,
+    train_rows: list[dict],
+    eval_rows: list[dict],
+    callbacks: list[TrainerCallback],
+) -> SFTTrainer:
     """TRL's SFTTrainer on pre-tokenised rows: it turns `assistant_masks` into labels (-100 elsewhere)."""
     import datasets
     from transformers import PrinterCallback
@@ -499,13 +533,13 @@ def build_trainer(ctx: RunContext, model, tokenizer, train_rows: list[dict], eva
 
 def build_image_trainer(
     ctx: RunContext,
-    model,
-    processor,
+    model: PolicyModel,
+    processor: ProcessorMixin,
     pictures: dict[str, Any],
     train_rows: list[dict],
     eval_rows: list[dict],
-    callbacks: list,
-):
+    callbacks: list[TrainerCallback],
+) -> SFTTrainer:
     """SFTTrainer for a vision-language model, on rows pre-tokenised with their images and ImageBatches.
 
     Not TRL's own VLM collation (DataCollatorForVisionLanguageModeling): it renders and tokenises each
@@ -549,9 +583,9 @@ class ImageBatches:
     """Pads pre-tokenised rows on the right, makes labels of their assistant tokens (-100 elsewhere)
     and adds the pixels of their images, in the order their tokens appear, row after row."""
 
-    processor: Any
+    processor: ProcessorMixin
     pictures: dict[str, Any]  # sha256 -> PIL image
-    model: Any
+    model: PolicyModel
 
     def __call__(self, rows: list[dict]) -> dict[str, Any]:
         import torch
@@ -572,7 +606,7 @@ class ImageBatches:
         return {"input_ids": ids, "attention_mask": attention, "labels": labels, **pixels}
 
 
-def sft_args(ctx: RunContext, *, has_eval: bool) -> Any:
+def sft_args(ctx: RunContext, *, has_eval: bool) -> SFTConfig:
     import torch
     from trl import SFTConfig
 
@@ -581,6 +615,8 @@ def sft_args(ctx: RunContext, *, has_eval: bool) -> Any:
     recipe, cfg = ctx.recipe, ctx.recipe.sft
     device = resolve_device(recipe.model.device)
     dtype = _training_dtype(recipe, device)
+    # Not inline in the call: mypy would match a **dict[str, bool] against every field's type.
+    checkpointing: dict[str, Any] = {_checkpointing_field(SFTConfig): False}
     return SFTConfig(
         output_dir=str(ctx.run_dir / "sft"),
         learning_rate=cfg.lr,
@@ -603,7 +639,7 @@ def sft_args(ctx: RunContext, *, has_eval: bool) -> Any:
         use_cpu=device == "cpu",
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
-        **{_checkpointing_field(SFTConfig): False},
+        **checkpointing,
     )
 
 
@@ -618,7 +654,7 @@ def _checkpointing_field(config_class: type) -> str:
     return "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
 
 
-def _training_dtype(recipe, device: str) -> Any:
+def _training_dtype(recipe: Recipe, device: str) -> torch.dtype | None:
     """The dtype the matmuls run in, which mixed precision should follow."""
     import torch
 
@@ -654,9 +690,18 @@ def last_trainer_checkpoint(output_dir: Path) -> Path | None:
 class RecipeLearningRate(TrainerCallback):
     """sft.lr from the recipe, not from the checkpoint a resumed Trainer restored."""
 
-    def on_train_begin(self, args, state, control, optimizer=None, lr_scheduler=None, **kwargs):
+    def on_train_begin(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        optimizer: Optimizer | None = None,
+        lr_scheduler: LambdaLR | None = None,
+        **kwargs: Any,
+    ) -> None:
         if state.global_step == 0:  # a fresh start already uses it
             return
+        assert optimizer is not None and lr_scheduler is not None  # the Trainer passes both
         lr = args.learning_rate
         lr_scheduler.base_lrs = [lr] * len(optimizer.param_groups)
         for group, factor in zip(optimizer.param_groups, lr_scheduler.lr_lambdas):
@@ -668,7 +713,7 @@ class RecipeLearningRate(TrainerCallback):
 class RichProgress(TrainerCallback):
     """A rich progress bar over optimizer steps; every logging step also goes to the run database."""
 
-    def __init__(self, ctx: RunContext):
+    def __init__(self, ctx: RunContext) -> None:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         self.ctx = ctx
@@ -681,18 +726,30 @@ class RichProgress(TrainerCallback):
             TimeElapsedColumn(),
             console=ctx.console,
         )
-        self.task = None
+        self.task: TaskID | None = None  # from on_train_begin
 
-    def on_train_begin(self, args, state, control, **kwargs):
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         # On resume the state is the checkpoint's: the bar starts where training left off.
         self.task = self.progress.add_task("sft", total=state.max_steps, completed=state.global_step, loss="")
         self.progress.start()
 
-    def on_step_end(self, args, state, control, **kwargs):
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        assert self.task is not None  # on_train_begin came first
         self.progress.update(self.task, completed=state.global_step)
 
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        values = {key: logs[name] for name, key in LOGGED.items() if logs and logs.get(name) is not None}
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, float] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        values: dict[str, float | None] = {
+            key: logs[name] for name, key in LOGGED.items() if logs and logs.get(name) is not None
+        }
         if not values:
             return
         loss = values.get("sft/loss")
@@ -707,6 +764,7 @@ class RichProgress(TrainerCallback):
             f"loss {values['sft/loss']:.4g}" if "sft/loss" in values else "",
             f"eval {values['sft/eval_loss']:.4g}" if "sft/eval_loss" in values else "",
         ]
+        assert self.task is not None  # on_train_begin came first
         self.progress.update(self.task, loss=" ".join(s for s in shown if s))
 
     def close(self) -> None:
