@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from transformers import TrainerCallback
 from trl import DPOTrainer
@@ -33,6 +33,14 @@ from rlcli.store.checkpoints import add_checkpoint, checkpoints, require_folder
 from rlcli.store.names import BASE, DPO_STAGE, PolicyRef
 from rlcli.store.pairs import PairRecord, episodes_with_turns, record_pairs, stage_pairs
 from rlcli.store.records import Checkpoint
+
+if TYPE_CHECKING:
+    from datasets import Dataset, IterableDataset
+    from rich.progress import TaskID
+    from transformers import PreTrainedTokenizerBase, ProcessorMixin, TrainerControl, TrainerState, TrainingArguments
+    from trl import DPOConfig
+
+    from rlcli.recipe import Recipe
 
 # Trainer log keys -> metric keys in the run database (metrics stage: the DPO stage's name).
 LOGGED = {
@@ -60,7 +68,7 @@ class DpoSummary:
     path: str | None
 
 
-def check_text_model(recipe) -> None:
+def check_text_model(recipe: Recipe) -> None:
     """DPO trains text models only: the pairs' prompt ids of a vision-language model hold image
     tokens, and TRL's DPO forward would read them as plain tokens, never seeing the pixels."""
     from rlcli.models.cache import resolve_model
@@ -213,7 +221,7 @@ def pair_examples(ctx: RunContext, pairs: list[PairRecord]) -> list[PreferenceEx
     ]
 
 
-def _dataset(rows: list[dict[str, Any]]):
+def _dataset(rows: list[dict[str, Any]]) -> Dataset:
     import datasets
 
     quiet = datasets.are_progress_bars_disabled()
@@ -232,7 +240,13 @@ class TokenDPOTrainer(DPOTrainer):
     """DPOTrainer on examples that are token ids already: TRL's preparation would render and
     tokenise text, and rlcli trains on the tokens that were sampled, never on re-tokenised text."""
 
-    def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
+    def _prepare_dataset(
+        self,
+        dataset: Dataset | IterableDataset,
+        processing_class: PreTrainedTokenizerBase | ProcessorMixin,
+        args: DPOConfig,
+        dataset_name: str,
+    ) -> Dataset | IterableDataset:
         return dataset
 
 
@@ -253,7 +267,7 @@ class MaskedPreferenceCollator(DataCollatorForPreference):
         return batch
 
 
-def dpo_args(ctx: RunContext, output_dir: Path) -> Any:
+def dpo_args(ctx: RunContext, output_dir: Path) -> DPOConfig:
     import torch
     from trl import DPOConfig
 
@@ -262,6 +276,8 @@ def dpo_args(ctx: RunContext, output_dir: Path) -> Any:
     recipe, cfg = ctx.recipe, ctx.recipe.dpo
     device = resolve_device(recipe.model.device)
     dtype = _training_dtype(recipe, device)
+    # Not inline in the call: mypy would match a **dict[str, bool] against every field's type.
+    checkpointing: dict[str, Any] = {_checkpointing_field(DPOConfig): False}
     return DPOConfig(
         output_dir=str(output_dir),
         beta=cfg.beta,
@@ -282,14 +298,14 @@ def dpo_args(ctx: RunContext, output_dir: Path) -> Any:
         use_cpu=device == "cpu",
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
-        **{_checkpointing_field(DPOConfig): False},
+        **checkpointing,
     )
 
 
 class DpoProgress(TrainerCallback):
     """A rich progress bar over optimizer steps; every logging step also goes to the run database."""
 
-    def __init__(self, ctx: RunContext, stage: str):
+    def __init__(self, ctx: RunContext, stage: str) -> None:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         self.ctx, self.stage = ctx, stage
@@ -303,17 +319,29 @@ class DpoProgress(TrainerCallback):
             TimeElapsedColumn(),
             console=ctx.console,
         )
-        self.task = None
+        self.task: TaskID | None = None  # from on_train_begin
 
-    def on_train_begin(self, args, state, control, **kwargs):
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         self.task = self.progress.add_task(self.stage, total=state.max_steps, completed=state.global_step, shown="")
         self.progress.start()
 
-    def on_step_end(self, args, state, control, **kwargs):
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        assert self.task is not None  # on_train_begin came first
         self.progress.update(self.task, completed=state.global_step)
 
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        values = {key: logs[name] for name, key in LOGGED.items() if logs and logs.get(name) is not None}
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, float] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        values: dict[str, float | None] = {
+            key: logs[name] for name, key in LOGGED.items() if logs and logs.get(name) is not None
+        }
         if not values:
             return
         loss = values.get("dpo/loss")
@@ -325,6 +353,7 @@ class DpoProgress(TrainerCallback):
             )
         self.ctx.rundb.log_metrics(self.ctx.run, self.stage, state.global_step, values)
         shown = {"loss": values.get("dpo/loss"), "margin": values.get("dpo/reward_margin")}
+        assert self.task is not None  # on_train_begin came first
         self.progress.update(self.task, shown=" ".join(f"{k} {v:.4g}" for k, v in shown.items() if v is not None))
 
     def close(self) -> None:

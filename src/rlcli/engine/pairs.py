@@ -65,14 +65,14 @@ def mine_pairs(
     report = MiningReport()
     for stage in stages:
         episodes = episodes_for_training(rundb, run, stage, label_set)  # by task, then sample
-        for task, group in groupby(episodes, key=lambda e: e.episode.task_index):
-            group = list(group)
+        for task, members in groupby(episodes, key=lambda e: e.episode.task_index):
+            group = list(members)
             if len(group) < 2:
                 continue
             report.groups += 1
-            chosen = max(group, key=lambda e: e.reward)  # max and min keep the first of equals
-            rejected = min(group, key=lambda e: e.reward)
-            if chosen.reward - rejected.reward < margin:
+            chosen = max(group, key=_reward)  # max and min keep the first of equals
+            rejected = min(group, key=_reward)
+            if _reward(chosen) - _reward(rejected) < margin:
                 report.below_margin += 1
                 continue
             pair = make_pair(stage, task, chosen, rejected)
@@ -87,10 +87,17 @@ def mine_pairs(
     return report
 
 
+def _reward(labelled: LabelledEpisode) -> float:
+    """A labelled episode's total: episodes_for_training reads only episodes its label set covers."""
+    assert labelled.reward is not None
+    return labelled.reward
+
+
 def make_pair(stage: str, task: int, chosen: LabelledEpisode, rejected: LabelledEpisode) -> PairRecord | None:
     turn = first_difference(chosen.episode.turns, rejected.episode.turns)
     if turn is None:
         return None
+    assert chosen.episode.id is not None and rejected.episode.id is not None  # read from the database
     example = preference_example(chosen.episode, rejected.episode, turn)
     return PairRecord(
         source_stage=stage,
@@ -98,8 +105,8 @@ def make_pair(stage: str, task: int, chosen: LabelledEpisode, rejected: Labelled
         chosen_episode_id=chosen.episode.id,
         rejected_episode_id=rejected.episode.id,
         turn_index=turn,
-        chosen_reward=chosen.reward,
-        rejected_reward=rejected.reward,
+        chosen_reward=_reward(chosen),
+        rejected_reward=_reward(rejected),
         prompt_tokens=len(example.prompt_ids),
         chosen_tokens=len(example.chosen_ids),
         rejected_tokens=len(example.rejected_ids),
