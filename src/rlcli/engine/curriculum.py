@@ -45,12 +45,14 @@ def choose_tasks(ctx: RunContext, it: int) -> list[int]:
             return list(range(it * n, (it + 1) * n))
         start, stop = pool
         return [start + (it * n + i) % (stop - start) for i in range(n)]
+    assert pool is not None  # the recipe refuses a draw (uniform, curriculum) without env.tasks
     return weighted_draw(_pool_weights(ctx, it), n, derive_seed(recipe.run.seed, "tasks", it), pool[0])
 
 
 def _pool_weights(ctx: RunContext, it: int) -> np.ndarray:
     """The draw weight of each task of env.tasks for iteration it: 1 (uniform), else the curriculum's."""
     recipe = ctx.recipe
+    assert recipe.env.tasks is not None  # the recipe refuses a draw (uniform, curriculum) without env.tasks
     start, stop = recipe.env.tasks
     if recipe.grpo.sampling != "curriculum":
         return np.ones(stop - start)
@@ -76,11 +78,12 @@ def extra_tasks(ctx: RunContext, it: int, round_: int, played: list[int], count:
         out: list[int] = []
         position = (it + 1) * n
         while len(out) < count and (size is None or position < (it + 1) * n + size):
-            task = position if pool is None else pool[0] + position % size
+            task = position if pool is None or size is None else pool[0] + position % size
             if task not in seen and task not in out:
                 out.append(task)
             position += 1
         return out
+    assert pool is not None  # the recipe refuses a draw (uniform, curriculum) without env.tasks
     start, stop = pool
     left = np.array([t for t in range(start, stop) if t not in seen], dtype=np.int64)
     weights = _pool_weights(ctx, it)[left - start]

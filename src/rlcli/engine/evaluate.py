@@ -131,7 +131,9 @@ def evaluate_checkpoint(
         lambda: _evaluate(ctx, stage, which, ckpt, tasks, policy),
         {"checkpoint": which, "tasks": tasks, "k": k, "temperature": temperature},
     )
-    return eval_result(ctx.rundb, ctx.run, stage)
+    result = eval_result(ctx.rundb, ctx.run, stage)
+    assert result is not None  # the stage just completed
+    return result
 
 
 def _evaluate(
@@ -216,5 +218,5 @@ class TrainingEvals:
         metrics = {HELDOUT_KEY: rate} if rate is not None else {}
         if step < 0 and rate is not None:  # no iteration line shows it
             self.ctx.console.print(f"eval: the starting point ({which}) has held-out success {rate:.2f}")
-        self.ctx.rundb.log_metrics(self.ctx.run, self.metrics_stage, step, metrics)
+        self.ctx.rundb.log_metrics(self.ctx.run, self.metrics_stage, step, dict(metrics))
         return metrics

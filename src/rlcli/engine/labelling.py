@@ -6,8 +6,9 @@ needs new rollouts, and a labelled stage can be read back by any later stage.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlcli.engine.context import RunContext
 from rlcli.errors import UsageError
@@ -16,6 +17,9 @@ from rlcli.store.episodes import stage_episodes, stages_with_episodes, store_rew
 from rlcli.store.names import GRPO_LABEL_SET, RESERVED_LABEL_SETS, check_user_name, label_stage
 from rlcli.store.records import Episode, RewardRow
 from rlcli.store.tasks import refresh_task_stats
+
+if TYPE_CHECKING:
+    from rlcli.rewards.scoring import RewardFn
 
 
 @dataclass(frozen=True)
@@ -55,7 +59,9 @@ def episode_dict(episode: Episode) -> dict[str, Any]:
     }
 
 
-def label_stage_episodes(ctx: RunContext, rollout_stage: str, label_set: str, fns=None) -> dict[str, Any]:
+def label_stage_episodes(
+    ctx: RunContext, rollout_stage: str, label_set: str, fns: list[RewardFn] | None = None
+) -> dict[str, Any]:
     """Label every successfully finished episode of a stage; failed episodes carry no reward.
     Returns the stage's result (see LabelSummary)."""
     from rlcli.rewards.scoring import build_reward_fns, label_episodes
@@ -111,7 +117,7 @@ def run_label_stage(ctx: RunContext, *, label_set: str) -> list[LabelSummary]:
             ctx.rundb.mark_stage(ctx.run, name, "pending")
         result = ctx.stage(
             name,
-            lambda stage=stage: label_stage_episodes(ctx, stage, label_set, fns),
+            functools.partial(label_stage_episodes, ctx, stage, label_set, fns),
             {"label_set": label_set},
             # Labels under one name come from one set of rewards; relabelling in place would hide the
             # change. A time limit changes no label: it may change, and older label sets lack it.

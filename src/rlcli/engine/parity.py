@@ -21,17 +21,25 @@ import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from rlcli.generation.sampler import Sample
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from rlcli.models.loading import PolicyModel
 
 # A chi-square cell needs an expected count of about 5 for the statistic to follow its distribution:
 # rarer tokens are pooled into one cell.
 MIN_EXPECTED = 5.0
 
 
-def first_prompt_ids(tokenizer, env_name: str, env_kwargs: dict | None = None, seed: int = 0) -> list[int]:
+def first_prompt_ids(
+    tokenizer: PreTrainedTokenizerBase, env_name: str, env_kwargs: dict | None = None, seed: int = 0
+) -> list[int]:
     """An env's first prompt as the rollout gives it to either engine (EpisodeRunner._prompt_ids):
     its first observation through the chat template with the generation prompt, then tokenised."""
     from rlcli.envs.loading import load_env
@@ -76,7 +84,7 @@ def chi_square_same(a: Counter, b: Counter) -> ChiSquare:
             pooled[0] += a[token]
             pooled[1] += b[token]
     if sum(pooled):
-        kept.append(tuple(pooled))
+        kept.append((pooled[0], pooled[1]))
     stat = 0.0
     for count_a, count_b in kept:
         column = count_a + count_b
@@ -109,7 +117,7 @@ def chi_square_fit(counts: Counter, probs: torch.Tensor) -> ChiSquare:
 
 
 @torch.no_grad()
-def next_token_probs(model, prompt: list[int], temperature: float) -> torch.Tensor:
+def next_token_probs(model: PolicyModel, prompt: list[int], temperature: float) -> torch.Tensor:
     """The trainer's distribution of the first sampled token: softmax(logits / T) after the prompt."""
     device = next(model.parameters()).device
     logits = model(input_ids=torch.tensor([prompt], device=device), logits_to_keep=1).logits[0, -1].float()
@@ -118,7 +126,7 @@ def next_token_probs(model, prompt: list[int], temperature: float) -> torch.Tens
 
 @torch.no_grad()
 def recomputed_logprobs(
-    model, prompt: list[int], samples: Sequence[Sample], temperature: float, batch_size: int = 256
+    model: PolicyModel, prompt: list[int], samples: Sequence[Sample], temperature: float, batch_size: int = 256
 ) -> list[list[float]]:
     """Each sample's token logprobs as the trainer recomputes them: log_softmax(logits / T) of an HF
     forward over prompt + ids. The prompt is run once and its KV cache shared by every completion,

@@ -19,6 +19,7 @@ from rlcli.store.names import dpo_stage
 if TYPE_CHECKING:  # the stages import torch: load them only when the recipe runs them
     from rlcli.engine.dpo import DpoSummary
     from rlcli.engine.sft import SftSummary
+    from rlcli.recipe import Recipe
     from rlcli.store.records import EvalResult
 
     StageSummary = SftSummary | DpoSummary | list[EvalResult] | BestAndLatest
@@ -61,7 +62,7 @@ def run_all(ctx: RunContext, on_summary: Callable[[StageSummary], None] | None =
     return ending
 
 
-def planned_stages(recipe) -> list[str]:
+def planned_stages(recipe: Recipe) -> list[str]:
     """run.stages, or by default the stages the recipe's settings ask for."""
     if recipe.run.stages is not None:
         return list(recipe.run.stages)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +60,7 @@ class Tracker:
 
 
 def open_trackers(
-    names: list[str], run_name: str, config: dict[str, Any], log_dir: str | Path | None = None
+    names: Sequence[str], run_name: str, config: dict[str, Any], log_dir: str | Path | None = None
 ) -> Tracker:
     """Open one backend per name (duplicates once); every package is checked before any opens.
 
@@ -75,7 +76,7 @@ def open_trackers(
     return Tracker([openers[name](run_name, config, folder) for name in names])
 
 
-def check_trackers(names: list[str]) -> None:
+def check_trackers(names: Sequence[str]) -> None:
     """Every tracker is known and its package installed (found, not imported: wandb takes seconds)."""
     for name in names:
         if name not in PACKAGES:

@@ -336,12 +336,13 @@ def token_logprobs(
         unwritable=torch.tensor(slots, device=live.device) if slots else None,
     )
     zeros = torch.zeros(live.shape, device=live.device)
-    return zeros.masked_scatter(live, logp), (zeros.masked_scatter(live, ent) if entropy else None)
+    return zeros.masked_scatter(live, logp), (zeros.masked_scatter(live, ent) if ent is not None else None)
 
 
 def _unwrap(model: PreTrainedModel) -> PreTrainedModel:
     """The transformers model under a peft wrapper (its LoRA layers in place), or the model itself."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
+    get_base_model = getattr(model, "get_base_model", None)  # a PeftModel's
+    return get_base_model() if get_base_model is not None else model
 
 
 def _hidden_states(model: PreTrainedModel, batch: MicroBatch) -> torch.Tensor:
