@@ -30,7 +30,7 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from rlcli.engine.context import RunContext
 from rlcli.envs.protocol import EnvFailure, EnvTimeout, as_messages
@@ -45,6 +45,12 @@ from rlcli.store.db import now
 from rlcli.store.episodes import episode_summary, store_episodes, stored_episode_keys
 from rlcli.store.names import BASE, EXPERT, RESERVED_STAGES, PolicyRef, check_user_name
 from rlcli.store.records import EndReason, Episode, EpisodeSummary, Turn
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from rlcli.models.loading import PolicyModel
+    from rlcli.recipe import EnvSection
 
 LINGER = 0.1  # share of the last sampling call's time spent waiting for more envs to answer
 
@@ -188,7 +194,13 @@ class EpisodeRunner:
     episodes share a call changes nothing in what is sampled.
     """
 
-    def __init__(self, envs: EnvHost, limits: RolloutLimits, sampler: Sampler | None = None, tokenizer=None):
+    def __init__(
+        self,
+        envs: EnvHost,
+        limits: RolloutLimits,
+        sampler: Sampler | None = None,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+    ) -> None:
         self.envs = envs
         self.limits = limits
         self.sampler = sampler
@@ -298,10 +310,12 @@ class EpisodeRunner:
 
     def _act(self, live: list[LiveEpisode], rows: dict[int, int]) -> list[Action]:
         """One turn of these episodes from the sampler; `rows` maps an episode (by id) to its row in it."""
+        sampler = self.sampler
+        assert sampler is not None  # the expert's actions come with the env's replies
         prompts, budgets, asking = [], [], []
         for ep in live:
             prompt = self._prompt_ids(ep)
-            budget = min(self.sampler.config.max_new_tokens, self.limits.max_length - len(prompt))
+            budget = min(sampler.config.max_new_tokens, self.limits.max_length - len(prompt))
             if budget <= 0:
                 if ep.turns:
                     ep.finish(EndReason.CONTEXT)
@@ -321,20 +335,34 @@ class EpisodeRunner:
             rows_asked = [rows[id(ep)] for ep in asking]
             if self.processor is not None:
                 images = [list(ep.images) for ep in asking]
-                samples = self.sampler.sample(rows_asked, prompts, budgets, images=images)
+                samples = sampler.sample(rows_asked, prompts, budgets, images=images)
             else:
-                samples = self.sampler.sample(rows_asked, prompts, budgets)
+                samples = sampler.sample(rows_asked, prompts, budgets)
             elapsed = (time.perf_counter() - start) / len(asking)
             for ep, prompt, sample in zip(asking, prompts, samples):
-                text = self.tokenizer.decode(sample.ids, skip_special_tokens=True)
+                text = self._decode(sample.ids, skip_special_tokens=True)
                 hashes = [ref.sha256 for ref in ep.images]
                 results[id(ep)] = Action(text, sample.ids, sample.logprobs, prompt, elapsed, sample.finished, hashes)
         return [results.get(id(ep), Action("")) for ep in live]
 
+    def _policy_tokenizer(self) -> PreTrainedTokenizerBase:
+        """The policy's tokenizer: a runner with a sampler has one (the expert's plays text)."""
+        assert self.tokenizer is not None
+        return self.tokenizer
+
+    def _decode(self, ids: list[int], **options: bool) -> str:
+        # transformers types decode str | list[str]: a list of ids decodes to one string.
+        return cast(str, self._policy_tokenizer().decode(ids, **options))
+
     def _render(self, ep: LiveEpisode) -> str:
-        return self.tokenizer.apply_chat_template(
-            ep.messages, tools=ep.tools, add_generation_prompt=True, tokenize=False
+        text = self._policy_tokenizer().apply_chat_template(
+            ep.messages,
+            # transformers types tools as an (invariant) list of dicts or callables: a list of dicts is one.
+            tools=ep.tools,  # type: ignore[arg-type]
+            add_generation_prompt=True,
+            tokenize=False,
         )
+        return cast(str, text)  # tokenize=False: the text
 
     def _observe(self, ep: LiveEpisode, messages: list[dict]) -> list[dict]:
         """A vision-language model's observation: each image as a PIL image named by its hash (its PNG
@@ -371,11 +399,11 @@ class EpisodeRunner:
         rendered = self._render(ep)
         if ep.ids and rendered.startswith(ep.text):
             suffix = rendered[len(ep.text) :]
-            ids = ep.ids + self.tokenizer(suffix, add_special_tokens=False)["input_ids"]
+            ids = ep.ids + self._policy_tokenizer()(suffix, add_special_tokens=False)["input_ids"]
         else:
             if ep.ids:
                 ep.template_consistent = False
-            ids = self.tokenizer(rendered, add_special_tokens=False)["input_ids"]
+            ids = self._policy_tokenizer()(rendered, add_special_tokens=False)["input_ids"]
         ep.ids, ep.text = ids, rendered
         return ids
 
@@ -388,12 +416,11 @@ class EpisodeRunner:
                 ep.finish(EndReason.ERROR, f"expert_action failed: {reply.failure}")
                 return
             action = Action(reply.action, gen_time_s=reply.expert_time_s)
+        assert action is not None  # a sampled turn's action, or the expert's (above)
         ep.messages.append({"role": "assistant", "content": action.text})
         if self.sampler is not None:
             ep.ids = ep.ids + action.ids
-            ep.text = ep.text + self.tokenizer.decode(
-                action.ids, skip_special_tokens=False, clean_up_tokenization_spaces=False
-            )
+            ep.text = ep.text + self._decode(action.ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
         try:
             if reply.failure is not None:
                 raise reply.failure
@@ -449,7 +476,7 @@ class EpisodeRunner:
                 ep.finish(EndReason.MAX_TURNS)
 
 
-def env_host(env_cfg, factory: Callable[[], Any]) -> EnvHost:
+def env_host(env_cfg: EnvSection, factory: Callable[[], Any]) -> EnvHost:
     """Where the recipe's envs run: this process (env.workers 0), a pool of worker processes, or Ray actors."""
     if env_cfg.workers == 0:
         return InProcessEnvs(factory, env_cfg.step_timeout_s)
@@ -508,7 +535,7 @@ def collect(
     stage: str,
     policy: PolicyRef,
     sampler: Sampler | None = None,
-    tokenizer=None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
     task_indices: list[int],
     group_size: int | dict[int, int],
     split: str,
@@ -573,7 +600,7 @@ class _progress:
         self.tokens = 0
         self.start = time.perf_counter()
 
-    def __enter__(self):
+    def __enter__(self) -> Callable[[int, int], None]:
         self.progress.start()
 
         def advance(episodes: int, tokens: int) -> None:
@@ -583,14 +610,16 @@ class _progress:
 
         return advance
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.progress.stop()
 
 
 # --- policies -------------------------------------------------------------------
 
 
-def load_rollout_policy(ctx: RunContext, policy: str):
+def load_rollout_policy(
+    ctx: RunContext, policy: str
+) -> tuple[PolicyRef, PolicyModel | None, PreTrainedTokenizerBase | None]:
     """Resolve base / sft / latest / best / expert / a checkpoint id (the CLI form) into (the
     PolicyRef resolved: base, expert or a checkpoint id; model; tokenizer)."""
     ref = PolicyRef.from_cli(policy)
@@ -621,6 +650,7 @@ def run_rollout_stage(ctx: RunContext, *, stage: str, policy: str, split: str) -
         resolved, model, tokenizer = load_rollout_policy(ctx, str(weights))
         sampler: Sampler | None = None
         if model is not None:
+            assert tokenizer is not None  # loaded with the model
             folder = checkpoint.path if checkpoint is not None else None
             sampling = sampling_config(recipe.rollout)
             sampler = make_sampler(recipe, model, tokenizer, sampling, base=resolved == BASE, checkpoint_folder=folder)

@@ -86,6 +86,10 @@ class EnvHost(Protocol):
 
     def release(self, key: int) -> None: ...
 
+    def __enter__(self) -> EnvHost: ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
 
 class InProcessEnvs:
     """env.workers: 0: every call runs now, in this process, under call_with_timeout's thread."""
