@@ -72,8 +72,9 @@ def tiny_recipe(tmp_path: Path) -> Path:
     land between their commits), SFT with a trainer checkpoint at each of its 6 steps, GRPO with
     grpo.checkpoint_every 2 (iteration 0 saves none), an env that times out and raises on some tasks
     (FLAKY_ENV: 6 timeouts of 0.5 s in a run), and three evaluated checkpoints (base, sft, latest).
-    On 2 CPU cores the work takes about 5.5 s, beside about 4.5 s of imports and model loading that
-    every invocation pays."""
+    On 2 idle CPU cores the work took about 2.5 s before the timeouts added their 3 s, beside about
+    4.5 s of imports and model loading that every invocation pays (15 to 22 s in all on 2 cores
+    shared with other test runs)."""
     (tmp_path / "distinct.py").write_text(DISTINCT_CHARS)
     (tmp_path / "flaky.py").write_text(FLAKY_ENV)
     return write_recipe(
