@@ -54,10 +54,11 @@ import sys
 import time
 import traceback
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlcli.engine.context import RunContext
 from rlcli.errors import RlcliError, UsageError
@@ -72,6 +73,11 @@ from rlcli.store.names import (
     rollout_stage,
     try_parse_stage,
 )
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from rlcli.recipe import Recipe
 
 # The truncation of the staleness correction's importance weights when grpo.tis_cap is null: a token
 # whose probability rose more than 2x since it was sampled counts at most twice.
@@ -108,7 +114,9 @@ def set_aside_stale(ctx: RunContext, it: int, bound: int) -> int:
     stale = [e for e in stage_episodes(ctx.rundb, ctx.run, stage) if staleness(it, e.policy) > bound]
     if not stale:
         return 0
-    aside = set_aside_episodes(ctx.rundb, ctx.run, stage, [e.id for e in stale])
+    ids = [e.id for e in stale if e.id is not None]
+    assert len(ids) == len(stale)  # read from the database: every stored episode has its id
+    aside = set_aside_episodes(ctx.rundb, ctx.run, stage, ids)
     # The stage plays them again; its labels (GRPO's, and any `rlcli label` set's) must cover the new ones.
     for row in ctx.rundb.stages(ctx.run):
         if row.done and _labels_or_plays(row.name, it):
@@ -141,7 +149,7 @@ def thread_split(threads: int | None) -> tuple[int, int]:
     return max(1, total - worker), worker
 
 
-def worker_device(recipe) -> tuple[str, str | None]:
+def worker_device(recipe: Recipe) -> tuple[str, str | None]:
     """(the worker's device as it sees it, its CUDA_VISIBLE_DEVICES or None): rollout.device, else
     model.device. A GPU is made the worker's only visible one, so an in-process vLLM engine (which
     takes the first visible GPU) can run on any of them."""
@@ -209,7 +217,7 @@ class RolloutWorker:
     def __enter__(self) -> RolloutWorker:
         return self
 
-    def __exit__(self, exc_type, *exc) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         if exc_type is None:
             with contextlib.suppress(OSError):
                 self.conn.send(("stop",))
@@ -248,6 +256,7 @@ class RolloutWorker:
         self.used_version = max(self.used_version, version)
         prune_pushes(self.ctx, self.used_version)
         row = self.ctx.rundb.stage(self.ctx.run, rollout_stage(it))
+        assert row is not None  # the worker reports a rollout done only once its stage is stored
         timings = {"perf/time_rollout_s": seconds, "perf/time_wait_s": waited}
         return row.result or {}, timings, self.fresh[it]
 
@@ -285,7 +294,7 @@ class RolloutWorker:
 
 
 @contextlib.contextmanager
-def _environment(name: str, value: str | None):
+def _environment(name: str, value: str | None) -> Iterator[None]:
     """os.environ[name] = value for the duration (None: unchanged)."""
     if value is None:
         yield
@@ -362,7 +371,7 @@ def _serve_rollouts(conn: Connection, spec: RolloutWorkerSpec) -> None:
     ctx = RunContext(recipe, rundb, spec.run, Path(spec.runs_dir), console=Console(stderr=True, quiet=True))
     weights: tuple[int, str | None, PolicyRef] | None = None  # (version, folder, policy): the newest pushed
     asked: deque[tuple[int, list[int]]] = deque()
-    policy = None  # (weights, sampler, tokenizer) loaded
+    policy: tuple[tuple[int, str | None, PolicyRef], Sampler, PreTrainedTokenizerBase] | None = None  # loaded
 
     def take(message: tuple) -> bool:
         nonlocal weights
@@ -379,6 +388,7 @@ def _serve_rollouts(conn: Connection, spec: RolloutWorkerSpec) -> None:
                     return
                 continue
             j, tasks = asked.popleft()
+            assert weights is not None  # the trainer pushes the starting weights before it asks for a rollout
             if policy is None or policy[0] != weights:
                 policy = (weights, *_load(recipe, weights[1]))
             start = time.perf_counter()
@@ -392,7 +402,7 @@ def _serve_rollouts(conn: Connection, spec: RolloutWorkerSpec) -> None:
         rundb.close()
 
 
-def _load(recipe, folder: str | None) -> tuple[Sampler, Any]:
+def _load(recipe: Recipe, folder: str | None) -> tuple[Sampler, PreTrainedTokenizerBase]:
     """(sampler, tokenizer) over the weights in `folder` (None: the base model)."""
     from rlcli.generation.engines import make_sampler
     from rlcli.generation.sampler import sampling_config
@@ -403,7 +413,9 @@ def _load(recipe, folder: str | None) -> tuple[Sampler, Any]:
     return make_sampler(recipe, model, tokenizer, sampling, base=folder is None, checkpoint_folder=folder), tokenizer
 
 
-def _rollout(ctx: RunContext, j: int, tasks: list[int], policy: PolicyRef, sampler: Sampler, tokenizer) -> None:
+def _rollout(
+    ctx: RunContext, j: int, tasks: list[int], policy: PolicyRef, sampler: Sampler, tokenizer: PreTrainedTokenizerBase
+) -> None:
     """rollout/j as the synchronous loop runs it: same stage, params, seeds and episodes."""
     from rlcli.engine.rollout import collect
 

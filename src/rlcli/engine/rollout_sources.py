@@ -214,7 +214,9 @@ def _informative_groups(ctx: RunContext, stages: list[str]) -> int:
     if not episodes:
         return 0
     groups = [e.episode.task_index for e in episodes]
-    zero_var = grpo.zero_variance_groups([e.reward for e in episodes], groups)
+    rewards = [e.reward for e in episodes if e.reward is not None]
+    assert len(rewards) == len(episodes)  # episodes_for_training reads only episodes with a total
+    zero_var = grpo.zero_variance_groups(rewards, groups)
     return len({g for g, flat in zip(groups, zero_var.tolist(), strict=True) if not flat})
 
 

@@ -227,6 +227,7 @@ class GrpoTrainer:
                 continue
             if cfg.mask_truncated and ep.hit_a_cap:
                 continue
+            assert ep.id is not None  # read from the database: every stored episode has its id
             for seq in episode_sequences(ep.id, ep.task_index, ep.turns):
                 seq.advantage = [turn_adv[i][t] for t in seq.turn_of_token]
                 seq.truncated = ep.hit_a_cap
@@ -239,7 +240,7 @@ class GrpoTrainer:
             float(rewards.mean()),
             float(rewards.std(unbiased=False)),
             metrics,
-            [(e.episode.id, e.episode.task_index) for e in replayed] if cfg.replay is not None else None,
+            [(_stored_id(e), e.episode.task_index) for e in replayed] if cfg.replay is not None else None,
         )
 
     def iteration(self, batch: IterationBatch) -> IterationStats:
@@ -342,7 +343,9 @@ def hard_tasks(ctx: RunContext, stages: list[str]) -> set[int]:
     """The tasks these rollout stages played with rollout.group_size_hard samples (their recorded sizes)."""
     hard = set()
     for stage in stages:
-        params = ctx.rundb.stage(ctx.run, stage).params
+        row = ctx.rundb.stage(ctx.run, stage)
+        assert row is not None  # rollout_stages names only stages that were played
+        params = row.params
         sizes = params.get("group_sizes") or []
         hard |= {t for t, n in zip(params["tasks"], sizes) if n == ctx.recipe.rollout.group_size_hard}
     return hard
@@ -352,9 +355,10 @@ def replays_for(ctx: RunContext, it: int, episodes: list[LabelledEpisode]) -> li
     """grpo.replay: for each group with no episode of total reward >= min_reward, up to max_per_group of
     that task's stored episodes from earlier iterations that reached it (store/replays.py)."""
     cfg = ctx.recipe.grpo.replay
+    assert cfg is not None  # GrpoTrainer.batch calls this only with grpo.replay set
     best: dict[int, float] = {}
     for e in episodes:
-        best[e.episode.task_index] = max(best.get(e.episode.task_index, -math.inf), e.reward)
+        best[e.episode.task_index] = max(best.get(e.episode.task_index, -math.inf), _total(e))
     out = []
     for task, reward in best.items():
         if reward < cfg.min_reward:
@@ -366,8 +370,21 @@ def _turn_rewards(labelled: LabelledEpisode) -> list[float]:
     """The env's per-step rewards, with whatever the labelled total adds beyond them (judges,
     penalties, weights) credited to the last turn, so the turn rewards sum to the total."""
     rewards = [t.reward or 0.0 for t in labelled.episode.turns]
-    rewards[-1] += labelled.reward - sum(rewards)
+    rewards[-1] += _total(labelled) - sum(rewards)
     return rewards
+
+
+def _total(labelled: LabelledEpisode) -> float:
+    """A training episode's total: episodes_for_training and replay_candidates read only episodes
+    with a total under the label set."""
+    assert labelled.reward is not None
+    return labelled.reward
+
+
+def _stored_id(labelled: LabelledEpisode) -> int:
+    """A training episode's id: it was read from the database, where every episode has one."""
+    assert labelled.episode.id is not None
+    return labelled.episode.id
 
 
 # --- schedule, checkpoints, resume ------------------------------------------------------------
