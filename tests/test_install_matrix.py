@@ -1,4 +1,4 @@
-"""The install matrix (README, set-up; the Makefile) as an ordinary machine resolves it from PyPI.
+"""The install matrix (README, "Install"; docs/install.md; the Makefile) as an ordinary machine resolves it from PyPI.
 
 The development machines' pip is configured with local wheel folders and indexes (a torch-2.13.0+cpu
 wheel among them), so an install here says little about a fresh machine. These tests ask pip for a
