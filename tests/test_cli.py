@@ -140,6 +140,14 @@ def test_help_lists_the_commands(capsys):
         assert command in out
 
 
+def test_version(capsys):
+    from importlib.metadata import version
+
+    code, out, err = cli(capsys, "--version")
+    assert code == 0 and err == ""
+    assert out.strip() == f"rlcli {version('rlcli')}"
+
+
 # --- recipes validate ----------------------------------------------------------------------
 
 

@@ -16,7 +16,7 @@ import typer
 from rich.markup import escape
 
 from rlcli.cli import envs, export, models, recipes, runs, stages
-from rlcli.cli.common import SharedOptions, err_console, shared
+from rlcli.cli.common import SharedOptions, console, err_console, shared
 from rlcli.errors import RlcliError
 from rlcli.report.text import printable
 
@@ -37,6 +37,14 @@ app.add_typer(models.app, name="models")
 app.add_typer(recipes.app, name="recipes")
 
 
+def print_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        console.print(f"rlcli {version('rlcli')}", highlight=False)
+        raise typer.Exit()
+
+
 @app.callback()
 def shared_options(
     cli_ctx: typer.Context,
@@ -47,6 +55,10 @@ def shared_options(
         ),
     ] = None,
     debug: Annotated[bool, typer.Option("--debug", help="Show full tracebacks on errors.")] = False,
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=print_version, is_eager=True, help="Print rlcli's version and exit."),
+    ] = False,
 ) -> None:
     options = shared(cli_ctx)
     options.runs_dir = runs_dir
