@@ -148,6 +148,18 @@ def test_version(capsys):
     assert out.strip() == f"rlcli {version('rlcli')}"
 
 
+@pytest.mark.parametrize(
+    "argv", [["runs", "list"], ["runs", "show"], ["run"], ["eval"], ["recipes", "validate"], []], ids=" ".join
+)
+def test_help_shows_no_bool_metavar_nor_braces(capsys, argv):
+    """Flags take no value, so their help shows none (`--force`, not `--force <bool>`), and usage
+    names arguments as click does (`RUN`, `[OVERRIDES]...`), not in braces (`{run}`)."""
+    code, out, _ = cli(capsys, *argv, "--help")
+    assert code == 0
+    assert "<bool>" not in out and "{" not in out, out
+    assert "--help" in out
+
+
 # --- recipes validate ----------------------------------------------------------------------
 
 

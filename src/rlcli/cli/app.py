@@ -15,6 +15,7 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
+import rlcli.cli.helpfmt  # noqa: F401  (imported for its effect: help in click's conventions)
 from rlcli.cli import envs, export, models, recipes, runs, stages
 from rlcli.cli.common import SharedOptions, console, err_console, shared
 from rlcli.errors import RlcliError

@@ -1,0 +1,42 @@
+"""Help text in click's conventions, where Typer's rich help departs from them.
+
+Typer's rich help (typer 0.2x: `TyperOption.display_type_rich`, `TyperArgument._usage_display_name`)
+shows a value type after every option, flags included (`--force <bool>`, `--help <bool>`), though a
+flag takes no value; and it writes a required argument in braces in the usage line
+(`rlcli runs show [OPTIONS] {run}`), which reads as a set of choices. Click writes `--force` and
+`RUN`. Both methods are replaced here once, for every command, the generated `--help` included,
+which no per-option metavar could reach. If a Typer release renames them, help falls back to
+Typer's own rendering (tests/test_cli.py then fails on `<bool>` or `{`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from typer.core import TyperArgument, TyperOption
+
+
+def _install() -> None:
+    option_type = getattr(TyperOption, "display_type_rich", None)
+    if option_type is not None and not getattr(option_type, "_rlcli", False):
+
+        def display_type_rich(self: TyperOption, ctx: Any) -> str | None:
+            if self.is_flag or self.count:
+                return None  # a flag takes no value: nothing to show after it
+            return option_type(self, ctx)
+
+        display_type_rich._rlcli = True  # type: ignore[attr-defined]
+        setattr(TyperOption, "display_type_rich", display_type_rich)  # noqa: B010
+
+    if hasattr(TyperArgument, "_usage_display_name") and hasattr(TyperArgument, "display_name_raw"):
+
+        def usage_display_name(self: TyperArgument) -> str:
+            name = self.metavar if self.metavar is not None else (self.name or "").upper()
+            if not self.required:
+                name = f"[{name}]"
+            return name + ("..." if self.nargs != 1 else "")
+
+        setattr(TyperArgument, "_usage_display_name", usage_display_name)  # noqa: B010
+
+
+_install()
