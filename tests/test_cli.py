@@ -156,7 +156,8 @@ def test_help_shows_no_bool_metavar_nor_braces(capsys, argv):
     names arguments as click does (`RUN`, `[OVERRIDES]...`), not in braces (`{run}`)."""
     code, out, _ = cli(capsys, *argv, "--help")
     assert code == 0
-    assert "<bool>" not in out and "{" not in out, out
+    usage = next(line for line in out.splitlines() if "Usage:" in line)
+    assert "<bool>" not in out and "{" not in usage, out
     assert "--help" in out
 
 
@@ -181,6 +182,17 @@ def test_recipes_validate_reports_every_bad_file(capsys, tmp_path, bad):
     code, _, err = cli(capsys, "recipes", "validate", bad, missing)
     assert code == 2
     assert "grpo.lrr" in err and str(missing) in err and "does not exist" in err
+
+
+def test_recipes_validate_json(capsys, good, bad):
+    code, out, err = cli(capsys, "recipes", "validate", good, bad, "--json")
+    assert code == 2 and err == ""
+    report = json.loads(out)
+    assert report["ok"] is False
+    assert [(f["path"], f["ok"]) for f in report["files"]] == [(str(good), True), (str(bad), False)]
+    assert report["files"][0]["errors"] == [] and "grpo.lrr" in report["files"][1]["errors"][0]
+    code, out, err = cli(capsys, "recipes", "validate", good, "--json")
+    assert code == 0 and err == "" and json.loads(out)["ok"] is True
 
 
 def test_recipes_validate_shipped_recipes(capsys):

@@ -297,6 +297,13 @@ def test_plot_eval_bars_at_100_percent(capsys, runs_dir, tmp_path):
     assert code == 0, err
 
 
+def test_plot_json_names_the_file(capsys, runs_dir, tmp_path):
+    png = tmp_path / "demo.png"
+    code, out, _ = cli(capsys, "runs", "plot", "demo", "--out", png, "--json")
+    assert code == 0 and json.loads(out) == {"run": "demo", "files": [str(png)]}
+    assert png.stat().st_size > 5_000
+
+
 def test_plot_default_path_and_chosen_metrics(capsys, runs_dir):
     code, out, _ = cli(capsys, "runs", "plot", "demo", "-m", "train/kl", "-m", "sft/loss")
     assert code == 0 and Path(out.strip()) == runs_dir / "demo" / "metrics.png"

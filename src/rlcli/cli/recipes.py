@@ -22,20 +22,30 @@ RESUME_SAFE_NOTE = "Can change on resume without --force."
 
 
 @app.command("validate")
-def recipes_validate(files: Annotated[list[Path], typer.Argument(help="Recipe YAML files.")]) -> None:
-    """Check recipe files against the schema (fast: loads no model)."""
+def recipes_validate(
+    files: Annotated[list[Path], typer.Argument(help="Recipe YAML files.")], as_json: JsonOpt = False
+) -> None:
+    """Check recipe files against the schema (fast: loads no model). Exits 2 if any file fails.
+
+    With --json: {"ok": bool, "files": [{"path", "ok", "errors": [message, ...]}]} and nothing on stderr."""
     from rlcli.recipe import load_recipe
 
-    failed = 0
+    results = []
     for path in files:
         try:
             load_recipe(path)
         except UsageError as exc:
-            failed += 1
-            err_console.print(f"[red]✗[/red] {exc}", highlight=False)
+            results.append({"path": str(path), "ok": False, "errors": [str(exc)]})
+            if not as_json:
+                err_console.print(f"[red]✗[/red] {exc}", highlight=False)
         else:
-            console.print(f"[green]✓[/green] {path}", highlight=False)
-    if failed:
+            results.append({"path": str(path), "ok": True, "errors": []})
+            if not as_json:
+                console.print(f"[green]✓[/green] {path}", highlight=False)
+    ok = all(result["ok"] for result in results)
+    if as_json:
+        print(json.dumps({"ok": ok, "files": results}, indent=2))
+    if not ok:
         raise typer.Exit(2)
 
 

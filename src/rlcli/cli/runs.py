@@ -96,8 +96,11 @@ def runs_plot(
         ),
     ] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace the --out file if it exists.")] = False,
+    as_json: JsonOpt = False,
 ) -> None:
-    """Plot reward, success, loss, KL and entropy curves and eval success (95% CI) to an image."""
+    """Plot reward, success, loss, KL and entropy curves and eval success (95% CI) to an image.
+
+    Prints the file written; with --json, {"run": RUN, "files": [path]}."""
     from rlcli.export_folder import check_file_target
     from rlcli.report import plot
 
@@ -111,7 +114,7 @@ def runs_plot(
         )
     finally:
         rundb.close()
-    print(path)
+    print(json.dumps({"run": run, "files": [str(path)]}, indent=2) if as_json else path)
 
 
 @app.command("episodes")
