@@ -350,6 +350,12 @@ def test_runs_list_json_on_an_empty_dir(capsys, rlcli_home):
     assert json.loads(out) == []
 
 
+def test_runs_list_empty_says_what_to_run(capsys, rlcli_home):
+    code, out, err = cli(capsys, "runs", "list")
+    assert code == 0 and out == ""
+    assert "rlcli run -r" in one_line(err) and str(rlcli_home) in err
+
+
 def test_runs_list_json_lists_runs(capsys, rlcli_home):
     rundb = RunDB.open(rlcli_home)
     try:

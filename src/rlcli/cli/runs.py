@@ -35,6 +35,12 @@ def runs_list(cli_ctx: typer.Context, as_json: JsonOpt = False) -> None:
         rundb.close()
     if as_json:
         print(json.dumps(rows, indent=2))
+    elif not rows:  # a hint, not a result: stderr, and stdout stays empty
+        err_console.print(
+            f"No runs in {rundb.path.parent} yet. Start one with: rlcli run -r recipes/quickstart.yaml",
+            highlight=False,
+            markup=False,
+        )
     else:
         console.print(tables.runs_table(rows))
 
