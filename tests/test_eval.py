@@ -160,6 +160,20 @@ def test_cli_eval_json_and_runs_show_include_evals(tmp_path):
     assert any(s["name"] == "eval/base" and s["status"] == "done" for s in data["stages"])
 
 
+def test_cli_eval_table_on_stdout_progress_on_stderr(tmp_path):
+    """Results on stdout (`rlcli eval ... > out.txt` keeps the table), progress on stderr; under
+    --json stdout holds the JSON alone."""
+    runs = tmp_path / "runs"
+    recipe = write_recipe(tmp_path / "r.yaml", env={"name": "arithmetic"}, eval={"tasks": 2})
+    out = run_in_process(["eval", "-r", str(recipe), "-c", "base"], runs)
+    assert out.returncode == 0, out.stderr
+    assert "base" in out.stdout and "success" in out.stdout, out.stdout
+    assert out.stderr.strip() and "success" not in out.stderr, out.stderr
+    again = run_in_process(["eval", "-r", str(recipe), "-c", "base", "--json"], runs)
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout)[0]["checkpoint"] == "base"
+
+
 def test_eval_table_counts_failed_episodes_beside_the_success_rate():
     from dataclasses import replace
 

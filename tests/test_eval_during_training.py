@@ -309,7 +309,7 @@ def test_run_reports_best_and_latest_and_eval_takes_best(tmp_path):
     runs = tmp_path / "runs"
     done = run_in_process(["run", "-r", str(recipe)], runs)
     assert done.returncode == 0, done.stderr
-    assert "best and latest" in done.stderr
+    assert "best and latest" in done.stdout and "best and latest" not in done.stderr  # a result: stdout
     episodes = query(runs, "select count(*) from episodes")
     # The tiny random model never succeeds: every eval ties, so best is the newest checkpoint.
     again = run_in_process(["eval", "-r", str(recipe), "-c", "best", "--json"], runs)

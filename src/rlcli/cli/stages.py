@@ -11,9 +11,13 @@ from typing import Annotated
 
 import typer
 
-from rlcli.cli.common import ForceOpt, JsonOpt, Overrides, RecipeOpt, RunOpt, stage_run
+from rlcli.cli.common import ForceOpt, JsonOpt, Overrides, RecipeOpt, RunOpt, console, err_console, stage_run
 from rlcli.errors import UsageError
 from rlcli.store.names import DpoStage, try_parse_stage
+
+# A stage's final tables are its results: on stdout (`rlcli run ... > out.txt` keeps them), while
+# progress and logs go to stderr (ctx.console). Under --json, stdout holds the JSON alone and the
+# tables go to stderr.
 
 app = typer.Typer()
 train_app = typer.Typer(help="Online training algorithms.", no_args_is_help=True)
@@ -33,7 +37,7 @@ def run_cmd(
         from rlcli.engine.pipeline import run_all
         from rlcli.report.tables import stage_summary_table
 
-        run_all(ctx, on_summary=lambda summary: ctx.console.print(stage_summary_table(summary)))
+        run_all(ctx, on_summary=lambda summary: console.print(stage_summary_table(summary)))
 
 
 @app.command("sft")
@@ -49,7 +53,7 @@ def sft_cmd(
         from rlcli.engine.sft import run_sft
         from rlcli.report.tables import sft_table
 
-        ctx.console.print(sft_table(run_sft(ctx)))
+        console.print(sft_table(run_sft(ctx)))
 
 
 @app.command("rollout")
@@ -71,7 +75,7 @@ def rollout_cmd(
         from rlcli.report.tables import episodes_table
 
         summary = run_rollout_stage(ctx, stage=stage, policy=policy or ctx.recipe.rollout.policy, split=split)
-        ctx.console.print(episodes_table(stage, summary))
+        console.print(episodes_table(stage, summary))
 
 
 @app.command("label")
@@ -88,7 +92,7 @@ def label_cmd(
         from rlcli.engine.labelling import run_label_stage
         from rlcli.report.tables import labels_table
 
-        ctx.console.print(labels_table(run_label_stage(ctx, label_set=label_set)))
+        console.print(labels_table(run_label_stage(ctx, label_set=label_set)))
 
 
 @train_app.command("grpo")
@@ -129,7 +133,7 @@ def train_dpo_cmd(
         from rlcli.report.tables import stage_summary_table
 
         summary = run_dpo(ctx, stage)
-        ctx.console.print(stage_summary_table(summary))
+        (err_console if as_json else console).print(stage_summary_table(summary))
     if as_json:
         print(json.dumps(asdict(summary), indent=2))
 
@@ -159,6 +163,6 @@ def eval_cmd(
         from rlcli.report.views import eval_view
 
         rows = [eval_view(r) for r in run_eval(ctx, checkpoint or ctx.recipe.eval.checkpoints)]
-        ctx.console.print(evals_table(rows))
+        (err_console if as_json else console).print(evals_table(rows))
     if as_json:
         print(json.dumps(rows, indent=2))
