@@ -715,3 +715,21 @@ def test_episodes_beyond_sqlites_variable_limit(capsys, rlcli_home, monkeypatch)
     code, out, err = cli(capsys, "runs", "episodes", "big", "-n", "1200", "--json")
     assert code == 0, err
     assert len(json.loads(out)) == 1200
+
+
+def test_numbers_people_read_are_not_in_e_notation():
+    """tok/s 1570.3 reads `1,570`, not `1.57e+03`: in table cells and in GRPO's line per iteration."""
+    import io
+
+    from rich.console import Console
+
+    from rlcli.engine.train import MetricsView
+    from rlcli.report.tables import fmt
+
+    assert fmt(1570.3) == "1,570" and fmt(123456.0) == "123,456"
+    assert fmt(0.1234567) == "0.1235" and fmt(3e-05) == "3e-05" and fmt(12.5) == "12.5" and fmt(None) == "–"
+    assert fmt(float("nan")) == "nan"
+    out = io.StringIO()
+    MetricsView(Console(file=out, width=200)).show(0, {"perf/tokens_per_s": 1570.3, "train/kl": 0.00123})
+    line = out.getvalue().splitlines()[-1]
+    assert "1,570" in line and "e+" not in line and "0.00123" in line

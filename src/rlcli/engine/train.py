@@ -69,6 +69,7 @@ from rlcli.engine.labelling import GRPO_LABEL_SET, label_stage_episodes
 from rlcli.engine.rollout_sources import Rollout, rollout_source
 from rlcli.engine.trainer import METRICS_STAGE, GrpoTrainer, IterationStats, saves_checkpoint
 from rlcli.errors import UsageError
+from rlcli.report.text import number
 from rlcli.store.checkpoints import checkpoints, train_checkpoints
 from rlcli.store.names import (
     GrpoStage,
@@ -304,5 +305,5 @@ class MetricsView:
         cells = [f"{it:>8}"]
         for _, key in self.COLUMNS[1:]:
             value = metrics.get(key)
-            cells.append(f"{value:>8.3g}" if isinstance(value, (int, float)) else f"{'–':>8}")
+            cells.append(f"{number(float(value), 3):>8}" if isinstance(value, (int, float)) else f"{'–':>8}")
         self.console.print(" ".join(cells), highlight=False)
