@@ -27,7 +27,7 @@ def recipes_validate(
 ) -> None:
     """Check recipe files against the schema (fast: loads no model). Exits 2 if any file fails.
 
-    With --json: {"ok": bool, "files": [{"path", "ok", "errors": [message, ...]}]} and nothing on stderr."""
+    With --json: an object with "ok" and "files" (each with "path", "ok" and a list of "errors"), nothing on stderr."""
     from rlcli.recipe import load_recipe
 
     results = []

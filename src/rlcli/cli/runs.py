@@ -106,7 +106,7 @@ def runs_plot(
 ) -> None:
     """Plot reward, success, loss, KL and entropy curves and eval success (95% CI) to an image.
 
-    Prints the file written; with --json, {"run": RUN, "files": [path]}."""
+    Prints the file written; with --json, an object with "run" and "files" (a list of the paths written)."""
     from rlcli.export_folder import check_file_target
     from rlcli.report import plot
 
