@@ -1,9 +1,20 @@
 """The console that progress, notes and errors go to: stderr, so that --json output on stdout stays
-clean. One for the whole program; it imports nothing from rlcli, so any module may print through it."""
+clean. One for the whole program, with how a number reads on it; it imports nothing from rlcli, so any
+module may print through it."""
 
 from __future__ import annotations
+
+import math
 
 from rich.console import Console
 
 # highlight=False: rich would colour the numbers and paths inside messages at random.
 err_console = Console(stderr=True, soft_wrap=True, highlight=False)
+
+
+def number(value: float, digits: int = 4) -> str:
+    """A number a person reads: from 10**(digits-1) up, whole with thousands separators (1,570 tok/s,
+    not 1.57e+03); below, `digits` significant digits (0.1235, 12.5, 3e-05)."""
+    if math.isfinite(value) and abs(value) >= 10 ** (digits - 1):
+        return f"{value:,.0f}"
+    return f"{value:.{digits}g}"

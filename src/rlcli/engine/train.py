@@ -62,6 +62,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
+from rlcli.console import number
 from rlcli.engine import guardrails
 from rlcli.engine.context import RunContext
 from rlcli.engine.evaluate import TrainingEvals
@@ -69,7 +70,6 @@ from rlcli.engine.labelling import GRPO_LABEL_SET, label_stage_episodes
 from rlcli.engine.rollout_sources import Rollout, rollout_source
 from rlcli.engine.trainer import METRICS_STAGE, GrpoTrainer, IterationStats, saves_checkpoint
 from rlcli.errors import UsageError
-from rlcli.report.text import number
 from rlcli.store.checkpoints import checkpoints, train_checkpoints
 from rlcli.store.names import (
     GrpoStage,

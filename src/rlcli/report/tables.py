@@ -17,7 +17,8 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from rlcli.report.text import literal, number, printable
+from rlcli.console import number
+from rlcli.report.text import literal, printable
 from rlcli.report.views import COMPARE_METRICS, KEY_METRICS, OTHER_CHECKPOINTS, ending_view, eval_view
 from rlcli.rewards.episodes import message_text
 from rlcli.store.checkpoints import BestAndLatest

@@ -6,7 +6,6 @@ Light on purpose (no database, no tables): the CLI imports it as it starts.
 
 from __future__ import annotations
 
-import math
 import re
 from typing import Any
 
@@ -27,11 +26,3 @@ def literal(value: Any, style: str = "") -> Text:
     """A cell, title or panel body: printable, and never read as Rich markup (a `[/x]` in a name
     would fail the whole view)."""
     return Text(printable(value), style=style)
-
-
-def number(value: float, digits: int = 4) -> str:
-    """A number a person reads: from 10**(digits-1) up, whole with thousands separators (1,570 tok/s,
-    not 1.57e+03); below, `digits` significant digits (0.1235, 12.5, 3e-05)."""
-    if math.isfinite(value) and abs(value) >= 10 ** (digits - 1):
-        return f"{value:,.0f}"
-    return f"{value:.{digits}g}"
