@@ -34,6 +34,9 @@ BIN := $(VENV)/bin
 BUILD := $(if $(filter yes,$(GPU)),gpu,cpu)-$(TORCH)-$(VLLM)$(if $(VLLM_IF_CPU_TORCH),-if-cpu-torch)-$(TORCH_INDEX)
 STAMP := $(VENV)/.installed-$(subst =,_,$(subst <,_,$(subst >,_,$(subst /,_,$(subst :,_,$(BUILD))))))
 PYTEST_ARGS ?=
+# `make test` and `make test-fast` run on two pytest-xdist workers, each with one torch thread
+# (tests/conftest.py), whole test files each, the longest first; XDIST= runs them in one process.
+XDIST ?= -n 2 --dist loadfile --no-loadscope-reorder
 # Nothing here may reach a model hub; a hub id fails at once instead of retrying.
 export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
@@ -75,7 +78,7 @@ demo: install
 	$(BIN)/rlcli runs plot quickstart --out runs/quickstart/curves.png
 
 test: install
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
 
 # mypy: the type checker, configured in pyproject.toml ([tool.mypy]) for src/; its cache, .mypy_cache,
 # makes a re-run take seconds.
@@ -89,7 +92,7 @@ format: install
 	$(BIN)/ruff format .
 
 test-fast: install
-	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not slow" $(XDIST) $(PYTEST_ARGS)
 
 # The install matrix as a fresh machine resolves it from PyPI (tests/test_install_matrix.py): needs
 # the index, takes a few minutes, and fails without it. `make test` leaves these tests out.

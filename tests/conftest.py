@@ -62,3 +62,65 @@ def smollm2_cache(session_models):
 
     pull_model("smollm2-135m")
     return session_models
+
+
+# Under pytest-xdist (`make test`: -n 2 --dist loadfile --no-loadscope-reorder) a worker takes a whole
+# test file at a time, so that module fixtures are made once, in the order the workers collected
+# them: the longest first, so that no long file starts near the end while the other worker has
+# nothing left. (--dist loadgroup would let one long test go alone, but xdist 3.8 cannot mark groups
+# under pytest 9.) The seconds: each file alone (`pytest tests/FILE`) on the 2-core machine beside
+# other work, 2026-11-25; an unlisted file (under 5 s) goes after these. A serial run keeps pytest's order.
+SECONDS: dict[str, float] = {
+    "test_kill_fuzz": 337,  # the 20-kill fuzz alone takes 4 minutes: a worker starts with it
+    "test_sft": 151,
+    "test_async_grpo": 92,
+    "test_rollout": 76,
+    "test_env_workers": 71,
+    "test_ray_workers": 58,
+    "test_models": 45,
+    "test_eval_during_training": 43,
+    "test_concurrency": 40,
+    "test_train": 39,
+    "test_vllm_rollout": 38,
+    "test_engine_parity": 35,
+    "test_gpu_paths": 33,
+    "test_vllm_vlm": 30,
+    "test_dpo_loop": 30,
+    "test_vllm_sync": 30,
+    "test_recipes_smoke": 27,
+    "test_dpo": 24,
+    "test_vlm_sft": 24,
+    "test_vlm_quantized": 15,
+    "test_vllm_engine": 14,
+    "test_dynamic_sampling": 14,
+    "test_vlm_grpo": 14,
+    "test_curriculum": 14,
+    "test_cli": 14,
+    "test_qwen2_vl": 13,
+    "test_kill_resume": 13,
+    "test_vlm_resume": 12,
+    "test_adapters": 9,
+    "test_stage_identity": 9,
+    "test_vlm": 9,
+    "test_report": 8,
+    "test_gui_click_app": 8,
+    "test_envs_try": 8,
+    "test_reference": 8,
+    "test_eval": 8,
+    "test_horizon": 7,
+    "test_stage_names": 7,
+    "test_rundb": 7,
+    "test_replay": 7,
+    "test_group_size_hard": 6,
+    "test_judge_engine": 6,
+    "test_rewards": 6,
+    "test_guardrails": 6,
+    "test_visual_envs": 6,
+    "test_sampling": 6,
+    "test_export": 6,
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        items.sort(key=lambda item: -SECONDS.get(item.path.stem, 0.0))  # stable: a file's tests keep their order
