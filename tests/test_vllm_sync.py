@@ -166,14 +166,14 @@ def test_auto_sleeps_only_when_the_engine_shares_the_trainers_gpu(tmp_path):
 @needs_vllm
 @pytest.mark.skipif(DEVICE != "cpu", reason="the CUDA build of vLLM has a sleep mode, and no CPU engine to refuse it")
 def test_sleep_mode_on_a_cpu_is_refused_in_one_sentence(tmp_path, tiny64):  # noqa: F811
-    from helpers import run_cli
+    from helpers import run_in_process
 
     recipe = write_recipe(
         tmp_path / "r.yaml",
         model={"name": str(tiny64), "device": "cpu"},  # a head size vLLM's CPU build serves
         rollout={"tasks": 1, "group_size": 1, "engine": "vllm", "vllm_sleep": True},
     )
-    done = run_cli(["rollout", "-r", str(recipe), "--policy", "base"], tmp_path / "runs")
+    done = run_in_process(["rollout", "-r", str(recipe), "--policy", "base"], tmp_path / "runs")
     assert done.returncode == 2, done.stderr
     assert "rollout.vllm_sleep true: vLLM has no sleep mode on cpu" in done.stderr
     assert "Traceback" not in done.stderr
