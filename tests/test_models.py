@@ -476,9 +476,13 @@ def test_checkpoint_that_is_not_one(tmp_path):
 
 
 @pytest.mark.slow
-def test_pull_smollm2_and_answer(models_cache):
+def test_pull_smollm2_and_answer(tmp_path, monkeypatch):
+    # A cache of its own: this test builds SmolLM2, and the session's cache may hold it already (a
+    # test of another file, or of the other xdist worker, pulled it first).
+    models = tmp_path / "models"
+    monkeypatch.setenv("RLCLI_MODELS", str(models))
     path = cache.pull_model("smollm2-135m")
-    assert path == models_cache / "smollm2-135m"
+    assert path == models / "smollm2-135m"
     assert json.loads((path / "config.json").read_text())["dtype"] == "bfloat16"
     model, tokenizer = loading.load_policy(ModelSection(name="smollm2-135m"), None, NO_QUANT, trainable=False)
     assert model.dtype == torch.float32  # dtype auto on CPU
