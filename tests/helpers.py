@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import os
-import signal
 import sqlite3
 import subprocess
 import sys
@@ -17,6 +15,8 @@ from pathlib import Path
 
 import torch
 import yaml
+
+import stop_at
 
 REPO = Path(__file__).resolve().parents[1]
 RLCLI = [sys.executable, "-m", "rlcli"]
@@ -130,33 +130,24 @@ def sequence_logprobs(model, ids: list[int], start: int):
     return torch.log_softmax(logits, -1).gather(-1, target[:, None])[:, 0].cpu()  # compared with stored lists
 
 
-STOP_AT = REPO / "tests" / "stop_at.py"
-
-
 def kill_at_event(args: list[str], runs: Path, event: dict, timeout: float = 180, cwd: Path | None = None) -> None:
-    """Start `rlcli ARGS`; it stops itself at its first database write once `event` has happened
-    (tests/stop_at.py says which events), and is SIGKILLed there. Fails if it ended or ran out of time
-    before the event. A kill at a known point: a loaded machine cannot carry the run past it."""
-    with tempfile.TemporaryFile("w+") as stderr:
-        proc = subprocess.Popen(
-            [sys.executable, str(STOP_AT), json.dumps(event), *args],
-            env=cli_env(runs),
-            cwd=cwd,
-            stdout=subprocess.DEVNULL,
-            stderr=stderr,
-            text=True,
-        )
-        deadline, state = time.time() + timeout, None
-        while state is None and time.time() < deadline:
+    """Start `rlcli ARGS` in a process of its own; it stops itself at its first database write once
+    `event` has happened (tests/stop_at.py says which events, and where the process comes from), and
+    is SIGKILLed there. Fails if it ended or ran out of time before the event. A kill at a known
+    point: a loaded machine cannot carry the run past it."""
+    with tempfile.TemporaryDirectory() as scratch:
+        log = Path(scratch) / "rlcli.log"
+        process = stop_at.start([str(a) for a in args], cli_env(runs), str(cwd or Path.cwd()), event, str(log))
+        deadline = time.time() + timeout
+        while process.is_alive() and not stop_at.stopped(process.pid) and time.time() < deadline:
             time.sleep(0.02)
-            # Stopped or ended; WNOWAIT leaves the status for proc.wait() below.
-            state = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WSTOPPED | os.WNOWAIT | os.WNOHANG)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        if state is None or state.si_code != os.CLD_STOPPED:
-            stderr.seek(0)
-            what = "ran out of time" if state is None else f"ended (exit status {state.si_status})"
-            raise AssertionError(f"rlcli {' '.join(args)} {what} before {event}:\n{stderr.read()[-4000:]}")
+        ended = not process.is_alive()
+        stopped = not ended and stop_at.stopped(process.pid)
+        process.kill()
+        process.join()
+        if not stopped:
+            what = f"ended (exit status {process.exitcode})" if ended else "ran out of time"
+            raise AssertionError(f"rlcli {' '.join(map(str, args))} {what} before {event}:\n{log.read_text()[-4000:]}")
 
 
 def kill_when(args: list[str], runs, sql: str, at_least: int, timeout: float = 180) -> int:

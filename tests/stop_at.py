@@ -1,7 +1,12 @@
-"""`python tests/stop_at.py EVENT ARGS...`: `rlcli ARGS`, stopped (SIGSTOP) at its first database write
-once EVENT has happened, for helpers.kill_when to SIGKILL it there.
+"""`rlcli ARGS` in a process of its own, stopped (SIGSTOP) at its first database write once EVENT has
+happened, for helpers.kill_at_event to SIGKILL it there.
 
-EVENT is JSON: {"sql": "select count(*) ...", "at_least": N} (counted on the run's own connection),
+The process is forked from a zygote: a multiprocessing forkserver that imported what rlcli's commands
+import (torch, transformers, peft, rlcli's stages) once per pytest process, so that a killed command
+starts in a fraction of a second instead of after ~6 s of imports. (tests/test_kill_fuzz.py starts
+real `rlcli` processes instead: it kills during imports too.)
+
+EVENT: {"sql": "select count(*) ...", "at_least": N} (counted on the run's own connection),
 {"glob": "checkpoint-*/trainer_state.json", "root": "/path"} (a file exists) or {"lines": "/path/file",
 "more_than": N} (a file another process appends to has more than N lines). Polling from outside and
 killing after the event lets the process run on for as long as the test's process waits for a core,
@@ -13,7 +18,7 @@ last commit (a rollout chunk, an SFT step) is in memory and lost with the kill, 
 from __future__ import annotations
 
 import contextlib
-import json
+import multiprocessing
 import os
 import signal
 import sqlite3
@@ -47,9 +52,44 @@ def install(event: dict) -> None:
     RunDB.transaction = transaction
 
 
-if __name__ == "__main__":  # not in the processes that multiprocessing spawns from this file
-    install(json.loads(sys.argv[1]))
+# What the zygote imports: every stage a test kills, through the command-line app.
+PRELOAD = ["rlcli.cli.app", "rlcli.engine.pipeline", "rlcli.engine.train", "rlcli.engine.sft", "rlcli.engine.dpo"]
+
+
+def start(args: list[str], env: dict[str, str], cwd: str, event: dict, log: str) -> multiprocessing.Process:
+    """`rlcli ARGS` with environment env, from cwd, its output to the file log, stopping at event."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(PRELOAD)  # read when this process's forkserver starts: at its first child
+    process = context.Process(target=_rlcli, args=(args, env, cwd, event, log), name="rlcli")
+    process.start()
+    return process
+
+
+def _rlcli(args: list[str], env: dict[str, str], cwd: str, event: dict, log: str) -> None:
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    install(event)
     from rlcli.cli.app import main
 
-    sys.argv = ["rlcli", *sys.argv[2:]]
-    main()
+    sys.argv = ["rlcli", *args]
+    code = 0
+    try:
+        main(args)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def stopped(pid: int) -> bool:
+    """Whether the process is stopped (SIGSTOP): the state field of /proc/PID/stat."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] == "T"
+    except FileNotFoundError:
+        return False
