@@ -138,13 +138,15 @@ def kill_at_event(args: list[str], runs: Path, event: dict, timeout: float = 180
     with tempfile.TemporaryDirectory() as scratch:
         log = Path(scratch) / "rlcli.log"
         process = stop_at.start([str(a) for a in args], cli_env(runs), str(cwd or Path.cwd()), event, str(log))
-        deadline = time.time() + timeout
-        while process.is_alive() and not stop_at.stopped(process.pid) and time.time() < deadline:
-            time.sleep(0.02)
-        ended = not process.is_alive()
-        stopped = not ended and stop_at.stopped(process.pid)
-        process.kill()
-        process.join()
+        try:
+            deadline = time.time() + timeout
+            while process.is_alive() and not stop_at.stopped(process.pid) and time.time() < deadline:
+                time.sleep(0.02)
+            ended = not process.is_alive()
+            stopped = not ended and stop_at.stopped(process.pid)
+        finally:  # pytest-timeout's failure included: no command is left running
+            process.kill()
+            process.join()
         if not stopped:
             what = f"ended (exit status {process.exitcode})" if ended else "ran out of time"
             raise AssertionError(f"rlcli {' '.join(map(str, args))} {what} before {event}:\n{log.read_text()[-4000:]}")
