@@ -25,6 +25,8 @@ import sqlite3
 import sys
 from pathlib import Path
 
+import torch
+
 
 def install(event: dict) -> None:
     from rlcli.store.db import RunDB
@@ -52,14 +54,18 @@ def install(event: dict) -> None:
     RunDB.transaction = transaction
 
 
-# What the zygote imports: every stage a test kills, through the command-line app.
+# What the zygote imports: every stage a test kills, through the command-line app. Not where a GPU is
+# visible: these imports initialise CUDA, and a child forked from a process that did cannot use it
+# ("Cannot re-initialize CUDA in forked subprocess", every killed command on an H100). There the
+# forkserver imports nothing and each command imports its own, as a real one does.
 PRELOAD = ["rlcli.cli.app", "rlcli.engine.pipeline", "rlcli.engine.train", "rlcli.engine.sft", "rlcli.engine.dpo"]
 
 
 def start(args: list[str], env: dict[str, str], cwd: str, event: dict, log: str) -> multiprocessing.Process:
     """`rlcli ARGS` with environment env, from cwd, its output to the file log, stopping at event."""
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(PRELOAD)  # read when this process's forkserver starts: at its first child
+    # Read when this process's forkserver starts: at its first child.
+    context.set_forkserver_preload([] if torch.cuda.is_available() else PRELOAD)
     process = context.Process(target=_rlcli, args=(args, env, cwd, event, log), name="rlcli")
     process.start()
     return process

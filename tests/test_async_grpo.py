@@ -87,10 +87,12 @@ def test_max_staleness_0_gives_the_synchronous_results(tmp_path, monkeypatch):
     ctx = make_ctx(_recipe(tmp_path, max_staleness=0), tmp_path / "runs")
     run_grpo(ctx)
     # If this fails after a change to sampling, the tiny model or the update, that change altered
-    # synchronous GRPO's results: update the values only if it was meant to.
+    # synchronous GRPO's results: update the values only if it was meant to. The tokens are exact; the
+    # statistics are float32 sums, which another processor adds in another order (the CPU of a lent
+    # H100 machine put train/loss 3e-6 off, relatively), while a change to the update moves them more.
     assert _token_hash(ctx) == SYNC_TOKENS
     for key, values in SYNC_METRICS.items():
-        assert [_metric(ctx, key)[i] for i in range(3)] == pytest.approx(values, rel=1e-6, abs=1e-9), key
+        assert [_metric(ctx, key)[i] for i in range(3)] == pytest.approx(values, rel=1e-4, abs=1e-7), key
     keys = {m.key for m in ctx.rundb.metrics(ctx.run)}
     assert not {"train/staleness_mean", "train/staleness_max", "train/discarded_episodes"} & keys
 

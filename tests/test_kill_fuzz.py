@@ -15,6 +15,7 @@ its delay and the stages it interrupted (pytest shows them beside a failure, or 
 from __future__ import annotations
 
 import json
+import math
 import random
 import re
 import signal
@@ -25,11 +26,12 @@ from collections import defaultdict
 from contextlib import closing
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import RLCLI, cli_env, kill_when, make_ctx, run_in_process, write_recipe
+from helpers import DEVICE, RLCLI, cli_env, kill_when, make_ctx, run_in_process, write_recipe
 
 # A reward that differs between samples of a group, so that every GRPO iteration updates the
 # adapter (equal rewards make a group zero-variance and the update is skipped).
@@ -164,9 +166,14 @@ def table_exists(conn: sqlite3.Connection, name: str) -> bool:
 #   (grpo.checkpoint_every 2 saves none after iteration 0), set aside and played again. They are
 #   extra rows, which the uninterrupted run cannot have; the stage played again must equal its
 #   uninterrupted self, row for row, and nothing reads the set-aside ones.
-# Everything else is compared exactly, floats and token blobs included: every random draw derives
-# from the run seed, and resumed weights are loaded bit for bit from float32 safetensors, so a
-# resumed run repeats the same CPU computation.
+# Everything else is compared exactly on a CPU, floats and token blobs included: every random draw
+# derives from the run seed, and resumed weights are loaded bit for bit from float32 safetensors, so a
+# resumed run repeats the same CPU computation. On a GPU a redone update is not bit-identical (CUDA's
+# kernels, the embedding's backward among them, add in no fixed order), so the floats that follow it
+# (logprobs, metrics, results, weights) compare to FLOAT_TOLERANCE there; tokens, ids and every other
+# value stay exact. Seen on an H100: one last bit of some rollout/1 logprobs after a redone train/0.
+EXACT_FLOATS = DEVICE == "cpu"
+FLOAT_TOLERANCE = dict(rel_tol=1e-4, abs_tol=1e-6)
 VOLATILE_COLUMNS = {"id", "pid", "gen_time_s", "env_time_s"}
 VOLATILE_RESULT_FIELDS = {"resumed_from_step"}
 SUPERSEDED = "superseded/"
@@ -285,13 +292,32 @@ def differences(table: str, expected: dict[tuple, list[dict]], actual: dict[tupl
         a, b = expected.get(key, []), actual.get(key, [])
         if len(a) != len(b):
             found.append(f"{table} {key}: {len(a)} row(s) uninterrupted, {len(b)} after the kills")
-        elif a != b:
-            columns = [c for c in a[0] if a[0][c] != b[0].get(c)] or ["(columns)"]
+        elif not same(a, b):
+            columns = [c for c in a[0] if not same(a[0][c], b[0].get(c), c)] or ["(columns)"]
             found += [
                 f"{table} {key}: {c} = {a[0].get(c)!r:.80} uninterrupted, {b[0].get(c)!r:.80} after the kills"
                 for c in columns
             ]
     return sorted(found)
+
+
+def same(a, b, column: str = "") -> bool:
+    """a == b, except that off the CPU floats compare to FLOAT_TOLERANCE: numbers, the float32
+    `logprobs` blobs, and the numbers inside a JSON `result` (see EXACT_FLOATS)."""
+    if EXACT_FLOATS or a == b:
+        return a == b
+    if isinstance(a, float) and isinstance(b, (int, float)):
+        return math.isclose(a, b, **FLOAT_TOLERANCE)
+    if column == "logprobs" and isinstance(a, bytes) and isinstance(b, bytes):
+        x, y = (np.frombuffer(blob, dtype=np.float32) for blob in (a, b))
+        return x.shape == y.shape and bool(np.allclose(x, y, rtol=FLOAT_TOLERANCE["rel_tol"], atol=FLOAT_TOLERANCE["abs_tol"]))
+    if column == "result" and isinstance(a, str) and isinstance(b, str):
+        return same(json.loads(a), json.loads(b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k], k) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y, column) for x, y in zip(a, b))
+    return False
 
 
 def assert_same_database(clean: Snapshot, fuzzed: Snapshot) -> None:
@@ -310,8 +336,12 @@ def assert_same_files(clean: Snapshot, fuzzed: Snapshot) -> None:
     for stage in expected:
         a, b = (load_file(folder[stage] / "adapter_model.safetensors") for folder in (expected, actual))
         assert a.keys() == b.keys(), stage
-        # Exact: the same float32 CPU computation on the same inputs (see VOLATILE_COLUMNS).
-        changed = [name for name in a if not torch.equal(a[name], b[name])]
+        # Exact on a CPU: the same float32 computation on the same inputs (see EXACT_FLOATS).
+        changed = [
+            name
+            for name in a
+            if not (torch.equal(a[name], b[name]) if EXACT_FLOATS else torch.allclose(a[name], b[name], rtol=1e-4, atol=1e-6))
+        ]
         assert not changed, f"checkpoint {stage}: tensors differ: {changed[:5]}"
 
 
