@@ -310,7 +310,9 @@ def same(a, b, column: str = "") -> bool:
         return math.isclose(a, b, **FLOAT_TOLERANCE)
     if column == "logprobs" and isinstance(a, bytes) and isinstance(b, bytes):
         x, y = (np.frombuffer(blob, dtype=np.float32) for blob in (a, b))
-        return x.shape == y.shape and bool(np.allclose(x, y, rtol=FLOAT_TOLERANCE["rel_tol"], atol=FLOAT_TOLERANCE["abs_tol"]))
+        return x.shape == y.shape and bool(
+            np.allclose(x, y, rtol=FLOAT_TOLERANCE["rel_tol"], atol=FLOAT_TOLERANCE["abs_tol"])
+        )
     if column == "result" and isinstance(a, str) and isinstance(b, str):
         return same(json.loads(a), json.loads(b))
     if isinstance(a, dict) and isinstance(b, dict):
@@ -340,7 +342,11 @@ def assert_same_files(clean: Snapshot, fuzzed: Snapshot) -> None:
         changed = [
             name
             for name in a
-            if not (torch.equal(a[name], b[name]) if EXACT_FLOATS else torch.allclose(a[name], b[name], rtol=1e-4, atol=1e-6))
+            if not (
+                torch.equal(a[name], b[name])
+                if EXACT_FLOATS
+                else torch.allclose(a[name], b[name], rtol=1e-4, atol=1e-6)
+            )
         ]
         assert not changed, f"checkpoint {stage}: tensors differ: {changed[:5]}"
 
