@@ -43,7 +43,7 @@ export HF_DATASETS_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 export HF_HUB_DISABLE_TELEMETRY ?= 1
 
-.PHONY: install demo test test-fast test-resolve gpu-smoke lint format bench clean
+.PHONY: install demo test test-fast test-fuzz test-resolve gpu-smoke lint format bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -77,8 +77,13 @@ demo: install
 	$(BIN)/rlcli run -r recipes/quickstart.yaml
 	$(BIN)/rlcli runs plot quickstart --out runs/quickstart/curves.png
 
+# The 20-kill fuzz of `rlcli run` (about 4 minutes, marker fuzz) has a target of its own, which CI
+# runs after `make test`: the kill tests of every stage and the 3-kill fuzz stay in `make test`.
 test: install
-	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not fuzz" $(XDIST) $(PYTEST_ARGS)
+
+test-fuzz: install
+	$(BIN)/python -m pytest -m fuzz $(PYTEST_ARGS)
 
 # mypy: the type checker, configured in pyproject.toml ([tool.mypy]) for src/; its cache, .mypy_cache,
 # makes a re-run take seconds.
@@ -92,7 +97,7 @@ format: install
 	$(BIN)/ruff format .
 
 test-fast: install
-	$(BIN)/python -m pytest -m "not slow" $(XDIST) $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not slow and not fuzz" $(XDIST) $(PYTEST_ARGS)
 
 # The install matrix as a fresh machine resolves it from PyPI (tests/test_install_matrix.py): needs
 # the index, takes a few minutes, and fails without it. `make test` leaves these tests out.
