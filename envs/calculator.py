@@ -1,10 +1,11 @@
 """calculator: tool use - call a `calculator` tool for a hard product, read its result, then answer.
 
-The agent calls the tool with a JSON tool call, `<tool_call>{"name": "calculator", "arguments":
-{"expression": "1234 * 5678"}}</tool_call>`, and gets the result back as a `tool` message; then it
-answers with `<answer>NUMBER</answer>`. Reward 1.0 only when the answer is right AND the tool
-was used: the task is to learn the tool, not to guess. The tool spec is offered through the chat
-template (`tools`) and, for templates that ignore tools, spelled out in the system prompt too.
+The calculator is a native tool (docs/tools.md): the env offers its `calculator` method, the chat template
+shows its schema, and rlcli runs each call the model writes (`<tool_call>{"name": "calculator",
+"arguments": {"expression": "1234 * 5678"}}</tool_call>` in the Qwen/Hermes form; Llama's bare JSON
+is read too) and sends the result back as a `tool` message. The model then answers with
+`<answer>NUMBER</answer>`. Reward 1.0 only when the answer is right AND the tool was used: the task is
+to learn the tool, not to guess. For templates that ignore tools, the system prompt spells the call out.
 """
 
 from __future__ import annotations
@@ -12,27 +13,13 @@ from __future__ import annotations
 import json
 import random
 
-from rlcli.envs.parsing import parse_answer_tag, parse_last_number, parse_tool_call, safe_arithmetic
-
-TOOL = {
-    "type": "function",
-    "function": {
-        "name": "calculator",
-        "description": "Evaluate an arithmetic expression with + - * / and parentheses.",
-        "parameters": {
-            "type": "object",
-            "properties": {"expression": {"type": "string", "description": "e.g. 1234 * 5678"}},
-            "required": ["expression"],
-        },
-    },
-}
+from rlcli.envs.parsing import parse_answer_tag, parse_last_number, safe_arithmetic
 
 
 class Calculator:
-    tools = [TOOL]
-
     def __init__(self, digits: int = 4, max_calls: int = 3):
         self.digits, self.max_calls = digits, max_calls
+        self.tools = [self.calculator]
 
     def reset(self, seed: int):
         rng = random.Random(seed)
@@ -50,41 +37,35 @@ class Calculator:
             "task": {"question": question, "answer": self.answer}
         }
 
-    def step(self, action: str):
-        answer = parse_answer_tag(action)
-        if answer is not None:
-            value = parse_last_number(answer)
-            correct = value == self.answer and self.calls > 0
-            if value == self.answer and not self.calls:
-                feedback = "Right number, but the calculator was not used."
-            else:
-                feedback = "Correct." if correct else f"Wrong, the answer is {self.answer}."
-            return feedback, float(correct), True, False, {"success": correct, "tool_calls": self.calls}
-        call = parse_tool_call(action)
-        if call is None or call["name"] != "calculator":
-            return (
-                "Call the calculator with a <tool_call> JSON, or answer with <answer>NUMBER</answer>.",
-                0.0,
-                False,
-                False,
-                {"tool_calls": self.calls},
-            )
+    def calculator(self, expression: str) -> str:
+        """Evaluate an arithmetic expression with + - * / and parentheses.
+
+        Args:
+            expression: The expression to evaluate, e.g. 1234 * 5678
+        """
         self.calls += 1
         if self.calls > self.max_calls:
-            return "Too many calculator calls.", 0.0, False, True, {"success": False, "tool_calls": self.calls}
+            raise RuntimeError(f"too many calculator calls (at most {self.max_calls}); answer now")
         try:
-            result = safe_arithmetic(str(call["arguments"].get("expression", "")))
-            content = json.dumps({"result": result})
-            self.last_result = result
+            result = safe_arithmetic(expression)
         except (ValueError, SyntaxError, ZeroDivisionError, TypeError) as exc:
-            content = json.dumps({"error": str(exc) or type(exc).__name__})
-        return (
-            [{"role": "tool", "name": "calculator", "content": content}],
-            0.0,
-            False,
-            False,
-            {"tool_calls": self.calls},
-        )
+            return json.dumps({"error": str(exc) or type(exc).__name__})
+        self.last_result = result
+        return json.dumps({"result": result})
+
+    def step(self, action: str):
+        """A reply without a tool call: the answer, or a reminder of how to give one."""
+        answer = parse_answer_tag(action)
+        if answer is None:
+            reminder = "Call the calculator with a <tool_call> JSON, or answer with <answer>NUMBER</answer>."
+            return reminder, 0.0, False, False, {}
+        value = parse_last_number(answer)
+        correct = value == self.answer and self.calls > 0
+        if value == self.answer and not self.calls:
+            feedback = "Right number, but the calculator was not used."
+        else:
+            feedback = "Correct." if correct else f"Wrong, the answer is {self.answer}."
+        return feedback, float(correct), True, False, {"success": correct}
 
     def expert_action(self) -> str:
         if self.last_result is None:

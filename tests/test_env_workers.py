@@ -92,10 +92,13 @@ HANGING_CALL = (
 
 
 def test_the_hanging_calculator_is_killed_at_the_timeout_and_its_worker_replaced(tmp_path):
-    with EnvWorkerPool("calculator", {}, 1, timeout_s=0.3) as pool:
+    with EnvWorkerPool("calculator", {}, 1, timeout_s=30) as pool:
         key = pool.reset(0)
         [reply] = pool.replies()
         assert reply.failure is None
+        # The first env of a worker describes its tools to the model (transformers imports torch for
+        # that, seconds on a loaded machine); the step is what this test times.
+        pool.timeout_s = 0.3
         stuck_pid = pool.workers[0].process.pid
         pool.step(key, HANGING_CALL)
         [reply] = pool.replies()
@@ -103,8 +106,9 @@ def test_the_hanging_calculator_is_killed_at_the_timeout_and_its_worker_replaced
         assert "exceeded the 0.3s step time limit (its env worker was killed)" in str(reply.failure)
         with pytest.raises(ProcessLookupError):  # the step did not go on computing in the background
             os.kill(stuck_pid, 0)
-        # The replacement worker serves the next episode.
+        # The replacement worker serves the next episode (its first env pays the imports again).
         pool.release(key)
+        pool.timeout_s = 30
         again = pool.reset(1)
         [reply] = pool.replies()
         assert reply.key == again and reply.failure is None and pool.workers[0].process.pid != stuck_pid
@@ -117,6 +121,11 @@ def test_a_hanging_step_ends_its_episode_as_env_timeout_whichever_worker_it_shar
     env_file = write_env_file(
         tmp_path / "hang.py",
         f"""
+        # Describing the calculator tool to the model imports these (seconds on a loaded machine):
+        # imported with this file, as a worker starts, so that only the hang is timed.
+        import torch
+        import transformers.utils.chat_template_utils
+
         from rlcli.builtin_envs.calculator import Calculator
 
         class Hanging(Calculator):

@@ -26,7 +26,10 @@ def play(env, seed, policy, max_turns=12, rng=None):
     for _ in range(max_turns):
         action = env.expert_action() if policy == "expert" else rng.choice(RANDOM_ACTIONS)
         obs, reward, terminated, truncated, step_info = env.step(action)
-        transcript.append((action, as_messages(obs), reward))
+        messages = as_messages(obs)
+        for m in messages:  # a tool call's latency is wall-clock, not part of the episode's outcome
+            m.get("call", {}).pop("latency_s", None)
+        transcript.append((action, messages, reward))
         total += reward
         if terminated or truncated:
             break

@@ -63,10 +63,13 @@ def test_same_seeds_give_the_same_episodes_with_ray_actors_as_in_the_main_proces
 def test_the_hanging_calculator_is_killed_at_the_timeout_and_its_actor_replaced(local_ray):
     from rlcli.envs.ray_workers import RayEnvHost
 
-    with RayEnvHost("calculator", {}, 1, timeout_s=0.5) as host:
+    with RayEnvHost("calculator", {}, 1, timeout_s=30) as host:
         key = host.reset(0)
         [reply] = host.replies()
         assert reply.failure is None
+        # The first env of an actor describes its tools to the model (transformers imports torch for
+        # that, seconds on a loaded machine); the step is what this test times.
+        host.timeout_s = 0.5
         stuck = host.actors[0].handle
         host.step(key, HANGING_CALL)
         [reply] = host.replies()
@@ -75,6 +78,7 @@ def test_the_hanging_calculator_is_killed_at_the_timeout_and_its_actor_replaced(
         with pytest.raises(local_ray.exceptions.RayActorError):  # killed, not computing on in the background
             local_ray.get(stuck.ready.remote(), timeout=30)
         host.release(key)
+        host.timeout_s = 30  # the replacement actor's first env pays the imports again
         again = host.reset(1)
         [reply] = host.replies()
         assert reply.key == again and reply.failure is None
@@ -87,6 +91,11 @@ def test_a_hanging_step_ends_its_episode_as_env_timeout_with_ray(tmp_path, local
     env_file = write_env_file(
         tmp_path / "hang.py",
         f"""
+        # Describing the calculator tool to the model imports these (seconds on a loaded machine):
+        # imported with this file, as a worker starts, so that only the hang is timed.
+        import torch
+        import transformers.utils.chat_template_utils
+
         from rlcli.builtin_envs.calculator import Calculator
 
         class Hanging(Calculator):

@@ -120,6 +120,19 @@ class QuantizationSection(Section):
         return value
 
 
+class McpServerSection(Section):
+    command: list[str] = Field(
+        min_length=1,
+        description="The stdio MCP server's command and arguments, e.g. [python, server.py] or [npx, -y, pkg].",
+    )
+    env: dict[str, str] = Field(
+        default_factory=dict, description="Environment variables for the server, on top of rlcli's own."
+    )
+    cwd: str | None = Field(
+        None, description="Folder the server starts in (relative to where rlcli runs). null: there."
+    )
+
+
 class EnvSection(Section):
     name: str = Field(
         "guess_number",
@@ -202,6 +215,35 @@ class EnvSection(Section):
         "second); past them the kernel kills the worker and the episode fails. null: no limit.",
     )
 
+    tools: list[str] = Field(
+        default_factory=list,
+        description="Tools the policy may call, besides the env's own: python_exec (a sandboxed Python run), "
+        "package.module:function or path/file.py:function (a function with type hints and a docstring, which give "
+        "its schema). Calls are read in the model's chat-template format and answered as tool messages (docs/tools.md).",
+    )
+    mcp_servers: list[McpServerSection] = Field(
+        default_factory=list,
+        description="Stdio MCP servers whose tools the policy may call: [{command: [python, server.py]}]. Each env "
+        "worker (or rlcli itself, with env.workers 0) starts its own and stops it when done.",
+    )
+    tool_timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="A tool call slower than this is cancelled and reported to the model as an error; below "
+        "env.step_timeout_s, which the turn's calls count towards. null: half of env.step_timeout_s.",
+    )
+    parallel_tools: bool = Field(
+        False, description="Run the tool calls of one reply side by side instead of in order (results stay in order)."
+    )
+    tool_result_chars: int = Field(
+        4_000, gt=0, description="A tool result longer than this many characters is cut, saying how much was cut."
+    )
+    malformed_tool_calls: Literal["continue", "end"] = Field(
+        "continue",
+        description="A reply whose <tool_call> block is not a call: continue (the model reads an error result and "
+        "goes on) or end (the episode ends, terminated).",
+    )
+
     @field_validator("keep_images")
     @classmethod
     def _keep_some(cls, keep: str | int) -> str | int:
@@ -245,6 +287,20 @@ class EnvSection(Section):
         if tasks is not None and (len(tasks) != 2 or not 0 <= tasks[0] < tasks[1]):
             raise ValueError("expected a seed range [start, stop] with 0 <= start < stop, e.g. [0, 500]")
         return tasks
+
+    @model_validator(mode="after")
+    def _tool_time_within_step_time(self) -> EnvSection:
+        if self.tool_timeout_s is not None and self.tool_timeout_s >= self.step_timeout_s:
+            raise ValueError(
+                f"env.tool_timeout_s ({self.tool_timeout_s:g}) must be below env.step_timeout_s "
+                f"({self.step_timeout_s:g}): a slow tool is reported to the model, where a step past its time "
+                "limit fails the whole episode"
+            )
+        return self
+
+    def tool_time_limit(self) -> float:
+        """env.tool_timeout_s, or half of env.step_timeout_s: a slow call is reported and the turn goes on."""
+        return self.tool_timeout_s if self.tool_timeout_s is not None else self.step_timeout_s / 2
 
     @model_validator(mode="after")
     def _limits_need_workers(self) -> EnvSection:

@@ -3,6 +3,8 @@ database as it was, instead of a run marked failed by a command that did nothing
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from rlcli.recipe import Recipe
 
 
@@ -10,14 +12,20 @@ def check_recipe(recipe: Recipe) -> None:
     """Trackers installed, rewards resolvable, env loadable with its kwargs, engine able to serve the model.
 
     Only what is cheap is checked: no model is loaded and no env constructed (an env may start a browser).
+    The recipe's tools are the exception: each MCP server is started, listed and stopped, since one that
+    cannot start would otherwise fail every episode of the stage.
     """
     from rlcli.engine.trackers import check_trackers
     from rlcli.envs.loading import load_env
+    from rlcli.envs.tool_use import tool_use_spec
+    from rlcli.envs.tools import check_tools
     from rlcli.rewards.scoring import check_reward_fns
 
     check_trackers(recipe.run.trackers)
     check_reward_fns(recipe.rewards)
     load_env(recipe.env.name, recipe.env.kwargs)  # finds the factory and checks the kwargs it takes
+    if recipe.env.tools or recipe.env.mcp_servers:
+        check_tools(tool_use_spec(recipe.env, Path.cwd()).tools)
     if recipe.rollout.engine == "vllm":
         from rlcli.generation.engines import generation_engine
 

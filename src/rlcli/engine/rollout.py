@@ -30,10 +30,13 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from rlcli.engine.context import RunContext
 from rlcli.envs.protocol import EnvFailure, EnvTimeout, as_messages
+from rlcli.envs.tool_use import tool_use_spec
+from rlcli.envs.tools import close_toolboxes
 from rlcli.envs.workers import EnvHost, EnvLost, EnvReply, EnvWorkerPool, InProcessEnvs
 from rlcli.errors import UsageError
 from rlcli.generation.engines import make_sampler
@@ -480,6 +483,7 @@ def env_host(env_cfg: EnvSection, factory: Callable[[], Any]) -> EnvHost:
     """Where the recipe's envs run: this process (env.workers 0), a pool of worker processes, or Ray actors."""
     if env_cfg.workers == 0:
         return InProcessEnvs(factory, env_cfg.step_timeout_s)
+    tools = tool_use_spec(env_cfg, Path.cwd())
     if env_cfg.workers_backend == "ray":
         from rlcli.envs.ray_workers import RayEnvHost  # Ray is optional: imported only when asked for
 
@@ -491,6 +495,7 @@ def env_host(env_cfg: EnvSection, factory: Callable[[], Any]) -> EnvHost:
             address=env_cfg.ray_address,
             cpu_s=env_cfg.worker_cpu_s,
             isolation=env_cfg.isolation,
+            tools=tools,
         )
     return EnvWorkerPool(
         env_cfg.name,
@@ -500,6 +505,7 @@ def env_host(env_cfg: EnvSection, factory: Callable[[], Any]) -> EnvHost:
         memory_mb=env_cfg.worker_memory_mb,
         cpu_s=env_cfg.worker_cpu_s,
         isolation=env_cfg.isolation,
+        tools=tools,
     )
 
 
@@ -550,7 +556,7 @@ def collect(
     from rlcli.envs.loading import load_env
 
     recipe = ctx.recipe
-    env_factory = load_env(recipe.env.name, recipe.env.kwargs)
+    env_factory = load_env(recipe.env.name, recipe.env.kwargs, tools=tool_use_spec(recipe.env, Path.cwd()))
     specs = episode_specs(recipe.run.seed, stage, task_indices, group_size, split, recipe.env.eval_seed_start)
     have = stored_episode_keys(ctx.rundb, ctx.run, stage)
     # A killed stage never leaves a chunk half stored (one transaction per chunk); a chunk is only
@@ -569,13 +575,16 @@ def collect(
     done_before = len(specs) - sum(len(c) for c in todo)
     with _progress(ctx, progress_label or stage, len(specs), done_before) as advance:
         if todo:
-            with env_host(recipe.env, env_factory) as envs:
-                runner = EpisodeRunner(envs, limits, sampler, tokenizer)
-                for chunk in todo:
-                    episodes = runner.run(chunk, on_turns=lambda n: advance(0, n))
-                    records = [ep.to_record(ctx.run, stage, iteration, split, str(policy)) for ep in episodes]
-                    store_episodes(ctx.rundb, records)
-                    advance(len(chunk), 0)
+            try:
+                with env_host(recipe.env, env_factory) as envs:
+                    runner = EpisodeRunner(envs, limits, sampler, tokenizer)
+                    for chunk in todo:
+                        episodes = runner.run(chunk, on_turns=lambda n: advance(0, n))
+                        records = [ep.to_record(ctx.run, stage, iteration, split, str(policy)) for ep in episodes]
+                        store_episodes(ctx.rundb, records)
+                        advance(len(chunk), 0)
+            finally:
+                close_toolboxes()  # the MCP servers that envs in this process started (env.workers 0)
     return asdict(episode_summary(ctx.rundb, ctx.run, stage))
 
 

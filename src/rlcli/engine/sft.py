@@ -255,8 +255,14 @@ def episode_conversations(ctx: RunContext) -> list[Conversation]:
 def _env_tools(env_cfg: EnvSection) -> list[dict] | None:
     """The tool schemas the env shows the policy, so SFT renders prompts exactly as rollouts did."""
     from rlcli.envs.loading import load_env
+    from rlcli.envs.tool_use import tool_use_spec
+    from rlcli.envs.tools import close_toolboxes
 
-    return getattr(load_env(env_cfg.name, env_cfg.kwargs)(), "tools", None) or None
+    try:
+        env = load_env(env_cfg.name, env_cfg.kwargs, tools=tool_use_spec(env_cfg, Path.cwd()))()
+        return getattr(env, "tools", None) or None
+    finally:
+        close_toolboxes()  # the recipe's MCP servers, started to list their tools
 
 
 # --- tokenisation: the assistant-only loss mask ----------------------------------------------------

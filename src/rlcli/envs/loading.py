@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from rlcli.envs.protocol import Env, EnvFactory
+from rlcli.envs.tool_use import ToolUseSpec, with_tools
 from rlcli.errors import UsageError
 from rlcli.usercode import import_file
 
@@ -34,9 +35,16 @@ def list_builtin_envs() -> list[tuple[str, str]]:
     return out
 
 
-def load_env(name: str, kwargs: dict[str, Any] | None = None, root: Path | None = None) -> EnvFactory:
-    """A factory making a fresh env per call, from a built-in name, a file, a module, or an adapter URI."""
-    kwargs = dict(kwargs or {})
+def load_env(
+    name: str, kwargs: dict[str, Any] | None = None, root: Path | None = None, tools: ToolUseSpec | None = None
+) -> EnvFactory:
+    """A factory making a fresh env per call, from a built-in name, a file, a module, or an adapter URI.
+    Its envs answer the policy's tool calls (tool_use.py) when they have tools of their own or `tools`
+    (the recipe's tool settings) names some."""
+    return with_tools(_load_factory(name, dict(kwargs or {}), root), tools or ToolUseSpec())
+
+
+def _load_factory(name: str, kwargs: dict[str, Any], root: Path | None) -> EnvFactory:
     scheme, sep, rest = name.partition(":")
     if sep and scheme in ADAPTERS:
         try:

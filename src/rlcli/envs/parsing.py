@@ -7,8 +7,9 @@ rewards read numbers with the same parser, so an env and a reward never disagree
 from __future__ import annotations
 
 import ast
-import json
 import re
+
+from rlcli.envs.tool_calls import parse_tool_calls
 
 # Thousands separators are allowed ("1,234"), and so is ".5". A minus sign right after a digit is a
 # dash, not a sign: "3-5" is 3 and 5 (a range or a difference ends with 5), while "-5" alone is -5.
@@ -36,23 +37,11 @@ def parse_answer_tag(text: str) -> str | None:
 
 
 def parse_tool_call(text: str) -> dict | None:
-    """A JSON tool call {"name": ..., "arguments": {...}}, inside <tool_call> tags or bare."""
-    tagged = re.findall(r"<tool_call>(.*?)(?:</tool_call>|$)", text, flags=re.S)
-    candidates = tagged or re.findall(r"\{.*\}", text, flags=re.S)
-    for raw in candidates:
-        try:
-            call = json.loads(raw.strip())
-        except json.JSONDecodeError:
-            continue
-        if isinstance(call, dict) and isinstance(call.get("name"), str):
-            args = call.get("arguments", call.get("parameters", {}))
-            if isinstance(args, str):
-                try:
-                    args = json.loads(args)
-                except json.JSONDecodeError:
-                    return None
-            return {"name": call["name"], "arguments": args if isinstance(args, dict) else {}}
-    return None
+    """The first tool call {"name": ..., "arguments": {...}} in a reply, in any format tool_calls.py
+    reads (<tool_call> tags, bare JSON); None when there is none. rlcli itself answers calls for envs
+    with native tools (docs/tools.md); this is for an env that reads a call itself."""
+    found = parse_tool_calls(text)
+    return found.calls[0] if found.calls else None
 
 
 def safe_arithmetic(expression: str) -> float | int:

@@ -22,8 +22,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-# Wall-clock seconds per call: below env.tool_timeout_s's default (30 s), so that python_exec stops its
-# own process and reports what it printed, rather than the tool box giving up on a call that goes on.
+# Wall-clock seconds per call: below env.tool_timeout_s's default (15 s: half of env.step_timeout_s's
+# 30), so that python_exec stops its own process and reports what it printed, rather than the tool box
+# giving up on a call that goes on.
 TIME_LIMIT_S = 10.0
 # Address space (RLIMIT_AS): a runaway allocation fails with MemoryError instead of pushing the machine
 # (and the training run on it) into swap. 1 GiB leaves room for numpy's import and moderate arrays.

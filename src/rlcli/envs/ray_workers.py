@@ -34,6 +34,7 @@ from types import ModuleType
 from typing import Any
 
 from rlcli.envs.protocol import EnvFactory, EnvFailure
+from rlcli.envs.tool_use import ToolUseSpec
 from rlcli.envs.workers import EnvReply, RemoteEnvs, WorkerSpec, _handle, _Request, _text
 from rlcli.errors import UsageError
 
@@ -69,7 +70,7 @@ class EnvActor:
         self.factory: EnvFactory | None = None
         self.usage: str | None = None  # why the factory could not be built
         try:
-            self.factory = load_env(spec.env_name, spec.env_kwargs, Path.cwd())
+            self.factory = load_env(spec.env_name, spec.env_kwargs, Path.cwd(), spec.tools)
         except UsageError as exc:
             self.usage = str(exc)
 
@@ -120,12 +121,13 @@ class RayEnvHost(RemoteEnvs):
         cpu_s: float | None = None,
         root: Path | None = None,
         isolation: str = "worker",
+        tools: ToolUseSpec | None = None,
     ):
         super().__init__(isolation)
         self.ray = import_ray()
         _start_ray(self.ray, address, workers)
         self.spec = WorkerSpec(
-            env_name, dict(env_kwargs), str(root or Path.cwd()), list(sys.path), os.getpid(), None, cpu_s
+            env_name, dict(env_kwargs), str(root or Path.cwd()), list(sys.path), os.getpid(), None, cpu_s, tools
         )
         self.timeout_s = timeout_s
         # One CPU each, so that Ray spreads the actors over free cores; no restarts and no retries:

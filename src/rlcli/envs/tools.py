@@ -125,6 +125,16 @@ class _Tool(Protocol):
     def call(self, arguments: dict[str, Any], timeout_s: float) -> Any: ...
 
 
+def function_spec(name: str, description: str, parameters: dict[str, Any]) -> dict[str, Any]:
+    """A tool as chat templates take it, in one form whatever its source: a function's (from
+    get_json_schema) and an MCP server's (from its input schema) render the same prompt for the same
+    tool. The parameters' keys in one order (the SDK reorders them in transit), and no return type
+    (an MCP tool does not declare one the same way, and the model needs only the arguments)."""
+    first = [key for key in ("type", "properties", "required") if key in parameters]
+    ordered = {key: parameters[key] for key in [*first, *(k for k in parameters if k not in first)]}
+    return {"type": "function", "function": {"name": name, "description": description, "parameters": ordered}}
+
+
 class FunctionTool:
     """A Python callable as a tool, described to the model from its type hints and docstring."""
 
@@ -132,13 +142,14 @@ class FunctionTool:
         from transformers.utils import get_json_schema
 
         try:
-            self.spec: dict[str, Any] = get_json_schema(fn)
+            described = get_json_schema(fn)["function"]
         except Exception as exc:  # transformers' TypeHintParsingException, DocstringParsingException
             raise UsageError(
                 f"Tool function {_qualname(fn)} cannot be described to the model ({exc}): expected a type "
                 "hint on every argument and a Google-style docstring with an Args: section."
             ) from None
-        self.name: str = self.spec["function"]["name"]
+        self.spec = function_spec(described["name"], described.get("description", ""), described["parameters"])
+        self.name: str = described["name"]
         self.fn = fn
 
     def call(self, arguments: dict[str, Any], timeout_s: float) -> Any:
@@ -497,10 +508,7 @@ class _McpTool:
     def __init__(self, server: _McpServer, tool: Any) -> None:
         self.server = server
         self.name: str = tool.name
-        self.spec: dict[str, Any] = {
-            "type": "function",
-            "function": {"name": tool.name, "description": tool.description or "", "parameters": tool.input_schema},
-        }
+        self.spec = function_spec(tool.name, tool.description or "", tool.input_schema)
 
     def call(self, arguments: dict[str, Any], timeout_s: float) -> str:
         return self.server.call(self.name, arguments, timeout_s)

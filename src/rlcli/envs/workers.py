@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from rlcli.envs.protocol import EnvFailure, EnvTimeout, call_with_timeout
+from rlcli.envs.tool_use import ToolUseSpec
 from rlcli.errors import UsageError
 
 
@@ -170,6 +171,7 @@ class WorkerSpec:
     parent_pid: int
     memory_mb: int | None = None
     cpu_s: float | None = None
+    tools: ToolUseSpec | None = None  # the recipe's tools: the worker's envs answer tool calls
 
 
 @dataclass
@@ -313,9 +315,10 @@ class EnvWorkerPool(RemoteEnvs):
         cpu_s: float | None = None,
         root: Path | None = None,
         isolation: str = "worker",
+        tools: ToolUseSpec | None = None,
     ):
         self.spec = WorkerSpec(
-            env_name, dict(env_kwargs), str(root or Path.cwd()), list(sys.path), os.getpid(), memory_mb, cpu_s
+            env_name, dict(env_kwargs), str(root or Path.cwd()), list(sys.path), os.getpid(), memory_mb, cpu_s, tools
         )
         super().__init__(isolation)
         self.timeout_s = timeout_s
@@ -468,7 +471,7 @@ def serve(conn: Connection, spec: WorkerSpec) -> None:
     from rlcli.envs.loading import load_env
 
     try:
-        factory = load_env(spec.env_name, spec.env_kwargs, Path(spec.root))
+        factory = load_env(spec.env_name, spec.env_kwargs, Path(spec.root), spec.tools)
     except UsageError as exc:
         conn.send(("usage", str(exc)))
         return

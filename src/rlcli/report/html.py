@@ -13,6 +13,7 @@ import re
 from typing import Any
 
 from rlcli.report.tables import fmt
+from rlcli.report.text import tool_call_note
 
 CLICK = re.compile(r"click\(\s*(-?\d+(?:\.\d+)?)\s*,\s*(-?\d+(?:\.\d+)?)\s*\)", re.I)
 MIN_SHOWN_WIDTH = 320  # small screenshots are scaled up by a whole factor, pixels kept sharp
@@ -114,6 +115,8 @@ def _messages(messages: list[dict[str, Any]], pngs: dict[str, bytes]) -> list[st
                 cells.append(f'<div class="text">{_e(part["text"])}</div>')
         if m.get("tool_calls"):
             cells.append(f'<div class="text note">tool calls: {_e(str(m["tool_calls"]))}</div>')
+        if note := tool_call_note(m):
+            cells.append(f'<div class="text note">{_e(note)}</div>')
         if i in notes:
             cells.append(f'<div class="note">{_e(notes[i])}</div>')
         rows.append(

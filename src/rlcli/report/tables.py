@@ -18,7 +18,7 @@ from rich.table import Table
 from rich.text import Text
 
 from rlcli.console import number
-from rlcli.report.text import literal, printable
+from rlcli.report.text import literal, printable, tool_call_note
 from rlcli.report.views import COMPARE_METRICS, KEY_METRICS, OTHER_CHECKPOINTS, ending_view, eval_view
 from rlcli.rewards.episodes import message_text
 from rlcli.store.checkpoints import BestAndLatest
@@ -294,6 +294,8 @@ def episode_panel(ep: dict[str, Any]) -> Panel:
         body = message_body(m)
         if m.get("tool_calls"):
             body.append(("\n" if body else "") + f"tool calls: {json.dumps(m['tool_calls'])}", style="italic")
+        if call := tool_call_note(m):
+            body.append(("\n" if body else "") + printable(call), style="italic")
         messages.add_row(literal(role, style=f"bold {ROLE_STYLES.get(role, '')}"), body)
     parts.append(messages)
     border = "red" if ep["status"] == "failed" else "green" if ep["success"] else "blue"

@@ -1,0 +1,107 @@
+"""Reading the tool calls in a model's reply, in the formats that chat templates teach.
+
+- Qwen2.5, Qwen3, Hermes and most open templates: each call a JSON object inside
+  `<tool_call>...</tool_call>`, several in a row for several calls.
+- Llama 3.x: the reply is the JSON object itself, `{"name": ..., "parameters": {...}}` (after the
+  `<|python_tag|>` special token, which decoding drops), several separated by `;` or new lines.
+- Mistral: `[TOOL_CALLS]` (a special token, dropped) then a JSON list of calls.
+
+The arguments may be named `arguments` or `parameters`, and may be an object or a JSON string of one.
+One parser reads all three, so that an env needs no setting per model family, and an expert's demo in
+the `<tool_call>` form is read whatever the policy. A tagged block that does not hold a call is a
+malformed call: the model is told what was wrong (it tried to call and failed), where bare JSON that is
+not a call is just text (an answer may well contain braces).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+TAGGED = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", flags=re.S)
+
+
+@dataclass
+class ToolCallParse:
+    calls: list[dict[str, Any]] = field(default_factory=list)  # {"name": str, "arguments": dict}, in order
+    malformed: list[str] = field(default_factory=list)  # one sentence per block that was meant as a call
+
+    def __bool__(self) -> bool:
+        return bool(self.calls or self.malformed)
+
+
+def parse_tool_calls(text: str) -> ToolCallParse:
+    """The calls in a reply: its `<tool_call>` blocks when it has any, else its bare JSON calls."""
+    tagged = TAGGED.findall(text)
+    if tagged:
+        found = ToolCallParse()
+        for raw in tagged:
+            call, problem = _as_call(_json(raw.strip()))
+            if call is not None:
+                found.calls.append(call)
+            else:
+                found.malformed.append(f"malformed <tool_call> block {_shorten(raw.strip())}: {problem}")
+        return found
+    return ToolCallParse(calls=[call for value in _json_values(text) for call in _bare_calls(value)])
+
+
+def _json(raw: str) -> Any:
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError as exc:
+        return ValueError(f"not JSON ({exc.msg} at character {exc.pos})")
+
+
+def _as_call(value: Any) -> tuple[dict[str, Any] | None, str]:
+    """A call, or None and why not: expected {"name": "...", "arguments": {...}}."""
+    expected = 'expected {"name": "<tool>", "arguments": {...}}'
+    if isinstance(value, ValueError):
+        return None, f"{value}; {expected}"
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
+        return None, f"no tool name; {expected}"
+    arguments = value.get("arguments", value.get("parameters", {}))
+    if isinstance(arguments, str):  # OpenAI's form: the arguments as a JSON string
+        arguments = _json(arguments) if arguments.strip() else {}
+    if not isinstance(arguments, dict):
+        return None, f"the arguments are not a JSON object; {expected}"
+    return {"name": value["name"], "arguments": arguments}, ""
+
+
+def _json_values(text: str) -> list[Any]:
+    """Every top-level JSON object or list in the text, left to right."""
+    decoder, values, at = json.JSONDecoder(), [], 0
+    while (start := _next_open(text, at)) >= 0:
+        try:
+            value, end = decoder.raw_decode(text, start)
+        except json.JSONDecodeError:
+            at = start + 1
+            continue
+        values.append(value)
+        at = end
+    return values
+
+
+def _next_open(text: str, at: int) -> int:
+    positions = [p for p in (text.find("{", at), text.find("[", at)) if p >= 0]
+    return min(positions) if positions else -1
+
+
+def _bare_calls(value: Any) -> list[dict[str, Any]]:
+    """A bare JSON value as calls: an object with a name and arguments/parameters, or a list of them;
+    anything else is not a call."""
+    items = value if isinstance(value, list) else [value]
+    calls = []
+    for item in items:
+        if not isinstance(item, dict) or not ({"arguments", "parameters"} & item.keys()):
+            return []
+        call, _ = _as_call(item)
+        if call is None:
+            return []
+        calls.append(call)
+    return calls
+
+
+def _shorten(raw: str, limit: int = 60) -> str:
+    return repr(raw if len(raw) <= limit else raw[:limit] + "...")

@@ -1,0 +1,119 @@
+"""Native tool calls: an env whose policy calls tools, and rlcli runs them.
+
+`ToolUse` wraps an env. Its tools are the env's own callables (`tools = [self.search, ...]`: functions
+or bound methods with type hints and a docstring), the recipe's `env.tools` (Python functions, the
+built-in `python_exec`) and the tools of the recipe's `env.mcp_servers`. A reply that calls tools (see
+tool_calls.py) is answered by rlcli: each call runs, in order or side by side (`env.parallel_tools`),
+and each result goes back as a `tool` message, which the chat template renders, token-exact as every
+observation is; the env's `step` is not called and the turn's reward is 0. A reply without calls goes
+to the env's `step` as before, so an env only judges answers.
+
+Each tool message carries its call's record under `call` (arguments, error, latency, characters cut),
+which chat templates ignore and `runs episodes`, the HTML page and the export show. A malformed call
+gets an error message the model can read; `env.malformed_tool_calls: end` ends the episode instead.
+
+Where it runs: beside the env, in the main process (env.workers 0) or in each env worker, which starts
+its own MCP servers once (tools.toolbox_for) and stops them when it ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from rlcli.envs.protocol import Env, EnvFactory
+from rlcli.envs.tool_calls import parse_tool_calls
+from rlcli.envs.tools import McpServerSpec, ToolBox, ToolCall, ToolResult, ToolsSpec, toolbox_for
+from rlcli.errors import UsageError
+
+if TYPE_CHECKING:
+    from rlcli.recipe import EnvSection
+
+
+@dataclass(frozen=True)
+class ToolUseSpec:
+    """The recipe's tool settings, as env workers receive them."""
+
+    tools: ToolsSpec = ToolsSpec()
+    parallel: bool = False  # env.parallel_tools: a turn's calls side by side
+    malformed: Literal["continue", "end"] = "continue"  # env.malformed_tool_calls
+
+
+def tool_use_spec(env_cfg: EnvSection, root: str | Path) -> ToolUseSpec:
+    """The recipe's tool settings; root: where relative paths (file.py tools, a server's cwd) resolve."""
+    servers = tuple(
+        McpServerSpec(tuple(server.command), tuple(sorted(server.env.items())), server.cwd)
+        for server in env_cfg.mcp_servers
+    )
+    tools = ToolsSpec(tuple(env_cfg.tools), servers, str(root), env_cfg.tool_time_limit(), env_cfg.tool_result_chars)
+    return ToolUseSpec(tools, env_cfg.parallel_tools, env_cfg.malformed_tool_calls)
+
+
+def callable_tools(env: object) -> list[Callable[..., Any]]:
+    """The env's own tools that rlcli runs: the callables in its `tools` (dict specs it handles itself)."""
+    return [tool for tool in getattr(env, "tools", None) or [] if callable(tool)]
+
+
+def with_tools(factory: EnvFactory, spec: ToolUseSpec) -> EnvFactory:
+    """The factory's envs, wrapped in ToolUse when there are tools for rlcli to run; others unchanged."""
+    recipe_tools = bool(spec.tools.functions or spec.tools.mcp_servers)
+
+    def make() -> Env:
+        env = factory()
+        return ToolUse(env, spec) if recipe_tools or callable_tools(env) else env
+
+    return make
+
+
+class ToolUse:
+    """An env with native tool calls (see the module docstring)."""
+
+    def __init__(self, env: Env, spec: ToolUseSpec) -> None:
+        self.env, self.spec = env, spec
+        self.shared = toolbox_for(spec.tools) if spec.tools.functions or spec.tools.mcp_servers else None
+        # The env's own tools hold its state (the episode's corpus, say): a box of their own, per env.
+        own = callable_tools(env)
+        self.own = ToolBox(ToolsSpec(timeout_s=spec.tools.timeout_s, max_result_chars=spec.tools.max_result_chars), own)
+        clash = sorted(set(self.own.names()) & set(self.shared.names() if self.shared else []))
+        if clash:
+            raise UsageError(
+                f"Tool {clash[0]!r} is both one of the env's own tools and in env.tools or env.mcp_servers; "
+                "expected each tool name once: rename or drop one."
+            )
+        declared = [tool for tool in getattr(env, "tools", None) or [] if isinstance(tool, dict)]
+        self.tools: list[dict] | None = [*declared, *self.own.specs(), *(self.shared.specs() if self.shared else [])]
+        self.tools = self.tools or None
+
+    def reset(self, seed: int) -> tuple[Any, dict]:
+        return self.env.reset(seed)
+
+    def expert_action(self) -> str:
+        return self.env.expert_action()  # type: ignore[attr-defined]  # an env without one fails its episode, as unwrapped
+
+    def step(self, action: str) -> tuple[Any, float, bool, bool, dict]:
+        found = parse_tool_calls(action)
+        if not found:
+            return self.env.step(action)
+        calls = [ToolCall(call["name"], call["arguments"]) for call in found.calls]
+        if self.spec.parallel and len(calls) > 1:
+            with ThreadPoolExecutor(len(calls)) as pool:
+                results = list(pool.map(self._call, calls))
+        else:
+            results = [self._call(call) for call in calls]
+        messages = [_tool_message(result) for result in results]
+        messages += [{"role": "tool", "content": f"Error: {problem}"} for problem in found.malformed]
+        end = bool(found.malformed) and self.spec.malformed == "end"
+        return messages, 0.0, end, False, {"tool_calls": len(calls), "malformed_tool_calls": len(found.malformed)}
+
+    def _call(self, call: ToolCall) -> ToolResult:
+        if call.name in self.own.names() or self.shared is None:
+            return self.own.call(call)
+        return self.shared.call(call)
+
+
+def _tool_message(result: ToolResult) -> dict[str, Any]:
+    record = {k: v for k, v in asdict(result).items() if k not in ("name", "content")}
+    return {"role": "tool", "name": result.name, "content": result.content, "call": record}
