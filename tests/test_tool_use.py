@@ -4,6 +4,7 @@ every call, bad input, and kill -9 of a tool rollout."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import sqlite3
@@ -204,6 +205,43 @@ def test_a_turns_calls_run_side_by_side_with_parallel_tools(tmp_path, tokenizer)
     waited, partner = json.loads(play(env_file, [both, "no"], tokenizer, in_order, seed=8).turns[0].observation)
     assert waited["call"]["error"] and "0.5" in waited["call"]["error"]
     assert partner["content"] == "here"
+
+
+# A made-up output format that only a response template describes: the name in the tag, the arguments
+# as the region's JSON. The default reader sees no call in it (the JSON has no name).
+FN_TAGS = {
+    "start_anchor": "<|im_start|>assistant\n",
+    "fields": {
+        "content": {"content": "text"},
+        "tool_calls": {
+            "open_pattern": "<fn=(?P<name>\\w+)>",
+            "close": "</fn>",
+            "content": "json",
+            "repeats": True,
+            "transform": {"type": "function", "function": {"name": "{name}", "arguments": "{content}"}},
+        },
+    },
+}
+
+
+def test_a_tokenizer_that_declares_its_response_template_has_its_calls_read_with_it(tmp_path, tokenizer):
+    pytest.importorskip("transformers.utils.chat_parsing", reason="response templates arrived in transformers 5.19")
+    from rlcli.envs.tool_use import tool_use_spec
+    from rlcli.recipe import EnvSection
+
+    env_file = write_env_file(tmp_path / "lookup.py", LOOKUP_ENV)
+    reply = 'Looking. <fn=define>{"word": "w7"}</fn><fn=count>{"text": "abcd"}</fn>'
+    assert not parse_tool_calls(reply)  # without the template: no call
+    declaring = copy.deepcopy(tokenizer)
+    declaring.response_template = FN_TAGS
+    spec = tool_use_spec(EnvSection(name=str(env_file)), tmp_path, declaring)
+    ep = play(env_file, [reply, "w7 is a test word"], tokenizer, spec)
+    assert [(m["name"], m["content"]) for m in json.loads(ep.turns[0].observation)] == [
+        ("define", "w7: a test word"),
+        ("count", "4"),
+    ]
+    [problem] = parse_tool_calls('<fn=define>{"word": </fn>', spec.response_template).malformed
+    assert "does not read as the model's tool-call format" in problem
 
 
 @pytest.mark.parametrize("policy", ["continue", "end"])

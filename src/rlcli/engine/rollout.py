@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from rlcli.engine.context import RunContext
 from rlcli.envs.protocol import EnvFailure, EnvTimeout, as_messages
-from rlcli.envs.tool_use import tool_use_spec
+from rlcli.envs.tool_use import ToolUseSpec, tool_use_spec
 from rlcli.envs.tools import close_toolboxes
 from rlcli.envs.workers import EnvHost, EnvLost, EnvReply, EnvWorkerPool, InProcessEnvs
 from rlcli.errors import UsageError
@@ -479,11 +479,11 @@ class EpisodeRunner:
                 ep.finish(EndReason.MAX_TURNS)
 
 
-def env_host(env_cfg: EnvSection, factory: Callable[[], Any]) -> EnvHost:
-    """Where the recipe's envs run: this process (env.workers 0), a pool of worker processes, or Ray actors."""
+def env_host(env_cfg: EnvSection, factory: Callable[[], Any], tools: ToolUseSpec) -> EnvHost:
+    """Where the recipe's envs run: this process (env.workers 0), a pool of worker processes, or Ray
+    actors; factory: this process's envs; tools: the tool settings workers build theirs with."""
     if env_cfg.workers == 0:
         return InProcessEnvs(factory, env_cfg.step_timeout_s)
-    tools = tool_use_spec(env_cfg, Path.cwd())
     if env_cfg.workers_backend == "ray":
         from rlcli.envs.ray_workers import RayEnvHost  # Ray is optional: imported only when asked for
 
@@ -556,7 +556,8 @@ def collect(
     from rlcli.envs.loading import load_env
 
     recipe = ctx.recipe
-    env_factory = load_env(recipe.env.name, recipe.env.kwargs, tools=tool_use_spec(recipe.env, Path.cwd()))
+    tools = tool_use_spec(recipe.env, Path.cwd(), tokenizer)
+    env_factory = load_env(recipe.env.name, recipe.env.kwargs, tools=tools)
     specs = episode_specs(recipe.run.seed, stage, task_indices, group_size, split, recipe.env.eval_seed_start)
     have = stored_episode_keys(ctx.rundb, ctx.run, stage)
     # A killed stage never leaves a chunk half stored (one transaction per chunk); a chunk is only
@@ -576,7 +577,7 @@ def collect(
     with _progress(ctx, progress_label or stage, len(specs), done_before) as advance:
         if todo:
             try:
-                with env_host(recipe.env, env_factory) as envs:
+                with env_host(recipe.env, env_factory, tools) as envs:
                     runner = EpisodeRunner(envs, limits, sampler, tokenizer)
                     for chunk in todo:
                         episodes = runner.run(chunk, on_turns=lambda n: advance(0, n))

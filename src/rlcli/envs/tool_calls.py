@@ -5,6 +5,7 @@
 - Llama 3.x: the reply is the JSON object itself, `{"name": ..., "parameters": {...}}` (after the
   `<|python_tag|>` special token, which decoding drops), several separated by `;` or new lines.
 - Mistral: `[TOOL_CALLS]` (a special token, dropped) then a JSON list of calls.
+- A tokenizer that declares its output format (transformers' `response_template`): read with it.
 
 The arguments may be named `arguments` or `parameters`, and may be an object or a JSON string of one.
 One parser reads all three, so that an env needs no setting per model family, and an expert's demo in
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,8 +34,11 @@ class ToolCallParse:
         return bool(self.calls or self.malformed)
 
 
-def parse_tool_calls(text: str) -> ToolCallParse:
-    """The calls in a reply: its `<tool_call>` blocks when it has any, else its bare JSON calls."""
+def parse_tool_calls(text: str, response_template: str | None = None, tools: list[dict] | None = None) -> ToolCallParse:
+    """The calls in a reply: as the model's response template reads them where its tokenizer declares
+    one (a JSON string; see _template_calls), else its `<tool_call>` blocks, else its bare JSON calls."""
+    if response_template is not None:
+        return _template_calls(text, response_template, tools)
     tagged = TAGGED.findall(text)
     if tagged:
         found = ToolCallParse()
@@ -45,6 +50,31 @@ def parse_tool_calls(text: str) -> ToolCallParse:
                 found.malformed.append(f"malformed <tool_call> block {_shorten(raw.strip())}: {problem}")
         return found
     return ToolCallParse(calls=[call for value in _json_values(text) for call in _bare_calls(value)])
+
+
+def _template_calls(text: str, response_template: str, tools: list[dict] | None) -> ToolCallParse:
+    """The calls transformers' parse_response finds with the tokenizer's response template (a model's own
+    description of its output format; transformers 5.19 and later read it). The reply alone is parsed
+    (prefix ""): rollouts keep the sampled text, not the template's pre-written part of the turn."""
+    from transformers.utils.chat_parsing import parse_response
+
+    described: list[dict | Callable[..., Any]] = list(tools or [])  # typed as parse_response takes them
+    try:
+        message = parse_response(text, json.loads(response_template), prefix="", tools=described or None)
+    except ValueError as exc:  # a region the template could not read, e.g. a call that is not JSON
+        return ToolCallParse(malformed=[f"the reply does not read as the model's tool-call format: {_first_line(exc)}"])
+    found = ToolCallParse()
+    for item in message.get("tool_calls") or []:
+        call, problem = _as_call(item.get("function", item) if isinstance(item, dict) else item)
+        if call is not None:
+            found.calls.append(call)
+        else:
+            found.malformed.append(f"malformed tool call {_shorten(json.dumps(item, default=str))}: {problem}")
+    return found
+
+
+def _first_line(exc: Exception) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
 
 
 def _json(raw: str) -> Any:

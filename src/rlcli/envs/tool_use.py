@@ -18,6 +18,7 @@ its own MCP servers once (tools.toolbox_for) and stops them when it ends.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -40,16 +41,22 @@ class ToolUseSpec:
     tools: ToolsSpec = ToolsSpec()
     parallel: bool = False  # env.parallel_tools: a turn's calls side by side
     malformed: Literal["continue", "end"] = "continue"  # env.malformed_tool_calls
+    # The policy's response template as JSON, where its tokenizer declares one (transformers'
+    # `response_template`, read by parse_response): its calls are read that way instead.
+    response_template: str | None = None
 
 
-def tool_use_spec(env_cfg: EnvSection, root: str | Path) -> ToolUseSpec:
-    """The recipe's tool settings; root: where relative paths (file.py tools, a server's cwd) resolve."""
+def tool_use_spec(env_cfg: EnvSection, root: str | Path, tokenizer: object = None) -> ToolUseSpec:
+    """The recipe's tool settings; root: where relative paths (file.py tools, a server's cwd) resolve;
+    tokenizer: the policy's, whose response template (if it declares one) reads its calls."""
     servers = tuple(
         McpServerSpec(tuple(server.command), tuple(sorted(server.env.items())), server.cwd)
         for server in env_cfg.mcp_servers
     )
     tools = ToolsSpec(tuple(env_cfg.tools), servers, str(root), env_cfg.tool_time_limit(), env_cfg.tool_result_chars)
-    return ToolUseSpec(tools, env_cfg.parallel_tools, env_cfg.malformed_tool_calls)
+    template = getattr(tokenizer, "response_template", None)
+    declared = json.dumps(template) if isinstance(template, dict) else None
+    return ToolUseSpec(tools, env_cfg.parallel_tools, env_cfg.malformed_tool_calls, declared)
 
 
 def callable_tools(env: object) -> list[Callable[..., Any]]:
@@ -94,7 +101,7 @@ class ToolUse:
         return self.env.expert_action()  # type: ignore[attr-defined]  # an env without one fails its episode, as unwrapped
 
     def step(self, action: str) -> tuple[Any, float, bool, bool, dict]:
-        found = parse_tool_calls(action)
+        found = parse_tool_calls(action, self.spec.response_template, self.tools)
         if not found:
             return self.env.step(action)
         calls = [ToolCall(call["name"], call["arguments"]) for call in found.calls]
