@@ -51,25 +51,34 @@ def as_messages(observation: Any) -> list[dict]:
     raise EnvFailure(f"observation must be a string or a list of chat messages, got {type(observation).__name__}")
 
 
-def call_with_timeout(fn: Callable, timeout_s: float, *args: Any) -> Any:
-    """Run an env call in a worker thread; a raise or a time-out becomes EnvFailure."""
-    result: dict[str, Any] = {}
+def run_in_thread(fn: Callable[..., Any], timeout_s: float, /, *args: Any, **kwargs: Any) -> tuple[str, Any]:
+    """fn(*args, **kwargs) in a daemon thread, waited for up to timeout_s: ("value", what it returned),
+    ("error", what it raised), or ("running", None) past the limit: the thread goes on, since Python
+    cannot stop one."""
+    outcome: dict[str, Any] = {}
 
     def target() -> None:
         try:
-            result["value"] = fn(*args)
-        except BaseException as exc:  # the env's own failure, reported as the episode's error
-            result["error"] = exc
+            outcome["value"] = fn(*args, **kwargs)
+        except BaseException as exc:  # the callee's own failure, for the caller to report
+            outcome["error"] = exc
 
-    worker = threading.Thread(target=target, daemon=True)
+    worker = threading.Thread(target=target, name=getattr(fn, "__name__", "call"), daemon=True)
     worker.start()
     worker.join(timeout_s)
     if worker.is_alive():
+        return "running", None
+    return ("error", outcome["error"]) if "error" in outcome else ("value", outcome["value"])
+
+
+def call_with_timeout(fn: Callable, timeout_s: float, *args: Any) -> Any:
+    """Run an env call in a worker thread; a raise or a time-out becomes EnvFailure."""
+    status, value = run_in_thread(fn, timeout_s, *args)
+    if status == "running":
         raise EnvTimeout(f"{getattr(fn, '__name__', 'env call')} exceeded the {timeout_s:g}s step time limit")
-    if "error" in result:
-        exc = result["error"]
-        raise EnvFailure(f"{type(exc).__name__}: {exc}")
-    return result["value"]
+    if status == "error":
+        raise EnvFailure(f"{type(value).__name__}: {value}")
+    return value
 
 
 def task_seed(split: str, index: int, eval_seed_start: int = 1_000_000) -> int:

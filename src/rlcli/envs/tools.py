@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
+from rlcli.envs.protocol import run_in_thread
 from rlcli.envs.python_exec import python_exec
 from rlcli.errors import UsageError
 from rlcli.usercode import import_file
@@ -158,23 +159,12 @@ class FunctionTool:
             inspect.signature(self.fn).bind(**arguments)
         except TypeError as exc:
             raise ToolError(f"Bad arguments for {self.name}: {exc}.") from None
-        outcome: dict[str, Any] = {}
-
-        def run() -> None:
-            try:
-                outcome["value"] = self.fn(**arguments)
-            except BaseException as exc:  # the tool's own failure, reported to the model
-                outcome["error"] = exc
-
-        worker = threading.Thread(target=run, name=f"tool-{self.name}", daemon=True)
-        worker.start()
-        worker.join(timeout_s)
-        if worker.is_alive():
+        status, value = run_in_thread(self.fn, timeout_s, **arguments)
+        if status == "running":
             raise ToolError(f"{self.name} did not return within {timeout_s:g} s (env.tool_timeout_s).")
-        if "error" in outcome:
-            failure = outcome["error"]
-            raise ToolError(f"{self.name} raised {type(failure).__name__}: {failure}")
-        return outcome["value"]
+        if status == "error":  # the tool's own failure, reported to the model
+            raise ToolError(f"{self.name} raised {type(value).__name__}: {value}")
+        return value
 
 
 class ToolBox:
