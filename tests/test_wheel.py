@@ -1,4 +1,5 @@
-"""A built wheel, installed away from the source tree, still has its built-in environments."""
+"""A built wheel, installed away from the source tree, still has its built-in environments and its
+shipped recipes."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def test_an_installed_wheel_lists_and_plays_the_builtin_envs(tmp_path):
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / name, source / name)
     skip = shutil.ignore_patterns("__pycache__", "*.egg-info")
-    for folder in ("src", "envs"):
+    for folder in ("src", "envs", "recipes"):
         shutil.copytree(REPO / folder, source / folder, ignore=skip)
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--no-input"]
     run(*pip, "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-w", tmp_path / "dist", source, cwd=tmp_path)
@@ -45,10 +46,15 @@ def test_an_installed_wheel_lists_and_plays_the_builtin_envs(tmp_path):
 
     # pyproject.toml lists the packages by hand: a subpackage missing there would be missing here.
     expected = modules(source / "src" / "rlcli") | {Path("builtin_envs", m) for m in modules(source / "envs")}
-    assert modules(site / "rlcli") == expected
+    assert modules(site / "rlcli") == expected | {Path("recipes", "__init__.py")}
+    shipped = sorted(p.name for p in (source / "recipes").glob("*.yaml"))
+    assert sorted(p.name for p in (site / "rlcli" / "recipes").glob("*.yaml")) == shipped
 
     rlcli = site / "bin" / "rlcli"
     listed = run(rlcli, "envs", "list", "--json", cwd=tmp_path, env=env)
     assert all(f'"name": "{name}"' in listed for name in BUILTINS), listed
     played = run(rlcli, "envs", "try", "guess_number", "--policy", "expert", cwd=tmp_path, env=env)
     assert "solved in" in played and "not solved" not in played, played
+    recipes = run(rlcli, "recipes", "list", "--json", cwd=tmp_path, env=env)
+    assert '"name": "quickstart"' in recipes and str(site) in recipes, recipes
+    assert "quickstart" in run(rlcli, "recipes", "validate", "quickstart", cwd=tmp_path, env=env)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import re
 import types
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -719,14 +720,56 @@ class Recipe(Section):
 # --- loading ---------------------------------------------------------------
 
 
+# The shipped recipes: the top-level recipes/ folder, installed as this package (see pyproject.toml).
+SHIPPED_RECIPES = "rlcli.recipes"
+
+
+def shipped_recipes() -> dict[str, Path]:
+    """Every shipped recipe by name (`quickstart` for quickstart.yaml), in name order."""
+    import importlib.resources
+
+    folder = importlib.resources.files(SHIPPED_RECIPES)
+    files = sorted((f for f in folder.iterdir() if f.name.endswith(".yaml")), key=lambda f: f.name)
+    return {f.name.removesuffix(".yaml"): Path(str(f)) for f in files}
+
+
+def recipe_purpose(path: Path) -> str:
+    """A recipe's purpose: the first sentence of its header comment, which may run over lines (up to the
+    command line that runs it, `#   rlcli run -r ...`)."""
+    words = []
+    for line in path.read_text().splitlines():
+        text = line.lstrip("#").strip()
+        if not line.startswith("#") or not text or text.startswith("rlcli "):
+            break
+        words.append(text)
+    header = " ".join(words)
+    end = re.search(r"(?<!\bDr)(?<!e\.g)(?<!i\.e)\.(?:\s|$)", header)  # a full stop, not "Dr." or "e.g."
+    return header[: end.start() + 1] if end else header
+
+
+def recipe_file(path: str | Path) -> Path:
+    """The recipe file that `-r PATH` names: a file, or else a shipped recipe's name (`-r quickstart`)."""
+    path = Path(path)
+    if path.is_file():
+        return path
+    shipped = shipped_recipes()
+    if path.suffix == "" and path.parent == Path(".") and path.name in shipped:
+        return shipped[path.name]
+    close = difflib.get_close_matches(path.name.removesuffix(".yaml"), shipped, n=1)
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    raise UsageError(
+        f"Recipe file {path} does not exist{hint}; expected a recipe file or the name of a shipped recipe "
+        "(`rlcli recipes list` names them)."
+    )
+
+
 def load_recipe(path: str | Path | None, overrides: Sequence[str] = ()) -> Recipe:
-    """Read a YAML recipe (or the defaults when path is None), apply key=value overrides, validate."""
+    """Read a YAML recipe (a file, or a shipped recipe's name; the defaults when path is None), apply
+    key=value overrides, validate."""
     where = str(path) if path else "the default recipe"
     data: dict[str, Any] = {}
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise UsageError(f"Recipe file {path} does not exist.")
+        path = recipe_file(path)
         try:
             text = path.read_text()
         except (OSError, UnicodeDecodeError) as exc:

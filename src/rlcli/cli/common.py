@@ -22,7 +22,12 @@ console = Console()  # results, on stdout; progress and errors go to err_console
 
 # --- shared options ----------------------------------------------------------
 
-RecipeOpt = Annotated[Path | None, typer.Option("--recipe", "-r", help="Recipe YAML file.", show_default=False)]
+RecipeOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--recipe", "-r", help="Recipe YAML file, or a shipped recipe's name (rlcli recipes list).", show_default=False
+    ),
+]
 RunOpt = Annotated[
     str | None, typer.Option("--run", help="Run name (default: the recipe's run.name).", show_default=False)
 ]
@@ -78,7 +83,7 @@ def open_run(
     """
     from rlcli.engine.context import RunContext
     from rlcli.engine.preflight import check_recipe
-    from rlcli.recipe import load_recipe
+    from rlcli.recipe import load_recipe, recipe_file
     from rlcli.store.db import RunDB, check_run_name, default_runs_dir
     from rlcli.store.stages import RunLock
     from rlcli.usercode import code_hashes
@@ -88,6 +93,8 @@ def open_run(
     # A bad recipe or run name must fail before anything is written, the database file included.
     if run is not None:
         check_run_name(run)
+    if recipe_path is not None:
+        recipe_path = recipe_file(recipe_path)  # a shipped recipe's name (-r quickstart): its file
     recipe = load_recipe(recipe_path, overrides or []) if recipe_path is not None else None
     if recipe is not None:
         recipe.run.name = check_run_name(run or recipe.run.name)

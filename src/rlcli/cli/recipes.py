@@ -1,4 +1,5 @@
-"""`rlcli recipes ...`: check recipe files, and show the recipe schema (also rendered to docs/recipe.md)."""
+"""`rlcli recipes ...`: list and copy the shipped recipes, check recipe files, and show the recipe
+schema (also rendered to docs/recipe.md)."""
 
 from __future__ import annotations
 
@@ -15,15 +16,71 @@ from rlcli.errors import UsageError
 if TYPE_CHECKING:  # rlcli.recipe imports pydantic: only the commands that need it load it
     from rlcli.recipe import FieldDoc, SectionDoc
 
-app = typer.Typer(help="Check recipe files and show the recipe schema.", no_args_is_help=True)
+app = typer.Typer(help="List, copy and check recipes, and show the recipe schema.", no_args_is_help=True)
 
 REGENERATE_DOCS = "rlcli recipes explain --markdown > docs/recipe.md"
 RESUME_SAFE_NOTE = "Can change on resume without --force."
 
 
+@app.command("list")
+def recipes_list(as_json: JsonOpt = False) -> None:
+    """The shipped recipes, each with its purpose (the first line of its header). Run one with
+    `-r NAME`, or copy it out to edit with `rlcli recipes copy NAME`.
+
+    With --json: a list of objects with "name", "purpose" and "path"."""
+    from rich.table import Table
+
+    from rlcli.recipe import recipe_purpose, shipped_recipes
+    from rlcli.report.text import literal
+
+    rows = [(name, recipe_purpose(path), path) for name, path in shipped_recipes().items()]
+    if as_json:
+        print(json.dumps([{"name": n, "purpose": p, "path": str(f)} for n, p, f in rows], indent=2))
+        return
+    table = Table(show_edge=False)
+    table.add_column("recipe", no_wrap=True)
+    table.add_column("purpose")
+    for name, purpose, _ in rows:
+        table.add_row(literal(name, style="bold"), literal(purpose))  # a header may hold [brackets]
+    console.print(table)
+
+
+@app.command("copy")
+def recipes_copy(
+    name: Annotated[str, typer.Argument(help="A shipped recipe (rlcli recipes list).", show_default=False)],
+    dest: Annotated[
+        Path | None,
+        typer.Argument(
+            help="Where to write it: a file, or a folder to put NAME.yaml in (default: ./NAME.yaml).",
+            show_default=False,
+        ),
+    ] = None,
+) -> None:
+    """Copy a shipped recipe out to edit; never replaces an existing file. Prints the new file's path."""
+    import shutil
+
+    from rlcli.recipe import shipped_recipes
+
+    shipped = shipped_recipes()
+    if name not in shipped:
+        raise UsageError(f"No shipped recipe named {name!r}; expected one of: {', '.join(shipped)}.")
+    target = dest or Path(f"{name}.yaml")
+    if target.is_dir():
+        target = target / f"{name}.yaml"
+    if target.exists():
+        raise UsageError(
+            f"{target} already exists; expected a new file (rlcli never overwrites one): name another DEST."
+        )
+    if not target.parent.is_dir():
+        raise UsageError(f"{target.parent} is not a folder; expected DEST in an existing folder.")
+    shutil.copyfile(shipped[name], target)
+    print(target)
+
+
 @app.command("validate")
 def recipes_validate(
-    files: Annotated[list[Path], typer.Argument(help="Recipe YAML files.")], as_json: JsonOpt = False
+    files: Annotated[list[Path], typer.Argument(help="Recipe YAML files, or shipped recipes' names.")],
+    as_json: JsonOpt = False,
 ) -> None:
     """Check recipe files against the schema (fast: loads no model). Exits 2 if any file fails.
 
