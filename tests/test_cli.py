@@ -7,6 +7,7 @@ fails in `open_run` before it imports one, and runs are started through `open_ru
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import subprocess
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import cli
+from helpers import cli, write_recipe
 from rlcli.cli.app import main
 from rlcli.cli.common import open_run
 from rlcli.engine.context import RunContext
@@ -204,7 +205,34 @@ def test_recipes_validate_json(capsys, good, bad):
 def test_recipes_validate_shipped_recipes(capsys):
     recipes = sorted((REPO / "recipes").glob("*.yaml"))
     assert REPO / "recipes" / "quickstart.yaml" in recipes  # deleting the recipes must fail, not pass
-    code, _, err = cli(capsys, "recipes", "validate", *recipes)
+    # --schema: the GPU recipes name hub models, which this offline machine cannot run.
+    code, _, err = cli(capsys, "recipes", "validate", "--schema", *recipes)
+    assert code == 0, err
+    cpu = [r for r in recipes if "gpu" not in r.stem and r.stem != "gui_click_vlm"]
+    code, _, err = cli(capsys, "recipes", "validate", *cpu)
+    assert code == 0, err
+
+
+# A tracker the recipe may name whose package is not installed here: a run would refuse it.
+MISSING_TRACKER = next((t for t in ("wandb", "trackio", "tensorboard") if importlib.util.find_spec(t) is None), None)
+
+
+@pytest.mark.parametrize(
+    "section, expected",
+    [
+        ({"rewards": [{"fn": "exact_matsh"}]}, "exact_matsh"),
+        ({"model": {"name": "smollm-135m"}}, "did you mean smollm2-135m?"),
+        ({"env": {"name": "guess_number", "kwargs": {"hihg": 3}}}, "hihg"),
+        ({"run": {"name": "t", "trackers": [MISSING_TRACKER]}}, str(MISSING_TRACKER)),
+    ],
+)
+def test_recipes_validate_checks_what_a_run_would_before_starting(capsys, tmp_path, section, expected):
+    if expected == "None":
+        pytest.skip("every tracker rlcli supports is installed here")
+    recipe = write_recipe(tmp_path / "r.yaml", **section)
+    code, _, err = cli(capsys, "recipes", "validate", recipe)
+    assert code == 2 and expected in one_line(err) and str(recipe) in unwrapped(err), err
+    code, _, err = cli(capsys, "recipes", "validate", "--schema", recipe)  # the schema alone takes each
     assert code == 0, err
 
 

@@ -81,16 +81,32 @@ def recipes_copy(
 def recipes_validate(
     files: Annotated[list[Path], typer.Argument(help="Recipe YAML files, or shipped recipes' names.")],
     as_json: JsonOpt = False,
+    schema: Annotated[
+        bool,
+        typer.Option(
+            "--schema",
+            help="Check the schema only: the same answer on every machine (no model, env, reward, tracker or "
+            "tool server is looked up).",
+        ),
+    ] = False,
 ) -> None:
-    """Check recipe files against the schema (fast: loads no model). Exits 2 if any file fails.
+    """Check recipes as a run would before it starts: the schema, then the model known, reward functions
+    resolvable, the env loadable with its kwargs, trackers installed, MCP servers answering (loads no
+    model). Exits 2 if any fails.
 
     With --json: an object with "ok" and "files" (each with "path", "ok" and a list of "errors"), nothing on stderr."""
+    from rlcli.engine.preflight import check_recipe
     from rlcli.recipe import load_recipe
 
     results = []
     for path in files:
         try:
-            load_recipe(path)
+            recipe = load_recipe(path)  # its errors name the file
+            try:
+                if not schema:
+                    check_recipe(recipe)
+            except UsageError as exc:
+                raise UsageError(f"{path}: {exc}") from None
         except UsageError as exc:
             results.append({"path": str(path), "ok": False, "errors": [str(exc)]})
             if not as_json:

@@ -9,7 +9,8 @@ from rlcli.recipe import Recipe
 
 
 def check_recipe(recipe: Recipe) -> None:
-    """Trackers installed, rewards resolvable, env loadable with its kwargs, engine able to serve the model.
+    """Trackers installed, the model known, rewards resolvable, env loadable with its kwargs, engine able to
+    serve the model. `rlcli recipes validate` runs it too.
 
     Only what is cheap is checked: no model is loaded and no env constructed (an env may start a browser).
     The recipe's tools are the exception: each MCP server is started, listed and stopped, since one that
@@ -19,9 +20,11 @@ def check_recipe(recipe: Recipe) -> None:
     from rlcli.envs.loading import load_env
     from rlcli.envs.tool_use import tool_use_spec
     from rlcli.envs.tools import check_tools
+    from rlcli.models.cache import check_model
     from rlcli.rewards.scoring import check_reward_fns
 
     check_trackers(recipe.run.trackers)
+    check_model(recipe.model.name)
     check_reward_fns(recipe.rewards)
     load_env(recipe.env.name, recipe.env.kwargs)  # finds the factory and checks the kwargs it takes
     if recipe.env.tools or recipe.env.mcp_servers:

@@ -115,6 +115,17 @@ def resolve_model(name: str) -> str:
         if not (dest / "config.json").is_file():
             err_console.print(f"Model {name} is not in the cache yet; pulling it into {dest} (once).")
         return str(pull_model(name))
+    return _resolve_unregistered(name)
+
+
+def check_model(name: str) -> None:
+    """Refuse in one sentence a model.name that resolve_model would refuse, without pulling or loading
+    anything (a registered name is known)."""
+    if name not in REGISTRY:
+        _resolve_unregistered(name)
+
+
+def _resolve_unregistered(name: str) -> str:
     path = Path(name).expanduser()
     if path.exists():
         if not path.is_dir() or not (path / "config.json").is_file():
