@@ -53,3 +53,17 @@ def test_a_shipped_recipe_runs_by_its_name(tmp_path, capsys, monkeypatch):
     assert load_recipe("quickstart").run.name == "mine"
     code, _, err = cli(capsys, "recipes", "validate", "quikstart")
     assert code == 2 and "did you mean quickstart?" in err and "rlcli recipes list" in err
+
+
+def test_piped_output_keeps_a_table_row_on_one_line(tmp_path):
+    import os
+    import subprocess
+
+    from helpers import RLCLI
+
+    purpose = "Single-turn verifiable rewards: GRPO on two-digit addition with a numeric-match reward."
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    piped = subprocess.run([*RLCLI, "recipes", "list"], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert piped.returncode == 0 and any("arithmetic" in line and purpose in line for line in piped.stdout.splitlines())
+    narrow = subprocess.run([*RLCLI, "recipes", "list"], capture_output=True, text=True, env={**env, "COLUMNS": "80"})
+    assert not any(purpose in line for line in narrow.stdout.splitlines())  # COLUMNS still rules

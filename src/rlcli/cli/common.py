@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,14 +12,14 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.console import Console
 
-from rlcli.console import err_console
+from rlcli.console import err_console, width_for
 from rlcli.errors import RlcliError, UsageError
 
 if TYPE_CHECKING:  # the run machinery is imported when a command opens a run, not when the CLI starts
     from rlcli.engine.context import RunContext
     from rlcli.store.db import RunDB
 
-console = Console()  # results, on stdout; progress and errors go to err_console (stderr)
+console = Console(width=width_for(sys.stdout))  # results, on stdout; progress and errors go to err_console (stderr)
 
 # --- shared options ----------------------------------------------------------
 
