@@ -649,6 +649,35 @@ class Recipe(Section):
         return rewards
 
     @model_validator(mode="after")
+    def _asynchronous_rollouts(self) -> Recipe:
+        """What GRPO's asynchronous rollout source (grpo.max_staleness > 0: engine/rollout_sources.py's
+        AsyncRollouts, a worker sampling ahead) cannot do, in one place. Checked here rather than by the
+        source, so that `rlcli recipes validate --schema` finds them without importing the engine."""
+        if self.grpo.max_staleness == 0:
+            return self
+        if (self.run.stages or []).count("grpo") > 1:
+            raise ValueError(
+                "run.stages lists grpo more than once, which needs the synchronous loop (asynchronous staleness is "
+                "counted within one phase); set grpo.max_staleness: 0"
+            )
+        if self.rollout.group_size_hard is not None:
+            raise ValueError(
+                "rollout.group_size_hard needs the synchronous loop (the rollout worker plays equal groups); set "
+                "grpo.max_staleness: 0 or rollout.group_size_hard: null"
+            )
+        if self.grpo.dynamic_sampling:
+            raise ValueError(
+                "grpo.dynamic_sampling needs the synchronous loop (its extra rounds depend on the labels of the "
+                "first); set grpo.max_staleness: 0 or grpo.dynamic_sampling: false"
+            )
+        if self.rollout.vllm_sleep is True:
+            raise ValueError(
+                "rollout.vllm_sleep true frees the GPU during the update, while with grpo.max_staleness > 0 the "
+                "rollout worker samples during it; set rollout.vllm_sleep: auto or false"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _combinations(self) -> Recipe:
         if self.quantization.mode != "none" and self.lora is None:
             raise ValueError(
@@ -659,26 +688,11 @@ class Recipe(Section):
             raise ValueError(f"run.stages {stages} lists sft twice; list it once")
         if "grpo" in stages and "dpo" in stages and stages.index("dpo") < stages.index("grpo"):
             raise ValueError("run.stages: dpo mines its pairs from GRPO's groups; put dpo after grpo")
-        if stages.count("grpo") > 1 and self.grpo.max_staleness > 0:
-            raise ValueError(
-                "run.stages lists grpo more than once, which needs the synchronous loop (asynchronous staleness is "
-                "counted within one phase); set grpo.max_staleness: 0"
-            )
         if "sft" in stages and self.sft.source == "none":
             raise ValueError("run.stages lists sft but sft.source is none; set sft.source or drop sft")
         if self.grpo.sampling != "sequential" and self.env.tasks is None:
             raise ValueError(
                 f"grpo.sampling {self.grpo.sampling} draws from a finite task pool; set env.tasks, e.g. [0, 500]"
-            )
-        if self.rollout.group_size_hard is not None and self.grpo.max_staleness > 0:
-            raise ValueError(
-                "rollout.group_size_hard needs the synchronous loop (the rollout worker plays equal groups); set "
-                "grpo.max_staleness: 0 or rollout.group_size_hard: null"
-            )
-        if self.grpo.dynamic_sampling and self.grpo.max_staleness > 0:
-            raise ValueError(
-                "grpo.dynamic_sampling needs the synchronous loop (its extra rounds depend on the labels of the "
-                "first); set grpo.max_staleness: 0 or grpo.dynamic_sampling: false"
             )
         if self.env.tasks is not None and self.env.tasks[1] - self.env.tasks[0] < self.rollout.tasks:
             raise ValueError(
@@ -702,11 +716,6 @@ class Recipe(Section):
             raise ValueError(
                 "rollout.vllm_sync adapter serves adapters on the language model only, and lora.target_vision "
                 "trains the vision tower too; set rollout.vllm_sync: merged"
-            )
-        if self.rollout.vllm_sleep is True and self.grpo.max_staleness > 0:
-            raise ValueError(
-                "rollout.vllm_sleep true frees the GPU during the update, while with grpo.max_staleness > 0 the "
-                "rollout worker samples during it; set rollout.vllm_sleep: auto or false"
             )
         return self
 
