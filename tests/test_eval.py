@@ -144,7 +144,18 @@ def test_eval_with_other_decoding_or_more_tasks_is_measured_not_read_back(tmp_pa
     assert ctx.rundb.db.execute("select count(*) from episodes where stage = 'eval/base'").fetchone()[0] == 5
     from rlcli.store.evals import eval_results
 
-    assert [r.label for r in eval_results(ctx.rundb, ctx.run)] == ["base @t1-k1", "base"]
+    results = eval_results(ctx.rundb, ctx.run)
+    assert [(r.label, r.decoding) for r in results] == [("base", "t1-k1"), ("base", "greedy")]
+    # The table shows how each sampled, in a column of its own, and never cuts a label.
+    from rich.console import Console
+
+    from rlcli.report.tables import evals_table
+    from rlcli.report.views import eval_view
+
+    console = Console(width=60, record=True)
+    console.print(evals_table([eval_view(r) for r in results]))
+    lines = console.export_text().splitlines()
+    assert any("base" in line and "t1-k1" in line for line in lines) and any("greedy" in line for line in lines)
 
 
 def test_cli_eval_json_and_runs_show_include_evals(tmp_path):

@@ -212,7 +212,7 @@ def test_show_json_has_stable_keys_and_evals(capsys, runs_dir):
         assert {"name", "status", "started_at", "finished_at", "error"} <= stage.keys()
     sft = next(s for s in data["stages"] if s["name"] == "sft")
     assert sft["duration_s"] == 30.0
-    assert [e["label"] for e in data["evals"]] == ["base", "latest (ckpt-2)"]
+    assert [(e["label"], e["decoding"]) for e in data["evals"]] == [("base", "greedy"), ("latest (#2)", "greedy")]
     assert data["reward_curve"] == pytest.approx(REWARD) and data["success_curve"] == pytest.approx(SUCCESS)
     assert data["episodes"] == {"total": 12, "failed": 1, "replayed_lost": 0}
 
@@ -239,7 +239,7 @@ def test_show_terminal_view(capsys, runs_dir):
     # Numbered stages fold into one row; the failed one names its error.
     assert "rollout/0…2" in out and "loss is NaN" in out
     assert "▁" in out and "█" in out  # the reward / success sparklines
-    assert "latest (ckpt-2)" in out and "Checkpoints" in out and "Latest metrics" in out
+    assert "latest (#2)" in out and "Checkpoints" in out and "Latest metrics" in out
 
 
 def test_compare_json_and_table(capsys, runs_dir):

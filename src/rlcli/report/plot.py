@@ -99,7 +99,7 @@ def _plot_series(ax: Any, key: str, entry: dict[str, Any], std: dict[str, Any] |
 def _plot_evals(ax: Any, evals: list[EvalResult]) -> None:
     from matplotlib.ticker import PercentFormatter
 
-    labels = [r.label for r in evals]
+    labels = [r.label if r.decoding == "greedy" else f"{r.label} {r.decoding}" for r in evals]
     rates = [r.success_rate for r in evals]
     # Clamped at 0: at 0% or 100% the interval's rounding can put its end a hair inside the rate.
     errors = [

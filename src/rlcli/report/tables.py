@@ -199,15 +199,18 @@ def evals_table(rows: list[dict[str, Any]]) -> Table:
     # equals the success rate). Success and the means are over the episodes that ran; a "failed"
     # column, shown when there are any, counts those the env failed.
     failed = [r["details"].get("failed_episodes", 0) for r in rows]
-    columns = ["checkpoint", "tasks×k", "success", "95% CI", "return", "pass@k", "turns", "tokens"]
-    if any(failed):
-        columns.append("failed")
+    sampled = any(r.get("decoding", "greedy") != "greedy" for r in rows)  # a decoding column only then
+    columns = ["checkpoint", *(["decoding"] if sampled else []), "tasks×k", "success", "95% CI"]
+    columns += ["return", "pass@k", "turns", "tokens", *(["failed"] if any(failed) else [])]
     table = Table(title="Evaluation (held-out tasks)")
     for col in columns:
-        table.add_column(col, justify="left" if col == "checkpoint" else "right", min_width=min(len(col), 8))
+        # The labels never fold or cut: the numbers give way first.
+        label = col in ("checkpoint", "decoding")
+        table.add_column(col, justify="left" if label else "right", min_width=min(len(col), 8), no_wrap=label)
     for r, n_failed in zip(rows, failed):
         cells: list[Text | str] = [
             literal(r.get("label") or r["checkpoint"]),
+            *([r.get("decoding", "greedy")] if sampled else []),
             f"{r['tasks']}×{r['k']}",
             f"{r['success_rate']:.1%}",
             f"{r['ci_low']:.0%}–{r['ci_high']:.0%}",

@@ -121,7 +121,7 @@ def ending_view(ending: BestAndLatest) -> dict[str, Any]:
 
 def eval_view(result: EvalResult) -> dict[str, Any]:
     """An eval result with the display label that tells checkpoints apart."""
-    return {**asdict(result), "label": result.label}
+    return {**asdict(result), "label": result.label, "decoding": result.decoding}
 
 
 def metric_series(rundb: RunDB, run: str) -> dict[str, dict[str, Any]]:

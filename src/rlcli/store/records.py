@@ -213,15 +213,19 @@ class EvalResult:
 
     @property
     def label(self) -> str:
-        """A display name that tells checkpoints apart: "latest" names a different checkpoint each
-        time it is evaluated, so name the one it was; a sampled eval says how it sampled, to tell
-        it from the greedy one of the same checkpoint."""
+        """A short display name that tells checkpoints apart: "latest" names a different checkpoint each
+        time it is evaluated, so say which it was: `latest (#25)`; a checkpoint asked for by id is `#25`.
+        How it sampled is `decoding`, a column of its own in tables."""
         which, ckpt = self.checkpoint, self.checkpoint_id
+        if ckpt is None:
+            return which
+        return f"#{ckpt}" if which == str(ckpt) else f"{which} (#{ckpt})"
+
+    @property
+    def decoding(self) -> str:
+        """How the eval sampled: greedy, or the temperature and samples per task (t0.8-k4)."""
         stage = try_parse_stage(self.stage)
-        decoding = stage.decoding if isinstance(stage, EvalStage) else ""
-        key = None if ckpt is None else EvalStage(PolicyRef.checkpoint(ckpt)).key  # ckpt-<id>
-        label = which if key is None else key if which == str(ckpt) else f"{which} ({key})"
-        return f"{label} @{decoding}" if decoding else label
+        return (stage.decoding if isinstance(stage, EvalStage) else "") or "greedy"
 
 
 @dataclass(frozen=True)
