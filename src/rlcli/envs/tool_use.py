@@ -91,8 +91,8 @@ class ToolUse:
                 "expected each tool name once: rename or drop one."
             )
         declared = [tool for tool in getattr(env, "tools", None) or [] if isinstance(tool, dict)]
-        self.tools: list[dict] | None = [*declared, *self.own.specs(), *(self.shared.specs() if self.shared else [])]
-        self.tools = self.tools or None
+        specs = [*declared, *self.own.specs(), *(self.shared.specs() if self.shared else [])]
+        self.tools: list[dict] | None = specs or None  # what the chat template shows
 
     def reset(self, seed: int) -> tuple[Any, dict]:
         return self.env.reset(seed)
