@@ -46,6 +46,7 @@ RECIPES = (
     "quickstart",
     "arithmetic",
     "calculator",
+    "multihop_search",
     "dr_grpo",
     "gspo",
     "qlora_4bit",
