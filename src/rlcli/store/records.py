@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from rlcli.store.names import EvalStage, PolicyRef, try_parse_stage
+from rlcli.store.names import EvalStage, try_parse_stage
 
 
 class EndReason(str, Enum):
