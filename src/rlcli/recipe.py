@@ -137,7 +137,7 @@ class McpServerSection(Section):
 class EnvSection(Section):
     name: str = Field(
         "guess_number",
-        description="Built-in name, envs/x.py[:Factory], package.module:factory, or textarena:/reasoning_gym:/gymnasium: URI.",
+        description="Built-in name, envs/x.py[:Factory], package.module:factory, or textarena:/reasoning_gym:/gymnasium:/openenv:/verifiers: URI.",
     )
     kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments passed to the environment.")
     max_turns: int | list[list[int]] = Field(

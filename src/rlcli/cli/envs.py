@@ -24,8 +24,9 @@ app = typer.Typer(help="Environments: list them, try one in the terminal.", no_a
 ADAPTER_NOTE = (
     "Adapters (pip install 'rlcli[envs]'): textarena:<GameId> (single-player TextArena games, e.g. "
     "textarena:GuessTheNumber-v0), reasoning_gym:<dataset> (e.g. reasoning_gym:chain_sum), "
-    "gymnasium:<EnvId> (text observations, Discrete or Text actions, e.g. gymnasium:FrozenLake-v1). "
-    "See docs/environments.md."
+    "gymnasium:<EnvId> (text observations, Discrete or Text actions, e.g. gymnasium:FrozenLake-v1); "
+    "openenv:<url-or-module> (an OpenEnv server; pip install 'rlcli[openenv]') and verifiers:<env-id> "
+    "(an installed verifiers environment; pip install 'rlcli[verifiers]'). See docs/environments.md."
 )
 RANDOM_ACTIONS = ["My guess: 7", "42", "up", "left", "hello", "<answer>3</answer>", "I don't know", "right", "down"]
 

@@ -22,7 +22,11 @@ ADAPTERS = {
     "textarena": "rlcli.envs.adapters.textarena",
     "reasoning_gym": "rlcli.envs.adapters.reasoning_gym",
     "gymnasium": "rlcli.envs.adapters.gymnasium",
+    "openenv": "rlcli.envs.adapters.openenv",
+    "verifiers": "rlcli.envs.adapters.verifiers",
 }
+# The pip extra that installs each adapter's library (pyproject.toml).
+ADAPTER_EXTRAS = {"openenv": "openenv", "verifiers": "verifiers"}
 
 
 def list_builtin_envs() -> list[tuple[str, str]]:
@@ -50,7 +54,14 @@ def _load_factory(name: str, kwargs: dict[str, Any], root: Path | None) -> EnvFa
         try:
             module = importlib.import_module(ADAPTERS[scheme])
         except ModuleNotFoundError as exc:
-            raise UsageError(f"env.name {name!r} needs the {exc.name!r} package: pip install 'rlcli[envs]'.") from None
+            extra = ADAPTER_EXTRAS.get(scheme, "envs")
+            raise UsageError(
+                f"env.name {name!r} needs the {exc.name!r} package: pip install 'rlcli[{extra}]'."
+            ) from None
+        # An adapter whose envs share something per process (a server, a loaded environment) makes its
+        # factory itself, checking what it can at once (a recipe fails before any stage, not per episode).
+        if hasattr(module, "make_factory"):
+            return cast("EnvFactory", module.make_factory(rest, **kwargs))
         return lambda: module.make_env(rest, **kwargs)
     target, _, attr = name.partition(":")
     factory = _resolve_factory(target, attr or None, root or Path.cwd(), name)
@@ -90,7 +101,7 @@ def _resolve_factory(target: str, attr: str | None, root: Path, name: str) -> Ca
         builtins = ", ".join(_builtin_names())
         raise UsageError(
             f"Unknown env {name!r}: expected a built-in ({builtins}), a file envs/x.py[:Factory], "
-            "package.module:factory, or textarena:/reasoning_gym:/gymnasium: URI."
+            "package.module:factory, or a textarena:/reasoning_gym:/gymnasium:/openenv:/verifiers: URI."
         )
     if attr:
         if not hasattr(module, attr):
