@@ -53,9 +53,10 @@ class RunSection(Section):
         json_schema_extra=RESUME_SAFE,
     )
     description: str = Field("", description="Free text shown by `rlcli runs show`.", json_schema_extra=RESUME_SAFE)
-    trackers: list[Literal["trackio", "tensorboard", "wandb"]] = Field(
+    trackers: list[Literal["trackio", "tensorboard", "wandb", "mlflow"]] = Field(
         default_factory=list,
-        description="Optional live mirrors of metrics; only used when asked and installed.",
+        description="Optional live mirrors of the metrics of SFT, GRPO and DPO (local files unless set up "
+        "otherwise: wandb offline, MLflow's store in the run folder); each needs its package installed.",
         json_schema_extra=RESUME_SAFE,
     )
     threads: int | None = Field(
@@ -322,6 +323,11 @@ class EnvSection(Section):
             raise ValueError(
                 f"env.tasks {self.tasks} reaches the held-out seeds (env.eval_seed_start={self.eval_seed_start}); "
                 "end the pool at or below it"
+            )
+        if self.name.startswith("verifiers:") and self.eval_seed_start != 1_000_000:
+            raise ValueError(
+                "env.eval_seed_start is fixed at 1000000 for verifiers: envs, whose held-out tasks the adapter "
+                "picks from the seed (see env.kwargs.eval_tasks); leave it out"
             )
         return self
 

@@ -123,6 +123,16 @@ def _tool_budget(*, budget: NonNegativeInt, penalty: NonNegativeFloat = 1.0) -> 
     return score
 
 
+@validate_call
+def _verifiers(*, reward: str | None = None) -> Scorer:
+    """A verifiers env's rubric, re-scored from the stored conversation (envs/adapters/verifiers.py)."""
+    try:
+        from rlcli.envs.adapters.verifiers import rubric_scorer
+    except ModuleNotFoundError as exc:
+        raise UsageError(f"The verifiers reward needs the {exc.name!r} package: pip install 'rlcli[verifiers]'.") from None
+    return rubric_scorer(reward)
+
+
 BUILTINS: dict[str, Callable[..., Scorer]] = {
     "env_return": _env_return,
     "exact_match": _exact_match,
@@ -132,4 +142,5 @@ BUILTINS: dict[str, Callable[..., Scorer]] = {
     "tool_budget": _tool_budget,
     "judge": judge,
     "reward_model": reward_model,
+    "verifiers": _verifiers,
 }
