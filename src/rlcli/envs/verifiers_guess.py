@@ -38,11 +38,11 @@ def guesses(trace: vf.Trace) -> list[int | None]:
 
 
 class GuessTask(vf.Task[GuessData, vf.State, vf.TaskConfig]):
-    @vf.reward(weight=1.0)
+    @vf.reward(weight=1.0)  # type: ignore[untyped-decorator]  # verifiers' decorators are untyped
     async def solved(self, task: GuessData, trace: vf.Trace) -> float:
         return float(task.secret in guesses(trace))
 
-    @vf.reward(weight=0.2)
+    @vf.reward(weight=0.2)  # type: ignore[untyped-decorator]
     async def numbers_only(self, trace: vf.Trace) -> float:
         """The share of replies that are a bare number, as the prompt asks."""
         replies = [(message.content or "").strip() for message in trace.assistant_messages]

@@ -316,7 +316,7 @@ class VerifiersEnv:
         return await self._reply
 
     async def _play(self, task: vf.Task) -> vf.Trace:
-        env, traces = self.loaded.env, []
+        env, traces = self.loaded.env, list[vf.Trace]()
         agents = vf.Agents(env.config, lambda role, spec: _Agent(self, role, spec, traces))
         episode = vf.Episode(
             env=vf.EnvInfo(id=env.config.env_id),
