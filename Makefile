@@ -43,7 +43,7 @@ export HF_DATASETS_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 export HF_HUB_DISABLE_TELEMETRY ?= 1
 
-.PHONY: install demo test test-fast test-fuzz test-resolve gpu-smoke lint format bench clean
+.PHONY: install browser demo test test-fast test-fuzz test-resolve gpu-smoke lint format bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -71,7 +71,24 @@ endif
 	printf '%s\n' "build: $(BUILD)" "$$(cat $(VENV)/constraints.txt)" "vllm: $$(cat $(VENV)/vllm.txt)" > $(STAMP)
 	@echo "Installed in $(VENV): $$(cat $(VENV)/constraints.txt), $$(grep -q . $(VENV)/vllm.txt && cat $(VENV)/vllm.txt || echo 'no vLLM')"
 
-install: $(STAMP)
+install: $(STAMP) browser
+
+# The browser tests (tests/browser.py: playwright driving the system Chromium, since `playwright
+# install` downloads its browsers from a CDN) need a Chromium or Chrome binary: one of BROWSERS on the
+# PATH, or the file RLCLI_CHROMIUM names. On a Debian or Ubuntu machine without one, apt-get installs
+# Debian's `chromium` (about 10 s), as root or through sudo without a password; otherwise, or if
+# apt-get fails, one line says so and the install goes on: those tests skip.
+BROWSERS := chromium chromium-browser google-chrome google-chrome-stable
+browser:
+	@if [ -n "$$RLCLI_CHROMIUM" ] || for b in $(BROWSERS); do command -v $$b; done | grep -q .; then :; \
+	elif ! command -v apt-get >/dev/null 2>&1; then echo "No Chromium, and no apt-get to install it: the browser tests will skip."; \
+	else \
+	  if [ "$$(id -u)" = 0 ]; then sudo=; elif sudo -n true 2>/dev/null; then sudo='sudo -n'; \
+	  else echo "No Chromium, and apt-get needs root (or sudo without a password): the browser tests will skip."; exit 0; fi; \
+	  echo "Installing chromium (apt-get) for the browser tests"; \
+	  { $$sudo apt-get update -qq && $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } \
+	    || echo "apt-get could not install chromium: the browser tests will skip."; \
+	fi
 
 demo: install
 	$(BIN)/rlcli run -r recipes/quickstart.yaml
