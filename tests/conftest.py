@@ -90,6 +90,7 @@ SECONDS: dict[str, float] = {
     "test_recipes_smoke": 27,
     "test_dpo": 24,
     "test_vlm_sft": 24,
+    "test_report_page": 18,
     "test_vlm_quantized": 15,
     "test_vllm_engine": 14,
     "test_dynamic_sampling": 14,

@@ -300,7 +300,10 @@ def test_plot_eval_bars_at_100_percent(capsys, runs_dir, tmp_path):
 def test_plot_json_names_the_file(capsys, runs_dir, tmp_path):
     png = tmp_path / "demo.png"
     code, out, _ = cli(capsys, "runs", "plot", "demo", "--out", png, "--json")
-    assert code == 0 and json.loads(out) == {"run": "demo", "files": [str(png)]}
+    data = json.loads(out)
+    assert code == 0 and data["run"] == "demo" and data["files"] == [str(png)]
+    assert data["series"]["rollout/reward_mean"]["values"] == [0.1, 0.4, 0.7]
+    assert [e["label"] for e in data["evals"]] == ["base", "latest (#2)"]
     assert png.stat().st_size > 5_000
 
 

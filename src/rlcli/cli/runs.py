@@ -106,7 +106,8 @@ def runs_plot(
 ) -> None:
     """Plot reward, success, loss, KL and entropy curves and eval success (95% CI) to an image.
 
-    Prints the file written; with --json, an object with "run" and "files" (a list of the paths written)."""
+    Prints the file written; with --json, an object with "run", "files" (a list of the paths written),
+    "series" (each curve drawn: stage, steps, values) and "evals" (each bar: label, rate, interval)."""
     from rlcli.export_folder import check_file_target
     from rlcli.report import plot
 
@@ -115,12 +116,11 @@ def runs_plot(
     rundb = open_existing(cli_ctx, f"No run named {run!r}")
     try:
         # The default file lives in the run's folder, where rlcli owns it: it is replaced unasked.
-        path = plot.plot_run(
-            rundb, run, out or rundb.path.parent / run / "metrics.png", metric, overwrite or out is None
-        )
+        path = out or rundb.path.parent / run / "metrics.png"
+        drawn = plot.plot_run(rundb, run, path, metric, overwrite or out is None)
     finally:
         rundb.close()
-    print(json.dumps({"run": run, "files": [str(path)]}, indent=2) if as_json else path)
+    print(json.dumps({"run": run, "files": [str(path)], **drawn}, indent=2) if as_json else path)
 
 
 @app.command("episodes")
@@ -192,6 +192,59 @@ def runs_episodes(
         print(json.dumps(episodes, indent=2))
     else:
         tables.print_episodes(console, episodes)
+
+
+@app.command("report")
+def runs_report(
+    cli_ctx: typer.Context,
+    run: RunArg,
+    html: Annotated[
+        Path | None,
+        typer.Option(
+            "--html",
+            help="HTML file to write (default: <runs-dir>/<run>/report.html, replaced each time).",
+            show_default=False,
+        ),
+    ] = None,
+    episodes: Annotated[
+        int, typer.Option("--episodes", "-n", min=0, help="How many of the best and of the worst episodes to show.")
+    ] = 3,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace the --html file if it exists.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Write one self-contained HTML page about a run, to send: recipe and versions, curves, evals
+    (95% CI) and warnings, the best and worst episodes, task difficulty.
+
+    Prints the file written; with --json, an object with "run", "files", the ids of the episodes shown
+    and how many evals, warnings and tasks the page holds."""
+    from rlcli.export_folder import check_file_target, write_file
+    from rlcli.report.page import report_page
+
+    if html is not None:
+        check_file_target(html, "--html", overwrite)  # before reading the database
+    rundb = open_existing(cli_ctx, f"No run named {run!r}")
+    try:
+        # The default file lives in the run's folder, where rlcli owns it: it is replaced unasked.
+        path = html or rundb.path.parent / run / "report.html"
+        page, contents = report_page(rundb, run, episodes)
+    finally:
+        rundb.close()
+    write_file(path, page.encode(), "--html", overwrite or html is None)
+    shown = len(contents["episodes"]["best"]) + len(contents["episodes"]["worst"])
+    counts = [
+        (contents["evals"], "eval"),
+        (contents["warnings"], "warning"),
+        (contents["tasks"], "task"),
+        (shown, "episode"),
+    ]
+    err_console.print(
+        f"Report of {run}: "
+        + ", ".join(f"{n} {word}{'' if n == 1 else 's'}" for n, word in counts)
+        + f", {len(page) // 1024} KiB.",
+        highlight=False,
+        markup=False,
+    )
+    print(json.dumps({"run": run, "files": [str(path)], **contents}, indent=2) if as_json else path)
 
 
 @app.command("tasks")

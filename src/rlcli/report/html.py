@@ -42,14 +42,16 @@ table.rewards td, table.rewards th { border-bottom: 1px solid #ddd; padding: 2px
 def episodes_page(run: str, episodes: list[dict[str, Any]], pngs: dict[str, bytes]) -> str:
     """The page for episodes as views.select_episodes gives them; `pngs` holds their stored images by sha256."""
     title = f"{run}: {len(episodes)} episode{'s' if len(episodes) != 1 else ''}"
-    body = "\n".join(_episode(ep, pngs) for ep in episodes)
+    body = "\n".join(episode_section(ep, pngs) for ep in episodes)
     return (
         f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{_e(title)}</title>'
         f"<style>{STYLE}</style></head>\n<body><h1>{_e(title)}</h1>\n{body}\n</body></html>\n"
     )
 
 
-def _episode(ep: dict[str, Any], pngs: dict[str, bytes]) -> str:
+def episode_section(ep: dict[str, Any], pngs: dict[str, bytes]) -> str:
+    """One episode (views.select_episodes) as a <section>: its facts, reward components and transcript,
+    with its screenshots inline and clicks marked; the page needs STYLE. `runs report` shows these too."""
     title = f"episode {ep['id']} · {ep['stage']} · task {ep['task_index']} sample {ep['sample_index']}"
     if ep["reward"] is not None:
         title += f" · reward {fmt(ep['reward'])}"

@@ -196,20 +196,29 @@ def checkpoints_table(rows: list[dict[str, Any]], shown: int = 10) -> Table:
 
 def evals_table(rows: list[dict[str, Any]]) -> Table:
     # Sized for an 80-column terminal; avg@k is left to --json (with k samples of every task it
-    # equals the success rate). Success and the means are over the episodes that ran; a "failed"
-    # column, shown when there are any, counts those the env failed.
-    failed = [r["details"].get("failed_episodes", 0) for r in rows]
-    sampled = any(r.get("decoding", "greedy") != "greedy" for r in rows)  # a decoding column only then
-    columns = ["checkpoint", *(["decoding"] if sampled else []), "tasks×k", "success", "95% CI"]
-    columns += ["return", "pass@k", "turns", "tokens", *(["failed"] if any(failed) else [])]
+    # equals the success rate).
+    columns, cells = eval_cells(rows)
     table = Table(title="Evaluation (held-out tasks)")
     for col in columns:
         # The labels never fold or cut: the numbers give way first.
         label = col in ("checkpoint", "decoding")
         table.add_column(col, justify="left" if label else "right", min_width=min(len(col), 8), no_wrap=label)
-    for r, n_failed in zip(rows, failed):
-        cells: list[Text | str] = [
-            literal(r.get("label") or r["checkpoint"]),
+    for row in cells:
+        table.add_row(literal(row[0]), *row[1:])
+    return table
+
+
+def eval_cells(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    """The eval table's column names and cells (the first, the checkpoint's label, is the run's text):
+    what `runs show` prints and the `runs report` page shows. Success and the means are over the
+    episodes that ran; a "failed" column, shown when there are any, counts those the env failed."""
+    failed = [r["details"].get("failed_episodes", 0) for r in rows]
+    sampled = any(r.get("decoding", "greedy") != "greedy" for r in rows)  # a decoding column only then
+    columns = ["checkpoint", *(["decoding"] if sampled else []), "tasks×k", "success", "95% CI"]
+    columns += ["return", "pass@k", "turns", "tokens", *(["failed"] if any(failed) else [])]
+    cells = [
+        [
+            r.get("label") or r["checkpoint"],
             *([r.get("decoding", "greedy")] if sampled else []),
             f"{r['tasks']}×{r['k']}",
             f"{r['success_rate']:.1%}",
@@ -218,9 +227,11 @@ def evals_table(rows: list[dict[str, Any]]) -> Table:
             fmt(r["pass_at_k"]),
             fmt(r["mean_turns"]),
             fmt(r["mean_tokens"]),
+            *([str(n_failed)] if any(failed) else []),
         ]
-        table.add_row(*cells, *([str(n_failed)] if any(failed) else []))
-    return table
+        for r, n_failed in zip(rows, failed)
+    ]
+    return columns, cells
 
 
 def compare_table(rows: list[dict[str, Any]]) -> Table:

