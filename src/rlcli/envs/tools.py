@@ -38,7 +38,6 @@ import json
 import os
 import shlex
 import shutil
-import sys
 import threading
 import time
 from collections.abc import Callable, Coroutine, Sequence
@@ -48,6 +47,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from rlcli.envs.protocol import run_in_thread
 from rlcli.envs.python_exec import python_exec
+from rlcli.envs.subprocesses import die_with_parent
 from rlcli.errors import UsageError
 from rlcli.usercode import import_file
 
@@ -64,16 +64,6 @@ _LOOP_GRACE_S = 5.0
 _CLOSE_WAIT_S = 15.0
 # Lines of a server's stderr kept, to say why it did not start.
 _STDERR_TAIL_LINES = 20
-# Run as `python -I -S -c _DIE_WITH_PARENT PARENT_PID ARGV...` on Linux: ask the kernel to SIGKILL this
-# process when the thread that started it ends (PR_SET_PDEATHSIG = 1; the request survives exec), give
-# up if that parent is already gone, then become the server.
-_DIE_WITH_PARENT = (
-    "import ctypes, os, signal, sys\n"
-    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)\n"
-    "if os.getppid() != int(sys.argv[1]):\n"
-    "    os._exit(1)\n"
-    "os.execvp(sys.argv[2], sys.argv[2:])\n"
-)
 
 
 @dataclass(frozen=True)
@@ -380,9 +370,7 @@ class _McpServer:
             raise UsageError(
                 f"MCP server `{self.label}`: command {program!r} not found (expected a program on PATH or a path)."
             )
-        self.argv = list(spec.command)
-        if sys.platform.startswith("linux"):
-            self.argv = [sys.executable, "-I", "-S", "-c", _DIE_WITH_PARENT, str(os.getpid()), *self.argv]
+        self.argv = die_with_parent(spec.command)  # on Linux, killed when the loop's thread ends
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=_STDERR_TAIL_LINES)
         self.session: ClientSession | None = None
         self.ready: concurrent.futures.Future[list[_McpTool]] = concurrent.futures.Future()
