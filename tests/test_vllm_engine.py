@@ -8,6 +8,8 @@ tiny model with head_dim 64. merged_weights needs no vllm and runs everywhere.
 from __future__ import annotations
 
 import importlib.util
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -282,3 +284,15 @@ def test_merged_weights_of_a_4bit_lora_serve_what_the_policy_computes(tiny64, pr
     ids = torch.tensor(prompts[:1], device=policy.device)
     with torch.no_grad():
         torch.testing.assert_close(dense(ids).logits, policy(ids).logits, atol=1e-4, rtol=1e-4)
+
+
+@needs_vllm
+def test_vllms_logs_go_to_stderr_leaving_stdout_to_results():
+    code = (  # what building an engine does first: configure vLLM's logging
+        "import rlcli.generation.vllm_engine; from vllm.config import LoggingConfig; "
+        "from vllm.logger import configure_logging, init_logger; configure_logging(LoggingConfig()); "
+        "init_logger('vllm.test').warning('a vLLM log line')"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "a vLLM log line" in done.stderr and "a vLLM log line" not in done.stdout

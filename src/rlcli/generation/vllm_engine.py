@@ -50,6 +50,11 @@ from rlcli.generation.sampler import Sample, SamplingConfig
 from rlcli.generation.seeds import derive_seed
 from rlcli.models import vision
 
+# vLLM logs to stdout unless told otherwise, and rlcli keeps stdout for results (`rlcli run > out.txt`
+# holds the final tables): its logs go to stderr, with rlcli's progress. vLLM reads this when first
+# imported, which only this module does.
+os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+
 if TYPE_CHECKING:
     from vllm import LLM
 
