@@ -53,6 +53,13 @@ class RunSection(Section):
         json_schema_extra=RESUME_SAFE,
     )
     description: str = Field("", description="Free text shown by `rlcli runs show`.", json_schema_extra=RESUME_SAFE)
+    license: str | None = Field(
+        None,
+        description="License of the models and data this run produces, as the Hugging Face Hub names it (apache-2.0, "
+        "mit, other, ...): the `license:` of the cards that `rlcli export --push-to-hub` and `rlcli runs export "
+        "--push-to-hub` write. null: `license: other`, and a note to fill it in.",
+        json_schema_extra=RESUME_SAFE,
+    )
     trackers: list[Literal["trackio", "tensorboard", "wandb", "mlflow"]] = Field(
         default_factory=list,
         description="Optional live mirrors of the metrics of SFT, GRPO and DPO (local files unless set up "
@@ -424,9 +431,30 @@ class RewardSpec(Section):
         return self.name or self.fn
 
 
+# A Hugging Face repo id: NAME or ORG/NAME, of letters, digits and -_. (huggingface_hub's rule, less its lengths).
+HUB_DATASET_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?")
+
+
 class SftSection(Section):
     source: str = Field(
-        "none", description="none, expert (env expert demos), episodes (good episodes of a run), or a data file/folder."
+        "none",
+        description="none, expert (env expert demos), episodes (good episodes of a run), hub:ORG/NAME (a Hugging Face "
+        "hub dataset, loaded with datasets.load_dataset; offline, from the local datasets cache), or a data "
+        "file/folder.",
+    )
+    dataset_config: str | None = Field(
+        None, description="hub:ORG/NAME: the dataset's config (subset) name; null: its default (or only cached) one."
+    )
+    dataset_split: str = Field(
+        "train",
+        description="hub:ORG/NAME, or a folder holding a DatasetDict: the split to train on; for a hub dataset in "
+        "datasets' split syntax too (train[:1000], train+validation).",
+    )
+    columns: dict[str, str] = Field(
+        default_factory=dict,
+        description="Renames the data's columns to the ones SFT reads (messages, prompt, completion, tools, images), "
+        "e.g. {conversations: messages} or {question: prompt, answer: completion}; for hub datasets and data "
+        "files and folders.",
     )
     demos: int = Field(64, gt=0, description="expert: number of demonstration episodes to roll out.")
     from_run: str | None = Field(None, description="episodes: run to take episodes from (default: this run).")
@@ -437,6 +465,29 @@ class SftSection(Section):
     micro_batch_size: int = Field(4, gt=0, description="Conversations per forward pass (gradient accumulation).")
     eval_fraction: float = Field(0.1, ge=0, lt=1, description="Held-out share of the data for eval loss.")
     save_steps: int = Field(50, gt=0, description="Checkpoint every this many steps (resume point).")
+
+    @field_validator("columns")
+    @classmethod
+    def _known_columns(cls, columns: dict[str, str]) -> dict[str, str]:
+        known = ("messages", "prompt", "completion", "tools", "images")
+        for old, new in columns.items():
+            if new not in known:
+                raise ValueError(f"maps {old!r} to {new!r}; the columns SFT reads are {', '.join(known)}")
+        if len(set(columns.values())) < len(columns):
+            raise ValueError("maps two columns to the same one")
+        return columns
+
+    @model_validator(mode="after")
+    def _hub_fields(self) -> SftSection:
+        if self.source.startswith("hub:") and not HUB_DATASET_ID.fullmatch(self.source.removeprefix("hub:")):
+            raise ValueError(
+                f"sft.source {self.source!r}: expected hub:NAME or hub:ORG/NAME, a Hugging Face dataset id"
+            )
+        if self.dataset_config is not None and not self.source.startswith("hub:"):
+            raise ValueError("sft.dataset_config names a hub dataset's config; set sft.source to hub:ORG/NAME")
+        if self.columns and self.source in ("expert", "episodes"):
+            raise ValueError(f"sft.columns maps a dataset's columns; sft.source {self.source} has none")
+        return self
 
 
 class ReplaySection(Section):

@@ -9,8 +9,8 @@ from rlcli.recipe import Recipe
 
 
 def check_recipe(recipe: Recipe) -> None:
-    """Trackers installed, the model known, rewards resolvable, env loadable with its kwargs, engine able to
-    serve the model. `rlcli recipes validate` runs it too.
+    """Trackers installed, the model known, rewards resolvable, env loadable with its kwargs, a hub dataset
+    for SFT loadable (cached, when offline), engine able to serve the model. `rlcli recipes validate` runs it too.
 
     Only what is cheap is checked: no model is loaded and no env constructed (an env may start a browser).
     The recipe's tools are the exception: each MCP server is started, listed and stopped, since one that
@@ -29,6 +29,10 @@ def check_recipe(recipe: Recipe) -> None:
     load_env(recipe.env.name, recipe.env.kwargs)  # finds the factory and checks the kwargs it takes
     if recipe.env.tools or recipe.env.mcp_servers:
         check_tools(tool_use_spec(recipe.env, Path.cwd()).tools)
+    if recipe.sft.source.startswith("hub:"):  # in the cache offline, known to the hub online: no rows read
+        from rlcli.engine.sft_sources import check_hub_dataset
+
+        check_hub_dataset(recipe.sft)
     if recipe.rollout.engine == "vllm":
         from rlcli.generation.engines import generation_engine
 

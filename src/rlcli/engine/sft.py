@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Any, cast
 from transformers import TrainerCallback
 
 from rlcli.engine.context import RunContext
-from rlcli.engine.sft_data import Conversation, data_sha256, read_conversations
+from rlcli.engine.sft_data import Conversation
+from rlcli.engine.sft_sources import data_identity, read_data_source
 from rlcli.errors import RlcliError, UsageError
 from rlcli.models import vision
 from rlcli.store.checkpoints import add_checkpoint
@@ -71,29 +72,23 @@ class SftSummary:
     path: str
 
 
-# The recipe fields that choose the SFT data, per sft.source.
-SFT_DATA_FIELDS = {"expert": ("demos",), "episodes": ("from_run", "min_reward")}
-
-
 def run_sft(ctx: RunContext) -> SftSummary:
     """`rlcli sft`: train the policy on conversations, record the result as checkpoint `sft`."""
     from rlcli.models.loading import check_trainer_device
 
     cfg = ctx.recipe.sft
     if cfg.source == "none":
-        raise UsageError("sft.source is none: set it to expert, episodes, or a data file or folder to run SFT.")
+        raise UsageError(
+            "sft.source is none: set it to expert, episodes, hub:ORG/NAME, or a data file or folder to run SFT."
+        )
     check_trainer_device(ctx.recipe.model.device, "SFT")
     if cfg.batch_size % cfg.micro_batch_size:
         raise UsageError(
             f"sft.batch_size ({cfg.batch_size}) must be a multiple of sft.micro_batch_size ({cfg.micro_batch_size})."
         )
     # What SFT trains on defines the stage; optimiser settings are resume-safe and may change. A data
-    # file or folder counts by its content too: a resume on other rows would train on both.
-    data = {"source": cfg.source, **{f: getattr(cfg, f) for f in SFT_DATA_FIELDS.get(cfg.source, ())}}
-    if cfg.source not in ("expert", "episodes"):
-        digest = data_sha256(Path(cfg.source).expanduser())
-        if digest is not None:  # else reading it says why, unless the stage is done
-            data["data_sha256"] = digest
+    # file, folder or hub dataset counts by its content too: a resume on other rows would train on both.
+    data = data_identity(cfg)
     return SftSummary(
         **ctx.stage(
             SFT_STAGE,
@@ -188,7 +183,7 @@ def load_conversations(ctx: RunContext) -> list[Conversation]:
     elif source == "episodes":
         conversations = episode_conversations(ctx)
     else:
-        conversations = read_conversations(Path(source).expanduser())
+        conversations = read_data_source(ctx.recipe.sft)
     if not conversations:
         raise UsageError(f"sft.source {source}: no conversations to train on.")
     return conversations

@@ -1,7 +1,7 @@
-"""SFT data files: rows of JSONL, JSON, parquet or a `datasets` folder, checked and made conversations.
+"""SFT data: rows of JSONL, JSON, parquet, a `datasets` folder or a hub dataset, checked and made conversations.
 
 Every malformed row ends with one sentence naming the file, the row and what was expected, before
-any model loads.
+any model loads. Hub datasets (`sft.source: hub:ORG/NAME`) are loaded in engine/sft_sources.py.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from rlcli.errors import UsageError
 
 ROLES = ("system", "user", "assistant", "tool")
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
+ROW_KEYS = ("messages", "prompt", "completion", "tools", "images")  # what a row may hold (sft.columns maps onto them)
 
 
 @dataclass
@@ -27,15 +28,29 @@ class Conversation:
     first_trained: int = 0  # assistant replies before this message index are context (a prompt's few-shot turns)
 
 
-def read_conversations(path: Path) -> list[Conversation]:
+def map_columns(row: Any, columns: dict[str, str]) -> Any:
+    """A row with its keys renamed by sft.columns ({dataset column: rlcli column}); a key that a
+    mapped column replaces is dropped."""
+    if not columns or not isinstance(row, dict):
+        return row
+    replaced = set(columns.values())
+    kept = {k: v for k, v in row.items() if k not in columns and k not in replaced}
+    return {**kept, **{new: row[old] for old, new in columns.items() if old in row}}
+
+
+def read_conversations(path: Path, columns: dict[str, str] | None = None, split: str = "train") -> list[Conversation]:
     """Rows of a JSONL / JSON / parquet file or a `datasets` folder, checked and made conversations.
 
     A row holds `messages` (a chat), or `prompt` and `completion` (two strings, or two lists of
-    messages), and optionally `tools`. A message's content may be a list of text and image parts
-    for a vision-language model; an image given as a relative path is found beside the file. Row
-    numbers in errors are line numbers for JSONL and 1-based positions otherwise.
+    messages), and optionally `tools`; `columns` renames its keys first (sft.columns). A message's
+    content may be a list of text and image parts for a vision-language model; an image given as
+    a relative path is found beside the file. Row numbers in errors are line numbers for JSONL and
+    1-based positions otherwise. A folder holding a DatasetDict gives its `split`.
     """
-    conversations = [conversation_from_row(row, f"{path}: row {number}") for number, row in read_rows(path)]
+    conversations = [
+        conversation_from_row(map_columns(row, columns or {}), f"{path}: row {number}")
+        for number, row in read_rows(path, split)
+    ]
     folder = path if path.is_dir() else path.parent
     for conversation in conversations:
         for message in conversation.messages:
@@ -66,11 +81,14 @@ def data_sha256(path: Path) -> str | None:
     return digest.hexdigest()
 
 
-def read_rows(path: Path) -> list[tuple[int, Any]]:
+def read_rows(path: Path, split: str = "train") -> list[tuple[int, Any]]:
     if path.is_dir():
-        return list(enumerate(_dataset_rows(path), 1))
+        return list(enumerate(_dataset_rows(path, split), 1))
     if not path.is_file():
-        raise UsageError(f"sft.source: {path} is not none, expert, episodes, or an existing data file or folder.")
+        raise UsageError(
+            f"sft.source: {path} is not none, expert, episodes, or an existing data file or folder "
+            "(nor hub:ORG/NAME, a hub dataset)."
+        )
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
         return _jsonl_rows(path, _read_text(path))
@@ -115,7 +133,7 @@ def _jsonl_rows(path: Path, text: str) -> list[tuple[int, Any]]:
     return rows
 
 
-def _dataset_rows(path: Path) -> list[dict]:
+def _dataset_rows(path: Path, split: str = "train") -> list[dict]:
     from datasets import DatasetDict, load_from_disk
 
     try:
@@ -123,9 +141,12 @@ def _dataset_rows(path: Path) -> list[dict]:
     except FileNotFoundError:
         raise UsageError(f"sft.source: {path} is not a folder written by datasets' save_to_disk.") from None
     if isinstance(data, DatasetDict):
-        if "train" not in data:
-            raise UsageError(f"sft.source: {path} is a DatasetDict without a train split (it has {', '.join(data)}).")
-        data = data["train"]
+        if split not in data:
+            raise UsageError(
+                f"sft.source: {path} is a DatasetDict without a {split} split (it has {', '.join(data)}); "
+                "set sft.dataset_split."
+            )
+        data = data[split]
     return list(data)
 
 
