@@ -92,6 +92,7 @@ SECONDS: dict[str, float] = {
     "test_vlm_sft": 24,
     "test_report_page": 18,
     "test_vlm_quantized": 15,
+    "test_hub": 14,
     "test_vllm_engine": 14,
     "test_dynamic_sampling": 14,
     "test_vlm_grpo": 14,

@@ -10,6 +10,7 @@ from typing import Annotated
 import typer
 
 from rlcli.cli.common import JsonOpt, console, err_console, open_existing, shared, stage_run
+from rlcli.cli.export import DryRunOpt, PrivateOpt, PushJsonOpt, PushOpt, check_push_options, finish_push
 from rlcli.errors import UsageError
 
 app = typer.Typer(help="Inspect runs recorded in the run database.", no_args_is_help=True)
@@ -276,35 +277,57 @@ def runs_export(
     cli_ctx: typer.Context,
     run: RunArg,
     fmt: Annotated[
-        ExportFormat, typer.Option("--format", "-f", help="File format of the tables.")
-    ] = ExportFormat.jsonl,
+        ExportFormat | None,
+        typer.Option(
+            "--format",
+            "-f",
+            help="File format of the tables (default: jsonl; parquet with --push-to-hub).",
+            show_default=False,
+        ),
+    ] = None,
     out: Annotated[
         Path | None,
         typer.Option(
-            "--out", "-o", help="Folder to write into (default: <runs-dir>/<run>/export).", show_default=False
+            "--out",
+            "-o",
+            help="Folder to write into (default: <runs-dir>/<run>/export; with --push-to-hub, <runs-dir>/<run>/hub-dataset, "
+            "replaced each time).",
+            show_default=False,
         ),
     ] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an earlier export in that folder.")] = False,
+    push_to_hub: PushOpt = None,
+    private: PrivateOpt = False,
+    dry_run: DryRunOpt = False,
+    as_json: PushJsonOpt = False,
 ) -> None:
-    """Export episodes, turns (token ids as lists), rewards, metrics and evals, plus run.json."""
+    """Export episodes, turns (token ids as lists), rewards, metrics and evals, plus run.json; with
+    --push-to-hub, add a dataset card (one config per table) and upload the folder as a hub dataset.
+
+    Prints the folder written, or with --push-to-hub (and no --dry-run) the dataset's URL."""
     from rich.table import Table
 
-    from rlcli.report import export
+    from rlcli.report import export, hub
 
+    check_push_options(push_to_hub, private, dry_run)
+    suffix = (fmt or (ExportFormat.parquet if push_to_hub else ExportFormat.jsonl)).value
     rundb = open_existing(cli_ctx, f"No run named {run!r}")
     try:
-        folder = out or rundb.path.parent / run / "export"
-        counts = export.export_run(rundb, run, fmt.value, folder, overwrite)
+        folder = out or rundb.path.parent / run / ("hub-dataset" if push_to_hub else "export")
+        repo = push_to_hub
+        card = (lambda counts: hub.dataset_card_files(rundb, run, repo, suffix, counts)) if repo else None
+        counts = export.export_run(rundb, run, suffix, folder, overwrite or bool(repo and out is None), card)
+        no_license = rundb.run_recipe(run).run.license is None
     finally:
         rundb.close()
     table = Table(title=f"Exported {run}")
     table.add_column("file")
     table.add_column("rows", justify="right")
     for name, count in counts.items():
-        table.add_row(f"{name}.{fmt.value}", str(count))
+        table.add_row(f"{name}.{suffix}", str(count))
     table.add_row("run.json", "")
     err_console.print(table)
-    print(folder)
+    finish_push(folder, repo, "dataset", private, dry_run, as_json, run, no_license, counts)
 
 
 @app.command("delete")

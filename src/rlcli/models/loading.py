@@ -14,7 +14,7 @@ import shutil
 import tempfile
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeAlias
@@ -519,20 +519,24 @@ def export_merged(
     adapter_path: str | Path,
     out_dir: str | Path,
     overwrite: bool = False,
+    option: str = "--merge",
+    extra: Callable[[Path], dict[str, bytes]] | None = None,
 ) -> Path:
     """Write the checkpoint merged into its base as one full model that from_pretrained loads.
 
     The base is loaded unquantized on the CPU: merging into 4-bit or 8-bit weights would round the
     adapter's update away. dtype auto means float32 here. `out_dir` may be new, empty, or (with
     `overwrite`) an earlier export; any other folder is refused untouched. A vision-language model
-    exports with its processor (image processor, tokenizer, chat template).
+    exports with its processor (image processor, tokenizer, chat template). `extra(folder)` gives more
+    files (name -> bytes: a model card) to write beside the model, from what was saved there; `option`
+    is the command-line option that named `out_dir`, for the refusals.
     """
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     from rlcli.models import vision
 
     out_dir = Path(out_dir)
-    check_export_target(out_dir, "--merge", overwrite)  # before minutes of loading and merging
+    check_export_target(out_dir, option, overwrite)  # before minutes of loading and merging
     checkpoint = _check_checkpoint(adapter_path)
     is_adapter = (checkpoint / "adapter_config.json").is_file()
     if is_adapter != (lora_cfg is not None):
@@ -563,9 +567,11 @@ def export_merged(
             model = PeftModel.from_pretrained(model, checkpoint).merge_and_unload()
     else:
         model = auto_class.from_pretrained(checkpoint, dtype=dtype, device_map={"": "cpu"})
-    with export_folder(out_dir, "--merge", overwrite) as staging:
+    with export_folder(out_dir, option, overwrite) as staging:
         model.save_pretrained(staging)
         processor.save_pretrained(staging)
+        for name, data in (extra(staging) if extra else {}).items():
+            (staging / name).write_bytes(data)
     return out_dir
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +16,14 @@ from rlcli.store.dump import TableDump, run_tables
 CHUNK_ROWS = 1000
 
 
-def export_run(rundb: RunDB, name: str, fmt: str, out: Path, overwrite: bool = False) -> dict[str, int]:
+def export_run(
+    rundb: RunDB,
+    name: str,
+    fmt: str,
+    out: Path,
+    overwrite: bool = False,
+    extra: Callable[[dict[str, int]], dict[str, bytes]] | None = None,
+) -> dict[str, int]:
     """Write a run's tables to `out` as <table>.jsonl or <table>.parquet, plus run.json; return row counts.
 
     One file per table, as in the database (turns join episodes on episode_id): token ids and
@@ -25,6 +32,7 @@ def export_run(rundb: RunDB, name: str, fmt: str, out: Path, overwrite: bool = F
 
     Every table and run.json are read in one read transaction, so the export of a run that another
     process is writing to is one moment of it, never a table from before a write and one from after.
+    `extra(counts)` gives more files (name -> bytes: a dataset card) to write beside them, in that moment too.
     """
     rundb.require_run(name)  # before the folder is made
     counts = {}
@@ -36,6 +44,8 @@ def export_run(rundb: RunDB, name: str, fmt: str, out: Path, overwrite: bool = F
         details = run_details(rundb, name)
         details["recipe"] = run.recipe
         (staging / "run.json").write_text(json.dumps(details, indent=2))
+        for file, data in (extra(counts) if extra else {}).items():
+            (staging / file).write_bytes(data)
     return counts
 
 
