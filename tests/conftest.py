@@ -82,6 +82,7 @@ SECONDS: dict[str, float] = {
     "test_concurrency": 40,
     "test_train": 39,
     "test_vllm_rollout": 38,
+    "test_trackers": 38,
     "test_engine_parity": 35,
     "test_gpu_paths": 33,
     "test_vllm_vlm": 30,

@@ -7,7 +7,6 @@ fails in `open_run` before it imports one, and runs are started through `open_ru
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import subprocess
@@ -213,8 +212,8 @@ def test_recipes_validate_shipped_recipes(capsys):
     assert code == 0, err
 
 
-# A tracker the recipe may name whose package is not installed here: a run would refuse it.
-MISSING_TRACKER = next((t for t in ("wandb", "trackio", "tensorboard") if importlib.util.find_spec(t) is None), None)
+# A package no machine has: wandb's stands in for it below, so that a run would refuse the tracker.
+MISSING_PACKAGE = "rlcli_no_such_package"
 
 
 @pytest.mark.parametrize(
@@ -223,12 +222,13 @@ MISSING_TRACKER = next((t for t in ("wandb", "trackio", "tensorboard") if import
         ({"rewards": [{"fn": "exact_matsh"}]}, "exact_matsh"),
         ({"model": {"name": "smollm-135m"}}, "did you mean smollm2-135m?"),
         ({"env": {"name": "guess_number", "kwargs": {"hihg": 3}}}, "hihg"),
-        ({"run": {"name": "t", "trackers": [MISSING_TRACKER]}}, str(MISSING_TRACKER)),
+        ({"run": {"name": "t", "trackers": ["wandb"]}}, f"pip install {MISSING_PACKAGE}"),
     ],
 )
-def test_recipes_validate_checks_what_a_run_would_before_starting(capsys, tmp_path, section, expected):
-    if expected == "None":
-        pytest.skip("every tracker rlcli supports is installed here")
+def test_recipes_validate_checks_what_a_run_would_before_starting(capsys, monkeypatch, tmp_path, section, expected):
+    from rlcli.engine import trackers
+
+    monkeypatch.setitem(trackers.PACKAGES, "wandb", MISSING_PACKAGE)
     recipe = write_recipe(tmp_path / "r.yaml", **section)
     code, _, err = cli(capsys, "recipes", "validate", recipe)
     assert code == 2 and expected in one_line(err) and str(recipe) in unwrapped(err), err
@@ -580,9 +580,11 @@ def _run_rows(runs: Path, run: str) -> dict[str, list[tuple]]:
         }
 
 
-def test_commands_refused_before_work_leave_the_run_as_it_was(capsys, tmp_path, rlcli_home):
+def test_commands_refused_before_work_leave_the_run_as_it_was(capsys, monkeypatch, tmp_path, rlcli_home):
     from helpers import write_recipe
+    from rlcli.engine import trackers
 
+    monkeypatch.setitem(trackers.PACKAGES, "wandb", MISSING_PACKAGE)
     recipe = write_recipe(tmp_path / "t.yaml")
     with open_run(recipe, None, rlcli_home, []) as ctx:
         ctx.stage("sft", lambda: {})
@@ -591,7 +593,7 @@ def test_commands_refused_before_work_leave_the_run_as_it_was(capsys, tmp_path, 
     refused = [
         (["rollout", "--policy", "lastest"], "'lastest'"),
         (["label", "--force", "rewards=[{fn: exact_mach}]"], "did you mean exact_match?"),
-        (["train", "grpo", "run.trackers=[wandb]"], "pip install wandb"),
+        (["train", "grpo", "run.trackers=[wandb]"], f"pip install {MISSING_PACKAGE}"),
         (["rollout", "env.name=no_such_env"], "no_such_env"),
     ]
     for args, says in refused:

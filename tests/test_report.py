@@ -1,4 +1,5 @@
-"""`rlcli runs show | compare | plot | episodes | export` and trackers, on a run database built by hand."""
+"""`rlcli runs show | compare | plot | episodes | export`, on a run database built by hand (trackers:
+tests/test_trackers.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from helpers import cli
-from rlcli.errors import UsageError
 from rlcli.recipe import Recipe
 from rlcli.store.blobs import pack_floats, pack_ids
 from rlcli.store.checkpoints import add_checkpoint
@@ -541,46 +541,6 @@ def test_every_runs_command_and_option_has_help():
         assert command.help, name
         for param in command.params:
             assert getattr(param, "help", None), f"runs {name} {param.name}"
-
-
-# --- trackers --------------------------------------------------------------------
-
-
-def test_no_trackers_is_a_no_op(tmp_path):
-    from rlcli.engine.trackers import open_trackers
-
-    with open_trackers([], "demo", {}, log_dir=tmp_path) as tracker:
-        tracker.log({"train/loss": 1.0}, step=0)
-    assert not any(tmp_path.iterdir())
-
-
-def test_missing_tracker_package_names_what_to_install(monkeypatch, tmp_path):
-    from rlcli.engine import trackers
-
-    monkeypatch.setitem(trackers.PACKAGES, "wandb", "rlcli_no_such_package")
-    with pytest.raises(UsageError, match="pip install rlcli_no_such_package"):
-        trackers.open_trackers(["wandb"], "demo", {}, log_dir=tmp_path)
-    with pytest.raises(UsageError, match="Unknown tracker 'mlflow'"):
-        trackers.open_trackers(["mlflow"], "demo", {}, log_dir=tmp_path)
-
-
-def test_tensorboard_tracker_writes_scalars(tmp_path):
-    pytest.importorskip("tensorboard")
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    from rlcli.engine.trackers import open_trackers
-
-    with open_trackers(["tensorboard"], "demo", Recipe().to_dict(), log_dir=tmp_path) as tracker:
-        for step in range(3):
-            tracker.log({"rollout/reward_mean": 0.1 * step, "train/kl": None}, step=step)
-    events = EventAccumulator(str(tmp_path / "tensorboard"))
-    events.Reload()
-    assert [(e.step, round(e.value, 3)) for e in events.Scalars("rollout/reward_mean")] == [
-        (0, 0.0),
-        (1, 0.1),
-        (2, 0.2),
-    ]
-    assert "train/kl" not in events.Tags()["scalars"]
 
 
 # --- hostile text ---------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from trl.trainer.dpo_trainer import DataCollatorForPreference
 from rlcli.engine.context import RunContext
 from rlcli.engine.pairs import PreferenceExample, mine_pairs, preference_example, source_stages
 from rlcli.engine.sft import RecipeLearningRate, _checkpointing_field, _training_dtype, last_trainer_checkpoint
+from rlcli.engine.trackers import Tracker, stage_tracker
 from rlcli.errors import RlcliError, UsageError
 from rlcli.store.checkpoints import add_checkpoint, checkpoints, require_folder
 from rlcli.store.names import BASE, DPO_STAGE, PolicyRef
@@ -149,27 +150,30 @@ def train_dpo(ctx: RunContext, stage: str, start: Checkpoint | None) -> DpoSumma
     if recipe.lora is None:  # TRL would load the reference from the base's path, not from this start
         reference, _ = load_policy(recipe.model, None, recipe.quantization, adapter=adapter, trainable=False)
 
-    output_dir = ctx.run_dir / stage.replace("/", "-")
-    progress = DpoProgress(ctx, stage)
-    trainer = TokenDPOTrainer(
-        model=model,
-        ref_model=reference,
-        args=dpo_args(ctx, output_dir),
-        data_collator=MaskedPreferenceCollator(pad_token_id=tokenizer.pad_token_id, max_length=recipe.model.max_length),
-        train_dataset=_dataset([asdict(e) for e in examples]),
-        processing_class=tokenizer,
-        callbacks=[progress, RecipeLearningRate()],
-    )
     from transformers import PrinterCallback
 
-    trainer.remove_callback(PrinterCallback)  # raw log dicts; the progress line replaces them
-    resume = last_trainer_checkpoint(output_dir)
-    if resume is not None:
-        ctx.console.print(f"{stage}: resuming from {resume}")
-    try:
-        trainer.train(resume_from_checkpoint=str(resume) if resume else None)
-    finally:
-        progress.close()
+    output_dir = ctx.run_dir / stage.replace("/", "-")
+    with stage_tracker(ctx, stage) as tracker:  # run.trackers: each logging step mirrored there
+        progress = DpoProgress(ctx, stage, tracker)
+        trainer = TokenDPOTrainer(
+            model=model,
+            ref_model=reference,
+            args=dpo_args(ctx, output_dir),
+            data_collator=MaskedPreferenceCollator(
+                pad_token_id=tokenizer.pad_token_id, max_length=recipe.model.max_length
+            ),
+            train_dataset=_dataset([asdict(e) for e in examples]),
+            processing_class=tokenizer,
+            callbacks=[progress, RecipeLearningRate()],
+        )
+        trainer.remove_callback(PrinterCallback)  # raw log dicts; the progress line replaces them
+        resume = last_trainer_checkpoint(output_dir)
+        if resume is not None:
+            ctx.console.print(f"{stage}: resuming from {resume}")
+        try:
+            trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+        finally:
+            progress.close()
 
     folder = ctx.run_dir / "checkpoints" / stage.replace("/", "-")
     path = save_checkpoint(trainer.model, tokenizer, folder)  # the trained adapter only, not the reference
@@ -303,12 +307,13 @@ def dpo_args(ctx: RunContext, output_dir: Path) -> DPOConfig:
 
 
 class DpoProgress(TrainerCallback):
-    """A rich progress bar over optimizer steps; every logging step also goes to the run database."""
+    """A rich progress bar over optimizer steps; every logging step also goes to the run database and
+    to run.trackers."""
 
-    def __init__(self, ctx: RunContext, stage: str) -> None:
+    def __init__(self, ctx: RunContext, stage: str, tracker: Tracker) -> None:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-        self.ctx, self.stage = ctx, stage
+        self.ctx, self.stage, self.tracker = ctx, stage, tracker
         self.progress = Progress(
             # markup=False: dpo/<name> is a name the user chose, e.g. dpo/[red]
             TextColumn("{task.description}", style="bold", markup=False),
@@ -352,6 +357,7 @@ class DpoProgress(TrainerCallback):
                 "Lower dpo.lr (or use float32 weights) and run again with --force."
             )
         self.ctx.rundb.log_metrics(self.ctx.run, self.stage, state.global_step, values)
+        self.tracker.log(values, step=state.global_step)
         shown = {"loss": values.get("dpo/loss"), "margin": values.get("dpo/reward_margin")}
         assert self.task is not None  # on_train_begin came first
         self.progress.update(self.task, shown=" ".join(f"{k} {v:.4g}" for k, v in shown.items() if v is not None))

@@ -28,6 +28,7 @@ from transformers import TrainerCallback
 from rlcli.engine.context import RunContext
 from rlcli.engine.sft_data import Conversation
 from rlcli.engine.sft_sources import data_identity, read_data_source
+from rlcli.engine.trackers import Tracker, stage_tracker
 from rlcli.errors import RlcliError, UsageError
 from rlcli.models import vision
 from rlcli.store.checkpoints import add_checkpoint
@@ -132,20 +133,21 @@ def train_sft(ctx: RunContext) -> SftSummary:
             f"sft: {truncated} conversations were cut at model.max_length={recipe.model.max_length} tokens."
         )
 
-    progress = RichProgress(ctx)
-    callbacks = [progress, RecipeLearningRate()]
-    if processor is None:
-        trainer = build_trainer(ctx, model, tokenizer, train_rows, eval_rows, callbacks)
-    else:
-        trainer = build_image_trainer(ctx, model, processor, pictures, train_rows, eval_rows, callbacks)
-    assert trainer.args.output_dir is not None  # sft_args sets it
-    resume = last_trainer_checkpoint(Path(trainer.args.output_dir))
-    if resume is not None:
-        ctx.console.print(f"sft: resuming from {resume}")
-    try:
-        trainer.train(resume_from_checkpoint=str(resume) if resume else None)
-    finally:
-        progress.close()
+    with stage_tracker(ctx, METRICS_STAGE) as tracker:  # run.trackers: each logging step mirrored there
+        progress = RichProgress(ctx, tracker)
+        callbacks = [progress, RecipeLearningRate()]
+        if processor is None:
+            trainer = build_trainer(ctx, model, tokenizer, train_rows, eval_rows, callbacks)
+        else:
+            trainer = build_image_trainer(ctx, model, processor, pictures, train_rows, eval_rows, callbacks)
+        assert trainer.args.output_dir is not None  # sft_args sets it
+        resume = last_trainer_checkpoint(Path(trainer.args.output_dir))
+        if resume is not None:
+            ctx.console.print(f"sft: resuming from {resume}")
+        try:
+            trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+        finally:
+            progress.close()
 
     path = save_checkpoint(trainer.model, tokenizer, ctx.run_dir / "checkpoints" / "sft")
     history = trainer.state.log_history
@@ -712,12 +714,13 @@ class RecipeLearningRate(TrainerCallback):
 
 
 class RichProgress(TrainerCallback):
-    """A rich progress bar over optimizer steps; every logging step also goes to the run database."""
+    """A rich progress bar over optimizer steps; every logging step also goes to the run database and
+    to run.trackers."""
 
-    def __init__(self, ctx: RunContext) -> None:
+    def __init__(self, ctx: RunContext, tracker: Tracker) -> None:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-        self.ctx = ctx
+        self.ctx, self.tracker = ctx, tracker
         self.progress = Progress(
             TextColumn("[bold]sft"),
             BarColumn(),
@@ -761,6 +764,7 @@ class RichProgress(TrainerCallback):
                 "Lower sft.lr (or use float32 weights) and run again with --force."
             )
         self.ctx.rundb.log_metrics(self.ctx.run, METRICS_STAGE, state.global_step, values)
+        self.tracker.log(values, step=state.global_step)
         shown = [
             f"loss {values['sft/loss']:.4g}" if "sft/loss" in values else "",
             f"eval {values['sft/eval_loss']:.4g}" if "sft/eval_loss" in values else "",

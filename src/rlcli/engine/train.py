@@ -150,7 +150,7 @@ def phase_start(ctx: RunContext, row: Stage | None) -> Checkpoint | None:
 def _run_phase(ctx: RunContext, phase: int, start: Checkpoint | None) -> dict[str, Any]:
     """Iterations phase*N .. phase*N+N-1 (N = grpo.iterations), resumed where they stopped; phase 0
     starts from the SFT checkpoint (else the base model), a later one from `start`."""
-    from rlcli.engine.trackers import open_trackers
+    from rlcli.engine.trackers import stage_tracker
     from rlcli.rewards.scoring import build_reward_fns
 
     recipe = ctx.recipe
@@ -171,7 +171,7 @@ def _run_phase(ctx: RunContext, phase: int, start: Checkpoint | None) -> dict[st
     evals = HeldOutEvals(ctx, trainer.model, trainer.tokenizer)
     view = MetricsView(ctx.console)
     with (
-        open_trackers(recipe.run.trackers, ctx.run, recipe.to_dict(), log_dir=ctx.run_dir) as tracker,
+        stage_tracker(ctx, METRICS_STAGE) as tracker,
         rollouts.running(),
     ):
         evals.before(trainer)
