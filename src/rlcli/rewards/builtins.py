@@ -129,7 +129,9 @@ def _verifiers(*, reward: str | None = None) -> Scorer:
     try:
         from rlcli.envs.adapters.verifiers import rubric_scorer
     except ModuleNotFoundError as exc:
-        raise UsageError(f"The verifiers reward needs the {exc.name!r} package: pip install 'rlcli[verifiers]'.") from None
+        raise UsageError(
+            f"The verifiers reward needs the {exc.name!r} package: pip install 'rlcli[verifiers]'."
+        ) from None
     return rubric_scorer(reward)
 
 
