@@ -55,6 +55,7 @@ RECIPES = (
     "rg_word_reversal",
     "textarena",
     "textarena_blackjack",
+    "verifiers_guess",
 )
 
 
