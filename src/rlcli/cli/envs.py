@@ -26,7 +26,9 @@ ADAPTER_NOTE = (
     "textarena:GuessTheNumber-v0), reasoning_gym:<dataset> (e.g. reasoning_gym:chain_sum), "
     "gymnasium:<EnvId> (text observations, Discrete or Text actions, e.g. gymnasium:FrozenLake-v1); "
     "openenv:<url-or-module> (an OpenEnv server; pip install 'rlcli[openenv]') and verifiers:<env-id> "
-    "(an installed verifiers environment; pip install 'rlcli[verifiers]'). See docs/environments.md."
+    "(an installed verifiers environment; pip install 'rlcli[verifiers]'); miniwob:<task> (a MiniWoB++ web "
+    "task in headless Chromium, e.g. miniwob:click-button; pip install 'rlcli[web]', make browser). "
+    "See docs/environments.md."
 )
 RANDOM_ACTIONS = ["My guess: 7", "42", "up", "left", "hello", "<answer>3</answer>", "I don't know", "right", "down"]
 

@@ -24,9 +24,10 @@ ADAPTERS = {
     "gymnasium": "rlcli.envs.adapters.gymnasium",
     "openenv": "rlcli.envs.adapters.openenv",
     "verifiers": "rlcli.envs.adapters.verifiers",
+    "miniwob": "rlcli.envs.adapters.miniwob",
 }
 # The pip extra that installs each adapter's library (pyproject.toml).
-ADAPTER_EXTRAS = {"openenv": "openenv", "verifiers": "verifiers"}
+ADAPTER_EXTRAS = {"openenv": "openenv", "verifiers": "verifiers", "miniwob": "web"}
 
 
 def list_builtin_envs() -> list[tuple[str, str]]:
@@ -101,7 +102,7 @@ def _resolve_factory(target: str, attr: str | None, root: Path, name: str) -> Ca
         builtins = ", ".join(_builtin_names())
         raise UsageError(
             f"Unknown env {name!r}: expected a built-in ({builtins}), a file envs/x.py[:Factory], "
-            "package.module:factory, or a textarena:/reasoning_gym:/gymnasium:/openenv:/verifiers: URI."
+            "package.module:factory, or a textarena:/reasoning_gym:/gymnasium:/openenv:/verifiers:/miniwob: URI."
         )
     if attr:
         if not hasattr(module, attr):

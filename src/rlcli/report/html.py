@@ -1,8 +1,10 @@
 """`rlcli runs episodes --html`: the chosen episodes as one self-contained HTML page.
 
 Screenshots are inlined as base64 PNGs from the run database, so the page can be mailed or opened
-offline. A reply holding `click(x, y)` (pixels of the screenshot, as gui_click asks) gets a marker
-on the last screenshot shown before it: where the model clicked on what it saw.
+offline. A reply holding `click(x, y)` (pixels of the screenshot, as gui_click asks; miniwob's
+`mouse_click(x, y)` too), or answered by a message recording its `click` [x, y] (where miniwob's
+`click("12")` landed), gets a marker on the last screenshot shown before it: where the model clicked
+on what it saw.
 """
 
 from __future__ import annotations
@@ -92,10 +94,10 @@ def _messages(messages: list[dict[str, Any]], pngs: dict[str, bytes]) -> list[st
         if m.get("role") != "assistant":
             continue
         reply += 1
-        found = CLICK.search(_text(m))
-        if found is None:
+        point = _click_of(m, messages[i + 1] if i + 1 < len(messages) else None)
+        if point is None:
             continue
-        x, y = float(found.group(1)), float(found.group(2))
+        x, y = point
         shown = sizes[-1] if sizes else None
         if shown is None:
             notes[i] = "no screenshot shown before this click" if not sizes else "its screenshot is not stored"
@@ -125,6 +127,16 @@ def _messages(messages: list[dict[str, Any]], pngs: dict[str, bytes]) -> list[st
             f'<div class="message"><div class="role {_e(role)}">{_e(role)}</div><div>{"".join(cells)}</div></div>'
         )
     return rows
+
+
+def _click_of(reply: dict[str, Any], answer: dict[str, Any] | None) -> tuple[float, float] | None:
+    """Where a reply clicked: the `click` [x, y] that the env's next message records (miniwob: says
+    where click("12") landed), else a `click(x, y)` in the reply's text."""
+    recorded = answer.get("click") if answer is not None else None
+    if isinstance(recorded, list) and len(recorded) == 2 and all(isinstance(v, (int, float)) for v in recorded):
+        return float(recorded[0]), float(recorded[1])
+    found = CLICK.search(_text(reply))
+    return (float(found.group(1)), float(found.group(2))) if found else None
 
 
 def _image(part: dict[str, Any], pngs: dict[str, bytes], clicks: list[tuple[int, float, float]]) -> str:
