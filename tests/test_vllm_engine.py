@@ -8,6 +8,7 @@ tiny model with head_dim 64. merged_weights needs no vllm and runs everywhere.
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 
@@ -293,6 +294,9 @@ def test_vllms_logs_go_to_stderr_leaving_stdout_to_results():
         "from vllm.logger import configure_logging, init_logger; configure_logging(LoggingConfig()); "
         "init_logger('vllm.test').warning('a vLLM log line')"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    # A fresh process as a user starts it: without the VLLM_* settings that engines built earlier in
+    # this test process left in its environment.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr
-    assert "a vLLM log line" in done.stderr and "a vLLM log line" not in done.stdout
+    assert "a vLLM log line" in done.stderr and "a vLLM log line" not in done.stdout, (done.stdout, done.stderr)

@@ -219,6 +219,7 @@ class RunDB:
 
     @staticmethod
     def _new_run_row(name: str, recipe: Recipe, recipe_path: str | None) -> dict[str, Any]:
+        created = now()  # one reading: two calls may straddle a millisecond
         return {
             "name": name,
             "status": "created",
@@ -226,8 +227,8 @@ class RunDB:
             "recipe_sha256": recipe.sha256(),
             "recipe_path": str(recipe_path) if recipe_path else None,
             "seed": recipe.run.seed,
-            "created_at": now(),
-            "updated_at": now(),
+            "created_at": created,
+            "updated_at": created,
             "versions": json.dumps(package_versions()),
             "git_sha": git_sha(Path(recipe_path).parent if recipe_path else Path.cwd()),
             "hostname": socket.gethostname(),
