@@ -116,6 +116,22 @@ def test_the_tree_shows_ids_values_and_checks_and_the_task_in_every_observation(
     assert f"[{box}] textbox '', focused, value='hello'" in text_of(observation)
 
 
+def test_a_mix_plays_task_seed_mod_n_and_its_expert_solves_each():
+    factory = load_env("miniwob:click-button,enter-text,login-user", {})
+    for seed, task in [(0, "click-button"), (4, "enter-text"), (5, "login-user"), (1_000_000, "enter-text")]:
+        env = factory()
+        _, info = env.reset(seed)
+        assert info["task"]["task"] == task
+        total = 0.0
+        for _ in range(4):
+            _, reward, terminated, _, step_info = env.step(env.expert_action())
+            total += reward
+            if terminated:
+                break
+        assert step_info["success"] and total == 1.0, (task, step_info)
+    assert not hasattr(load_env("miniwob:click-button,click-menu", {})(), "expert_action")
+
+
 # --- actions -------------------------------------------------------------------------------
 
 
@@ -266,6 +282,33 @@ def test_browsers_live_in_env_workers_and_die_with_them(tmp_path, monkeypatch):
     assert no_browsers(mark) == [], "a browser outlived the closed pool"
 
 
+def test_ray_actors_carry_the_browsers_too(monkeypatch):
+    ray = pytest.importorskip("ray")
+    from rlcli.envs.ray_workers import RayEnvHost
+
+    if ray.is_initialized():
+        pytest.skip("Ray is already running in this process, without this test's mark in its environment")
+    mark = f"rlcli-test-ray-{os.getpid()}-{time.time()}"
+    monkeypatch.setenv("RLCLI_TEST_MARK", mark)  # Ray's processes, and the actors' browsers, inherit it
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        with RayEnvHost("miniwob:click-test", {"wait_ms": 120_000}, 1, timeout_s=30) as host:
+            key = host.reset(0)
+            assert host.replies()[0].failure is None
+            assert browsers(mark), "no browser in the actor"
+            host.timeout_s = 3
+            host.step(key, "noop()")
+            assert "step time limit (its env worker was killed)" in str(host.replies()[0].failure)
+            assert no_browsers(mark) == [], "a browser outlived its killed actor"
+            host.timeout_s = 30
+            host.reset(1)
+            assert host.replies()[0].failure is None
+            assert browsers(mark)
+        assert no_browsers(mark) == [], "a browser outlived its closed host"
+    finally:
+        ray.shutdown()
+
+
 # --- rollouts: kill -9 and resume, the tiny VLM, the HTML page ------------------------------------
 
 
@@ -369,6 +412,8 @@ def test_the_html_episode_page_marks_each_click_on_its_screenshot(tmp_path, caps
     [
         ("miniwob:click-buton", {}, "MiniWoB++ has no task 'click-buton'. Did you mean click-button"),
         ("miniwob:click-color", {}, "miniwob:click-color is drawn in pixels"),
+        ("miniwob:click-button,click-colr", {}, "no task 'click-colr'. Did you mean click-color"),
+        ("miniwob:click-button,click-button", {}, "names a task twice"),
         ("miniwob:click-button", {"observation": "dom"}, "expected one of axtree, screenshot, both, got 'dom'"),
         ("miniwob:click-button", {"reward": "time"}, "expected raw or discounted"),
         ("miniwob:click-button", {"colour": 1}, "unknown option 'colour'"),

@@ -3,7 +3,8 @@
 The task pages are the ones the `miniwob` package ships (offline, file:// URLs); playwright drives the
 machine's Chromium (envs/browser.py: one browser per process, a browser context per episode).
 reset(seed) loads the task's page, seeds its random generator with the seed (`Math.seedrandom`) and
-starts the episode, so the same seed gives the same page. The page's own display (the reward, the
+starts the episode, so the same seed gives the same page. A mix of tasks, `miniwob:click-button,enter-text`,
+plays task `seed mod n` of the list for each seed (the held-out seeds cover every task too). The page's own display (the reward, the
 timer, the click canvas) is hidden and jQuery animations are off.
 
 Observations (`observation`, an adapter option in env.kwargs):
@@ -202,8 +203,8 @@ def task_names() -> list[str]:
 
 @dataclass(frozen=True)
 class Options:
-    task: str
-    url: str
+    tasks: tuple[str, ...]  # one task, or a mix: seed s plays tasks[s % len(tasks)]
+    folder: str  # the task pages
     observation: str = "axtree"
     reward: str = "raw"
     invalid_action_reward: float = -1.0
@@ -212,6 +213,12 @@ class Options:
     scale: float = 1.0
     wait_ms: int = 0
     page_timeout_s: float = 20.0
+
+    def task(self, seed: int) -> str:
+        return self.tasks[seed % len(self.tasks)]
+
+    def url(self, task: str) -> str:
+        return (Path(self.folder) / f"{task}.html").as_uri()
 
     @property
     def tree(self) -> bool:
@@ -260,15 +267,20 @@ def make_factory(
             f"env.kwargs for miniwob:{task}: unknown option {sorted(unknown)[0]!r}; the options are {known}."
         )
     names = task_names()
-    if task not in names:
-        close = difflib.get_close_matches(task, names, n=3)
-        hint = f" Did you mean {', '.join(close)}?" if close else f" The tasks: {', '.join(names)}."
-        raise UsageError(f"MiniWoB++ has no task {task!r}.{hint}")
+    tasks = tuple(t.strip() for t in task.split(","))
+    for one in tasks:
+        if one not in names:
+            close = difflib.get_close_matches(one, names, n=3)
+            hint = f" Did you mean {', '.join(close)}?" if close else f" The tasks: {', '.join(names)}."
+            raise UsageError(f"MiniWoB++ has no task {one!r}.{hint}")
+    if len(set(tasks)) != len(tasks):
+        raise UsageError(f"miniwob:{task} names a task twice; list each task of a mix once.")
     if observation not in OBSERVATIONS:
         raise UsageError(f"env.kwargs.observation: expected one of {', '.join(OBSERVATIONS)}, got {observation!r}.")
-    if observation == "axtree" and task in PIXEL_TASKS:
+    drawn = [one for one in tasks if one in PIXEL_TASKS]
+    if observation == "axtree" and drawn:
         raise UsageError(
-            f"miniwob:{task} is drawn in pixels, which an accessibility tree cannot show: use observation "
+            f"miniwob:{drawn[0]} is drawn in pixels, which an accessibility tree cannot show: use observation "
             "screenshot (or both)."
         )
     if reward not in REWARDS:
@@ -285,8 +297,8 @@ def make_factory(
         raise UsageError("The miniwob: envs need playwright: pip install 'rlcli[web]'.")
     find_chromium()  # one sentence naming the install command when there is none
     options = Options(
-        task,
-        (html_folder() / f"{task}.html").as_uri(),
+        tasks,
+        str(html_folder()),
         observation,
         reward,
         float(invalid_action_reward),
@@ -512,7 +524,9 @@ class MiniWobEnv:
         self.utterance = ""
         self.actions = 0
         self.done = False
-        if options.task in EXPERTS:  # looked up with getattr: tasks without one must not have the method
+        self.task = options.tasks[0]
+        # Looked up with getattr: an env whose tasks have no expert must not have the method.
+        if all(task in EXPERTS for task in options.tasks):
             self.expert_action = self._expert_action
 
     # --- the protocol ---
@@ -528,7 +542,7 @@ class MiniWobEnv:
             {"role": "system", "content": system.format(width=width, height=height)},
             {"role": "user", "content": content},
         ]
-        return messages, {"task": {"task": self.options.task, "seed": seed, "utterance": self.utterance}}
+        return messages, {"task": {"task": self.task, "seed": seed, "utterance": self.utterance}}
 
     def step(self, action: str) -> tuple[list[dict[str, Any]], float, bool, bool, dict[str, Any]]:
         if self.page is None or self.done:
@@ -549,9 +563,7 @@ class MiniWobEnv:
             return self.host.run(fn, self.options.page_timeout_s)
         except Exception as exc:
             if page is not None and page in _crashed:
-                raise PageCrashed(
-                    f"the page of miniwob:{self.options.task} crashed (its renderer process died)"
-                ) from None
+                raise PageCrashed(f"the page of miniwob:{self.task} crashed (its renderer process died)") from None
             if type(exc).__name__ == "TargetClosedError":
                 raise BrowserGone(f"the browser this episode's page was in has gone ({exc})") from None
             raise
@@ -571,7 +583,8 @@ class MiniWobEnv:
             self, host.submit, lambda _browser: _give_back(host, generation, scale, page)
         )
         page.set_default_timeout(self.options.page_timeout_s * 1000)
-        page.goto(self.options.url, wait_until="load")
+        self.task = self.options.task(seed)
+        page.goto(self.options.url(self.task), wait_until="load")
         max_time = (
             NO_TIME_LIMIT_MS if self.options.episode_time_s is None else round(self.options.episode_time_s * 1000)
         )
@@ -658,7 +671,7 @@ class MiniWobEnv:
         return bool(done), raw, discounted, reason
 
     def _on_task_page(self) -> bool:
-        return str(self.page.url).split("#")[0] == self.options.url
+        return str(self.page.url).split("#")[0] == self.options.url(self.task)
 
     def _check_browser(self) -> None:
         assert self.host is not None
@@ -752,7 +765,7 @@ class MiniWobEnv:
     def _expert(self) -> str:
         self._check_browser()
         fields = {f["bid"]: f for f in self.page.evaluate(FIELDS_JS) if f["bid"]}
-        move = EXPERTS[self.options.task](Page(self.utterance, self.nodes, fields))
+        move = EXPERTS[self.task](Page(self.utterance, self.nodes, fields))
         if self.options.tree:
             return str(move)
         # Screenshots only: click where the element is; type into a field after clicking it.
@@ -763,7 +776,7 @@ class MiniWobEnv:
             return self._click_at(bid)
         if move.name == "click":
             return self._click_at(move.args[0])
-        raise RuntimeError(f"the miniwob:{self.options.task} expert has no screenshot form of {move}")
+        raise RuntimeError(f"the miniwob:{self.task} expert has no screenshot form of {move}")
 
     def _click_at(self, bid: str) -> str:
         point, _ = _click_point(self._element(bid), self.options.scale)
