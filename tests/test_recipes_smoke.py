@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from browser import require_chromium
 from helpers import REPO, make_ctx
 from rlcli.engine.pipeline import run_all
 
@@ -36,9 +37,12 @@ def test_recipe_runs_on_the_tiny_model(recipe: Path, tmp_path):
         pytest.importorskip("textarena")
     if "reasoning_gym" in recipe.read_text():
         pytest.importorskip("reasoning_gym")
+    if "miniwob:" in recipe.read_text():
+        pytest.importorskip("miniwob")
+        require_chromium()
     # Screenshot environments need a vision-language model: the tiny one of the recipe's family.
     small = SMALL
-    if "env:\n  name: gui_click" in recipe.read_text():
+    if "env:\n  name: gui_click" in recipe.read_text() or "observation: screenshot" in recipe.read_text():
         family = "qwen2.5-vl" if "Qwen2.5-VL" in recipe.read_text() else "vlm"
         small = [*SMALL, f"model.name=tiny-random-{family}"]
     ctx = make_ctx(recipe, tmp_path / "runs", small)
