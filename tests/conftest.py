@@ -76,6 +76,7 @@ SECONDS: dict[str, float] = {
     "test_async_grpo": 92,
     "test_rollout": 76,
     "test_env_workers": 71,
+    "test_miniwob": 62,  # a real Chromium: experts, workers, Ray actors, kill -9
     "test_ray_workers": 58,
     "test_models": 45,
     "test_eval_during_training": 43,
