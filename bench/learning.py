@@ -47,6 +47,7 @@ RECIPES = (
     "arithmetic",
     "calculator",
     "multihop_search",
+    "miniwob_axtree",  # needs a Chromium (make browser) and rlcli[web]
     "dr_grpo",
     "gspo",
     "qlora_4bit",
