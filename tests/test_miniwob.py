@@ -12,6 +12,8 @@ import os
 import re
 import signal
 import sqlite3
+import subprocess
+import sys
 import time
 from contextlib import closing
 from pathlib import Path
@@ -280,6 +282,31 @@ def test_browsers_live_in_env_workers_and_die_with_them(tmp_path, monkeypatch):
         assert pool.replies()[0].failure is None
         assert browsers(mark)
     assert no_browsers(mark) == [], "a browser outlived the closed pool"
+
+
+HOLDER = """
+import time
+from rlcli.envs.loading import load_env
+
+env = load_env("miniwob:click-test", {})()
+env.reset(0)
+print("ready", flush=True)
+time.sleep(3600)
+"""
+
+
+def test_a_browser_in_the_main_process_dies_with_a_kill_9(tmp_path, monkeypatch):
+    """env.workers 0: the browser is the main process's, and the kernel kills it with that process."""
+    mark = f"rlcli-test-main-{tmp_path}"
+    monkeypatch.setenv("RLCLI_TEST_MARK", mark)
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        assert browsers(mark), "no browser in the process"
+    finally:
+        holder.kill()  # kill -9: nothing of rlcli's runs after it
+        holder.wait()
+    assert no_browsers(mark) == [], "a browser outlived the kill -9 of the process holding it"
 
 
 def test_ray_actors_carry_the_browsers_too(monkeypatch):
