@@ -10,10 +10,12 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import sqlite3
 import subprocess
 import sys
+import tempfile
 import time
 from contextlib import closing
 from pathlib import Path
@@ -232,20 +234,34 @@ def test_a_crashed_page_fails_its_episode_and_a_dead_browser_is_started_again():
 
 
 def browsers(mark: str) -> list[int]:
-    """The live Chromium processes (zombies are dead) whose environment holds `mark`."""
+    """This test's live Chromium processes (zombies are dead): the browser and every process it starts
+    (zygotes, renderers, GPU, utilities: their command lines name the profile folder, which rlcli
+    makes under TMPDIR, set to `mark`), and its crash handlers (their environment holds TMPDIR)."""
     found = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
         try:
-            comm = (proc / "comm").read_text()
             state = (proc / "stat").read_text().rpartition(")")[2].split()[0]
-            environ = (proc / "environ").read_bytes()
+            cmdline = (proc / "cmdline").read_bytes()
+            ours = b"chrom" in cmdline and mark.encode() in cmdline
+            if not ours and "chrom" in (proc / "comm").read_text():
+                ours = mark.encode() in (proc / "environ").read_bytes()
         except OSError:
             continue
-        if "chrom" in comm and state != "Z" and mark.encode() in environ:
+        if ours and state != "Z":
             found.append(int(proc.name))
     return found
+
+
+@pytest.fixture
+def mark(monkeypatch):
+    """A TMPDIR of the test's own, inherited by the processes it starts: rlcli makes the browsers'
+    profiles there, so that `browsers` finds them. Short: Chromium puts a socket in it."""
+    folder = tempfile.mkdtemp(prefix="rlcli-t-", dir="/tmp")
+    monkeypatch.setenv("TMPDIR", folder)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def no_browsers(mark: str, within_s: float = 20) -> list[int]:
@@ -255,15 +271,13 @@ def no_browsers(mark: str, within_s: float = 20) -> list[int]:
     return alive
 
 
-def test_browsers_live_in_env_workers_and_die_with_them(tmp_path, monkeypatch):
-    mark = f"rlcli-test-{tmp_path}"
-    monkeypatch.setenv("RLCLI_TEST_MARK", mark)  # the workers, and their browsers, inherit it
+def test_browsers_live_in_env_workers_and_die_with_them(mark):
     with EnvWorkerPool("miniwob:click-test", {"wait_ms": 120_000, "page_timeout_s": 200}, 1, timeout_s=10) as pool:
         key = pool.reset(0)
         [reply] = pool.replies()
         assert reply.failure is None, reply.failure
         first = browsers(mark)
-        assert first, "no browser in the env worker"
+        assert len(first) >= 4, "no browser (its processes: the browser, zygotes, a renderer...) in the worker"
         pool.step(key, "noop()")  # then waits 120 s (wait_ms): past the 10 s limit
         [reply] = pool.replies()
         assert "step time limit" in str(reply.failure), reply.failure
@@ -295,10 +309,8 @@ time.sleep(3600)
 """
 
 
-def test_a_browser_in_the_main_process_dies_with_a_kill_9(tmp_path, monkeypatch):
+def test_a_browser_in_the_main_process_dies_with_a_kill_9(mark):
     """env.workers 0: the browser is the main process's, and the kernel kills it with that process."""
-    mark = f"rlcli-test-main-{tmp_path}"
-    monkeypatch.setenv("RLCLI_TEST_MARK", mark)
     holder = subprocess.Popen([sys.executable, "-c", HOLDER], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "ready"
@@ -309,14 +321,25 @@ def test_a_browser_in_the_main_process_dies_with_a_kill_9(tmp_path, monkeypatch)
     assert no_browsers(mark) == [], "a browser outlived the kill -9 of the process holding it"
 
 
-def test_ray_actors_carry_the_browsers_too(monkeypatch):
+def test_a_long_tmpdir_does_not_stop_chromium(tmp_path):
+    """Chromium puts a socket under TMPDIR and aborts when its path is too long for one (pytest's
+    folders are): rlcli gives it /tmp then."""
+    long = tmp_path / ("x" * 60)
+    long.mkdir()
+    script = "from rlcli.envs.loading import load_env; env = load_env('miniwob:click-test', {})(); env.reset(0)"
+    script += "; print(env.step(env.expert_action())[1])"
+    done = subprocess.run(
+        [sys.executable, "-c", script], env={**os.environ, "TMPDIR": str(long)}, capture_output=True, text=True
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "1.0", done.stderr[-2000:]
+
+
+def test_ray_actors_carry_the_browsers_too(mark):
     ray = pytest.importorskip("ray")
     from rlcli.envs.ray_workers import RayEnvHost
 
     if ray.is_initialized():
         pytest.skip("Ray is already running in this process, without this test's mark in its environment")
-    mark = f"rlcli-test-ray-{os.getpid()}-{time.time()}"
-    monkeypatch.setenv("RLCLI_TEST_MARK", mark)  # Ray's processes, and the actors' browsers, inherit it
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         with RayEnvHost("miniwob:click-test", {"wait_ms": 120_000}, 1, timeout_s=30) as host:
@@ -357,7 +380,7 @@ def stored(runs: Path) -> list[tuple]:
         ).fetchall()
 
 
-def test_kill_9_of_a_miniwob_rollout_leaves_no_browser_and_resumes_to_the_uninterrupted_one(tmp_path):
+def test_kill_9_of_a_miniwob_rollout_leaves_no_browser_and_resumes_to_the_uninterrupted_one(tmp_path, mark):
     clean, killed = tmp_path / "clean", tmp_path / "killed"
     for folder in (clean, killed):
         folder.mkdir()
@@ -367,8 +390,8 @@ def test_kill_9_of_a_miniwob_rollout_leaves_no_browser_and_resumes_to_the_uninte
     assert result.returncode == 0, result.stderr
     event = {"sql": "select count(*) from episodes", "at_least": 2}
     kill_at_event([*args, str(killed / "r.yaml")], killed / "runs", event, cwd=REPO)
-    # The browser lived in the killed rlcli's env worker; its environment names the run folder.
-    assert no_browsers(str(killed / "runs")) == [], "a browser outlived rlcli's kill -9"
+    assert list(Path(mark).glob("rlcli-chromium-*")), "the killed rlcli started no browser"
+    assert no_browsers(mark) == [], "a browser outlived rlcli's kill -9"
     assert len(stored(killed / "runs")) == 2
     result = run_in_process([*args, str(killed / "r.yaml")], killed / "runs", cwd=REPO)
     assert result.returncode == 0, result.stderr

@@ -64,6 +64,9 @@ ARGS = [
     "--remote-debugging-port=0",  # the port Chromium picks is written to DevToolsActivePort
 ]
 START_TIMEOUT_S = 60.0
+# Chromium puts a unix socket in $TMPDIR/org.chromium.Chromium.XXXXXX/ and aborts at start when the path
+# outgrows a socket address (108 bytes): a longer TMPDIR gives it /tmp instead.
+MAX_TMPDIR_CHARS = 60
 PROFILE_PREFIX = "rlcli-chromium-"
 _STDERR_TAIL_CHARS = 600
 
@@ -200,8 +203,11 @@ class Chromium:
         profile = tempfile.mkdtemp(prefix=f"{PROFILE_PREFIX}{os.getpid()}-")
         log = Path(profile) / "stderr.log"
         argv = die_with_parent([self.executable, *ARGS, f"--user-data-dir={profile}", "about:blank"])
+        env = dict(os.environ)
+        if len(tempfile.gettempdir()) > MAX_TMPDIR_CHARS and os.access("/tmp", os.W_OK):
+            env["TMPDIR"] = "/tmp"  # Chromium's singleton socket goes there, and a long path aborts it
         with open(log, "wb") as err:  # a file, never a pipe nobody reads (a full pipe would block it)
-            process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)
+            process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, env=env)
         with self.lock:
             self.process, self.profile = process, profile
         port_file = Path(profile) / "DevToolsActivePort"
