@@ -127,7 +127,6 @@ FIELDS_JS = """() => Array.from(document.querySelectorAll('input, textarea, sele
   bid: el.getAttribute('bid'), value: el.value, checked: !!el.checked, focused: document.activeElement === el,
 }))"""
 STATE_JS = "() => [WOB_DONE_GLOBAL, WOB_RAW_REWARD_GLOBAL, WOB_REWARD_GLOBAL, WOB_REWARD_REASON]"
-KEPT_ROLES_WITHOUT_NAME = {"textbox", "checkbox", "radio", "button", "combobox", "searchbox", "slider", "spinbutton"}
 FOLDED_ROLES = {"generic", "none", "paragraph", "LineBreak", "InlineTextBox", "LayoutTable", "LayoutTableRow"}
 
 AXTREE_SYSTEM = (
@@ -371,11 +370,9 @@ def read_tree(page: Any, cdp: Any) -> list[Node]:
             return
         children = [by_id[c] for c in ax.get("childIds", []) if c in by_id]
         texts = [c for c in children if c.get("role", {}).get("value") == "StaticText"]
+        # Shown: what is neither ignored nor a bare container; a text or label only with its words.
         shown = not ax.get("ignored", False) and role not in FOLDED_ROLES
-        shown = shown and bool(name or role in KEPT_ROLES_WITHOUT_NAME or role not in ("StaticText", "LabelText"))
-        if shown and role == "StaticText" and not name:
-            shown = False
-        if shown:
+        if shown and (name or role not in ("StaticText", "LabelText")):
             if role == "StaticText":
                 owner = parents[dom] if dom is not None else -1
                 bid = attributes[owner].get("bid") if owner >= 0 and not element_children.get(owner) else None
