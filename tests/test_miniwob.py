@@ -215,6 +215,19 @@ def test_a_hanging_page_fails_its_episode_and_the_next_one_gets_a_fresh_browser(
     assert play_expert("click-test", 0)[2]["success"]
 
 
+def test_in_a_rollout_a_hanging_page_fails_its_episode_with_the_error_and_the_stage_goes_on(tmp_path):
+    # Every step waits 5 s after its action, past the browser's 1 s limit: as a page stuck in a script.
+    env = {"name": "miniwob:click-test", "kwargs": {"wait_ms": 5000, "page_timeout_s": 1}, "workers": 0}
+    recipe = miniwob_recipe(tmp_path, env=env, rollout={"tasks": 2, "group_size": 1, "batch_size": 1})
+    result = run_in_process(["rollout", "-r", str(recipe), "--policy", "expert"], tmp_path / "runs", cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    with closing(sqlite3.connect(tmp_path / "runs" / "rlcli.db")) as conn:
+        rows = conn.execute("select status, error from episodes order by task_index").fetchall()
+    assert len(rows) == 2
+    for status, error in rows:
+        assert status == "failed" and "PageTimeout: the browser did not answer within 1s" in error, error
+
+
 def test_a_crashed_page_fails_its_episode_and_a_dead_browser_is_started_again():
     factory = load_env("miniwob:click-test", {})
     env = factory()
