@@ -140,7 +140,7 @@ def test_textarena_blackjack_expert_wins_far_more_than_always_hitting():
 def test_textarena_clear_errors():
     with pytest.raises(UsageError, match="no game 'GuessTheNumbr-v0'.*GuessTheNumber-v0"):
         load_env("textarena:GuessTheNumbr-v0", {})()
-    with pytest.raises(UsageError, match="multi-player game.*only single-player"):
+    with pytest.raises(UsageError, match="two-player game: set env.kwargs.opponent"):
         load_env("textarena:TicTacToe-v0", {})()
     with pytest.raises(UsageError, match="do not fit"):
         load_env("textarena:GuessTheNumber-v0", {"colour": "red"})()
@@ -150,7 +150,7 @@ def test_a_game_the_adapter_refuses_stops_the_rollout_stage_with_one_sentence(tm
     from rlcli.engine.rollout import run_rollout_stage
 
     ctx = make_ctx(write_recipe(tmp_path / "r.yaml", env={"name": "textarena:TicTacToe-v0"}), tmp_path / "runs")
-    with pytest.raises(UsageError, match="only single-player"):
+    with pytest.raises(UsageError, match="two-player game: set env.kwargs.opponent"):
         run_rollout_stage(ctx, stage="rollout", policy="base", split="train")
     assert ctx.rundb.db["episodes"].count == 0
 
@@ -341,7 +341,7 @@ def test_envs_try_runs_adapters():
     out = runner.invoke(app, ["try", "textarena:GuessTheNumber-v0", "--policy", "human"], input="[10]\n[red]\n[5]\n")
     assert out.exit_code == 0 and "[red]" in out.output  # shown literally, not as terminal markup
     out = runner.invoke(app, ["try", "textarena:TicTacToe-v0", "--policy", "random"])
-    assert isinstance(out.exception, UsageError) and "single-player" in str(out.exception)
+    assert isinstance(out.exception, UsageError) and "two-player game" in str(out.exception)
 
 
 def test_a_missing_extra_says_what_to_install(monkeypatch, capsys):

@@ -513,8 +513,18 @@ class GrpoSection(Section):
     minibatch_size: int = Field(0, ge=0, description="Episodes per optimizer step; 0 means the whole batch.")
     micro_batch_size: int = Field(8, gt=0, description="Episodes per forward pass (gradient accumulation).")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
-    advantage: Literal["grpo", "dr_grpo", "rloo", "batch"] = Field(
-        "grpo", description="grpo (group mean/std), dr_grpo (group mean), rloo (leave-one-out), batch (whole batch)."
+    advantage: Literal["grpo", "dr_grpo", "rloo", "batch", "rae"] = Field(
+        "grpo",
+        description="grpo (group mean/std), dr_grpo (group mean), rloo (leave-one-out), batch (whole batch), rae "
+        "(SPIRAL's role-conditioned advantage: reward - a moving-average baseline per game and seat, grpo.rae_decay; "
+        "groups with equal rewards are kept). Groups are split by seat in two-player games.",
+    )
+    rae_decay: float = Field(
+        0.95,
+        ge=0,
+        lt=1,
+        description="grpo.advantage rae: each iteration a baseline b becomes decay * b + (1 - decay) * the mean "
+        "reward of its game and seat in the batch, before it is subtracted (b starts at 0 each GRPO phase).",
     )
     drop_zero_var_groups: bool = Field(True, description="Drop groups whose rewards are all equal (DAPO).")
     gamma: float | None = Field(

@@ -159,10 +159,12 @@ def eval_cmd(
     """Evaluate checkpoints on held-out tasks: success rate (95% CI), mean return, pass@k."""
     with stage_run(cli_ctx, recipe, run, overrides, force) as ctx:
         from rlcli.engine.evaluate import run_eval
-        from rlcli.report.tables import evals_table
+        from rlcli.report.tables import evals_table, games_table
         from rlcli.report.views import eval_view
 
         rows = [eval_view(r) for r in run_eval(ctx, checkpoint or ctx.recipe.eval.checkpoints)]
         (err_console if as_json else console).print(evals_table(rows))
+        if (games := games_table(rows)) is not None:  # two-player games: win/draw/loss per opponent and seat
+            (err_console if as_json else console).print(games)
     if as_json:
         print(json.dumps(rows, indent=2))

@@ -21,7 +21,7 @@ from rlcli.store.db import now
 from rlcli.store.episodes import stage_episodes
 from rlcli.store.evals import eval_decoding, eval_result, leading_tasks_success, replace_eval
 from rlcli.store.names import EXPERT, SFT, SFT_STAGE, PolicyRef, eval_stage
-from rlcli.store.records import Checkpoint, Episode, EvalResult
+from rlcli.store.records import Checkpoint, EndReason, Episode, EvalResult
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -87,8 +87,50 @@ def eval_metrics(episodes: list[Episode], k: int) -> dict[str, Any]:
         "avg_at_k": sum(task_rates) / len(task_rates) if task_rates else 0.0,
         "mean_turns": sum(e.num_turns for e in ran) / n if n else 0.0,
         "mean_tokens": sum(e.num_tokens for e in ran) / n if n else 0.0,
-        "details": {"failed_episodes": len(episodes) - n, **passes},
+        "details": {"failed_episodes": len(episodes) - n, **passes, **game_outcomes(ran)},
     }
+
+
+OUTCOMES = ("win", "draw", "loss")
+
+
+def game_outcomes(episodes: list[Episode]) -> dict[str, Any]:
+    """Two-player games (episodes whose task names an opponent): {"games": rows} with the policy's
+    win, draw and loss rates and their 95% Wilson intervals, per opponent and seat (first or second
+    mover, then both). A game's outcome is the sign of its return (the policy's zero-sum score); one
+    cut off before the game ended (env.max_turns, the token cap) is `unfinished`, counted in n."""
+    played = [ep for ep in episodes if isinstance(ep.task, dict) and "opponent" in ep.task]
+    if not played:
+        return {}
+
+    def outcome(ep: Episode) -> str:
+        if ep.env_return > 0:
+            return "win"
+        if ep.env_return < 0:
+            return "loss"
+        return "draw" if ep.end_reason == EndReason.TERMINATED else "unfinished"
+
+    cells: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for ep in played:
+        seat = "first" if ep.task.get("first") else "second"
+        for key in ((ep.task["opponent"], seat), (ep.task["opponent"], "both")):
+            cells[key].append(outcome(ep))
+    order = {"first": 0, "second": 1, "both": 2}
+    rows = []
+    for (opponent, seat), outcomes in sorted(cells.items(), key=lambda kv: (kv[0][0], order[kv[0][1]])):
+        n = len(outcomes)
+        row: dict[str, Any] = {
+            "opponent": opponent,
+            "seat": seat,
+            "games": n,
+            "unfinished": outcomes.count("unfinished"),
+        }
+        for name in OUTCOMES:
+            count = outcomes.count(name)
+            low, high = wilson_interval(count, n)
+            row.update({name: count / n, f"{name}_ci_low": low, f"{name}_ci_high": high})
+        rows.append(row)
+    return {"games": rows}
 
 
 def run_eval(ctx: RunContext, checkpoints: list[str]) -> list[EvalResult]:

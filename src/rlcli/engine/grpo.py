@@ -109,6 +109,21 @@ def compute_advantages(
     return torch.where(live, (rewards - baseline) / scale, torch.zeros_like(rewards))
 
 
+def rae_baselines(
+    returns: Sequence[float], roles: Sequence[str], baselines: dict[str, float], decay: float
+) -> dict[str, float]:
+    """SPIRAL's role-conditioned baselines after a batch: for each role (game and seat) in the batch,
+    b <- decay * b + (1 - decay) * mean(returns of that role), b = 0 for a role not seen before; the
+    roles not in the batch keep theirs. The advantage of an episode is then its return - b[role]."""
+    sums: dict[str, list[float]] = {}
+    for value, role in zip(returns, roles, strict=True):
+        sums.setdefault(role, []).append(float(value))
+    out = dict(baselines)
+    for role, values in sums.items():
+        out[role] = decay * baselines.get(role, 0.0) + (1 - decay) * sum(values) / len(values)
+    return out
+
+
 def discounted_turn_returns(step_rewards: Sequence[float], gamma: float) -> list[float]:
     """Return-to-go of each turn: G_t = r_t + gamma * G_{t+1}, so a turn is credited only with what follows it."""
     out: list[float] = []

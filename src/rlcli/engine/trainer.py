@@ -63,6 +63,7 @@ class IterationBatch:
     reward_std: float
     metrics: dict[str, float]  # train/: groups, zero-variance groups, sequences, staleness, ...
     replayed: list[tuple[int, int]] | None  # grpo.replay's (episode id, task) added; None: replay is off
+    rae_baselines: dict[str, float] | None = None  # grpo.advantage rae: the baselines after this batch
 
 
 @dataclass
@@ -115,6 +116,9 @@ class GrpoTrainer:
         self.start_policy = PolicyRef.written_by(self.origin.stage) if self.origin is not None else BASE
         self.resumed: Checkpoint | None = None
         self.state: dict[str, Any] | None = None  # the resumed checkpoint's trainer state
+        # grpo.advantage rae: the baseline per game and seat after the iterations so far (saved in the
+        # checkpoint's trainer state, so a resume goes on from the checkpoint's).
+        self.rae_baselines: dict[str, float] = {}
         self.next_iteration = self.first
 
     def resume(self) -> range:
@@ -146,6 +150,7 @@ class GrpoTrainer:
         self.schedule = planned_schedule(cfg, cfg.epochs * minibatches_per_epoch(recipe) * cfg.iterations, self.state)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.schedule.factor)
         if self.state:
+            self.rae_baselines = dict(self.state.get("rae_baselines", {}))
             self.optimizer.load_state_dict(self.state["optimizer"])
             self.scheduler.load_state_dict(self.state["scheduler"])
             _apply_recipe_hyperparameters(self.optimizer, self.scheduler, cfg, self.schedule)
@@ -190,7 +195,7 @@ class GrpoTrainer:
         replayed = replays_for(ctx, it, episodes) if cfg.replay is not None else []
         episodes = episodes + replayed
         rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float64)
-        groups = torch.tensor([e.episode.task_index for e in episodes])
+        groups = role_groups(episodes)
         grpo.check_finite("the rewards", rewards)
         zero_var = grpo.zero_variance_groups(rewards, groups)
         metrics: dict[str, float] = {
@@ -213,7 +218,23 @@ class GrpoTrainer:
         if discarded := set_aside_count(ctx.rundb, ctx.run, rollout_stage(it)):
             metrics["train/discarded_episodes"] = discarded
 
-        if cfg.gamma is not None:
+        rae = None
+        if cfg.advantage == "rae":
+            turn_returns = [
+                grpo.discounted_turn_returns(_turn_rewards(e), cfg.gamma) if cfg.gamma is not None else []
+                for e in episodes
+            ]
+            returns = [g[0] if g else float(rewards[i]) for i, g in enumerate(turn_returns)]
+            roles = [role_of(e) for e in episodes]
+            rae = grpo.rae_baselines(returns, roles, self.rae_baselines, cfg.rae_decay)
+            turn_adv = [
+                [g - rae[roles[i]] for g in turn_returns[i]]
+                if cfg.gamma is not None
+                else [returns[i] - rae[roles[i]]] * len(e.episode.turns)
+                for i, e in enumerate(episodes)
+            ]
+            metrics.update({f"train/rae_baseline/{role}": rae[role] for role in sorted(set(roles))})
+        elif cfg.gamma is not None:
             turn_returns = [grpo.discounted_turn_returns(_turn_rewards(e), cfg.gamma) for e in episodes]
             turn_adv = grpo.turn_advantages(turn_returns, groups, cfg.advantage)
         else:
@@ -223,7 +244,7 @@ class GrpoTrainer:
         sequences: list[TrainSequence] = []
         for i, labelled in enumerate(episodes):
             ep = labelled.episode
-            if cfg.drop_zero_var_groups and bool(zero_var[i]):
+            if cfg.drop_zero_var_groups and cfg.advantage != "rae" and bool(zero_var[i]):
                 continue
             if cfg.mask_truncated and ep.hit_a_cap:
                 continue
@@ -241,12 +262,15 @@ class GrpoTrainer:
             float(rewards.std(unbiased=False)),
             metrics,
             [(_stored_id(e), e.episode.task_index) for e in replayed] if cfg.replay is not None else None,
+            rae,
         )
 
     def iteration(self, batch: IterationBatch) -> IterationStats:
         """One policy update on `batch`: grpo.epochs passes of clipped-ratio steps (engine/update.py)."""
         # The learning rate this iteration's first step uses.
         metrics: dict[str, float] = {"train/lr": self.optimizer.param_groups[0]["lr"], **batch.metrics}
+        if batch.rae_baselines is not None:  # what this iteration's checkpoint saves and the next one goes on from
+            self.rae_baselines = batch.rae_baselines
         if batch.sequences:
             it = batch.iteration
             torch.manual_seed(derive_seed(self.ctx.recipe.run.seed, "dropout", it))  # dropout, if any, replays exactly
@@ -271,6 +295,7 @@ class GrpoTrainer:
                 "schedule": asdict(self.schedule),
                 "iteration": it,
                 "reference": self.reference.id if self.reference is not None else None,  # the KL anchor a resume keeps
+                "rae_baselines": dict(self.rae_baselines),  # grpo.advantage rae's baselines after this iteration
             },
             tmp / TRAINER_STATE,
         )
@@ -312,6 +337,22 @@ def episode_sequences(episode_id: int, group: int, turns: list[Turn]) -> list[Tr
                 mask[start + j], logps[start + j], turn_of[start + j] = 1.0, lp, t.turn_index
         out.append(TrainSequence(episode_id, group, ids, mask, logps, turn_of, images=part[-1].images))
     return out
+
+
+def role_of(labelled: LabelledEpisode) -> str:
+    """An episode's role for grpo.advantage rae: its game and seat ("TicTacToe-v0/seat1"), from the task
+    its env reported; an env without seats has one role per game (or one in all)."""
+    task = labelled.episode.task or {}
+    game = str(task.get("game", ""))
+    return f"{game}/seat{task['seat']}" if "seat" in task else game
+
+
+def role_groups(episodes: list[LabelledEpisode]) -> torch.Tensor:
+    """The group of each episode: its task, and within a task its seat (two-player games), so that
+    group-relative advantages compare an episode only with others that played the same role."""
+    keys = [(e.episode.task_index, (e.episode.task or {}).get("seat", -1)) for e in episodes]
+    dense = {key: i for i, key in enumerate(sorted(set(keys)))}
+    return torch.tensor([dense[key] for key in keys])
 
 
 def rollout_stages(ctx: RunContext, it: int) -> list[str]:

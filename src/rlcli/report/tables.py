@@ -208,6 +208,21 @@ def evals_table(rows: list[dict[str, Any]]) -> Table:
     return table
 
 
+def games_table(rows: list[dict[str, Any]]) -> Table | None:
+    """Two-player games: each checkpoint's win/draw/loss rates with 95% Wilson intervals, per opponent
+    and seat (eval details' "games"); None when no eval played one."""
+    lines = [(r.get("label") or r["checkpoint"], g) for r in rows for g in r["details"].get("games", [])]
+    if not lines:
+        return None
+    table = Table(title="Games against opponents (held-out; 95% Wilson intervals)")
+    for col in ("checkpoint", "opponent", "seat", "games", "win", "draw", "loss", "unfinished"):
+        table.add_column(col, justify="left" if col in ("checkpoint", "opponent", "seat") else "right", no_wrap=True)
+    for label, g in lines:
+        rates = [f"{g[o]:.0%} [{g[o + '_ci_low']:.0%}–{g[o + '_ci_high']:.0%}]" for o in ("win", "draw", "loss")]
+        table.add_row(literal(label), g["opponent"], g["seat"], str(g["games"]), *rates, str(g["unfinished"]))
+    return table
+
+
 def eval_cells(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
     """The eval table's column names and cells (the first, the checkpoint's label, is the run's text):
     what `runs show` prints and the `runs report` page shows. Success and the means are over the

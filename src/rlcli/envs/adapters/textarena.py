@@ -18,7 +18,20 @@ Expert (for SFT demos and `envs try --policy expert`): only Blackjack-v0 has one
 read off the game state: hit to 11, stand from 17, and from 12 to 16 stand against a dealer's 2-6
 (the dealer must draw and may bust), else hit. It wins about 4 hands in 10, near the game's best.
 
-Limits: single-player games only (the other seats would need opponents). Games that need
+Two-player games (TicTacToe-v0, ConnectFour-v0, KuhnPoker-v0, SimpleNegotiation-v0) play against an
+opponent inside the env: `opponent` (an adapter option in env.kwargs) is `random` (a uniformly random
+legal move) or `bot` (the game's scripted player, textarena_opponents.py), or a list of them, one per
+task in turn. The policy's seat (player 0 or 1) is the seed's parity, the opponent
+opponent[(seed // 2) % len]; the opponent's moves are played inside `step` until it is the policy's
+turn again and reach the policy as part of the observation (its own moves are never sampled, so
+never trained on). The policy's return is its seat's zero-sum score (1 win, 0 draw, -1 loss), success
+a win; info carries `player` (the seat that acted: the policy's) and `opponent_moves` every turn, and
+`seat`, `first` (the policy moved first) and `outcome` (win, draw, loss) at the end; info["task"] holds
+seat, first and opponent. A two-player game without `opponent` is refused when the recipe is checked.
+The game's bot is also its expert (SFT demos, `envs try --policy expert`).
+
+Limits: games of more than two players are refused, and so are two-player games other than those
+four (no legal moves or bot written for them yet). Games that need
 NLTK corpora (Wordle, Hangman, WordLadder, WordSearch, Crosswords...) work only if that data was
 installed beforehand - rlcli never lets a game download at run time; games that call a remote LLM
 (TwentyQuestions, GuessWho) need an OpenRouter key and the network, and are not for offline use.
@@ -29,17 +42,19 @@ from __future__ import annotations
 import difflib
 import random
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import textarena as ta
 from textarena.envs.registration import ENV_REGISTRY
 
+from rlcli.envs.adapters.textarena_opponents import GAMES, OPPONENT_KINDS, opponent_move
 from rlcli.errors import UsageError
 
 FULL_SCORE = 1.0 - 1e-6  # a win scores 1; allow a float rounding hair below it
-_single_player_checked: set[str] = set()
+MAX_OPPONENT_MOVES = 20  # a bound on the opponent's moves between two of the policy's (invalid ones retried)
+_players_checked: dict[str, int] = {}  # game id -> its number of players, once found
 
 
 @contextmanager
@@ -58,8 +73,16 @@ def _no_downloads() -> Iterator[None]:
 
 
 class TextArenaEnv:
-    def __init__(self, game_id: str, game_kwargs: dict[str, Any], invalid_move_score: float | None = 0.0):
+    def __init__(
+        self,
+        game_id: str,
+        game_kwargs: dict[str, Any],
+        invalid_move_score: float | None = 0.0,
+        players: int = 1,
+        opponents: tuple[str, ...] = (),
+    ):
         self.game_id, self.invalid_move_score = game_id, invalid_move_score
+        self.players, self.opponents = players, opponents
         self.game = _build(game_id, game_kwargs)
         self.inner = self.game
         # Observations come from the unwrapped game (new messages only); actions go through the
@@ -67,6 +90,7 @@ class TextArenaEnv:
         while isinstance(self.inner, ta.Wrapper):
             self.inner = self.inner.env
         self._random_state: Any = None
+        self.seat, self.opponent = 0, ""  # the policy's player id and its opponent, set by reset
         if game_id in EXPERTS:  # looked up with getattr: games without one must not have the method
             self.expert_action = lambda: EXPERTS[game_id](self.inner)
 
@@ -86,39 +110,75 @@ class TextArenaEnv:
             random.setstate(outside)
 
     def reset(self, seed: int) -> tuple[str, dict[str, Any]]:
+        task: dict[str, Any] = {"game": self.game_id, "seed": seed}
+        if self.players == 1:
+            with _no_downloads(), self._own_random(seed):
+                self.game.reset(num_players=1, seed=seed)
+            if not isinstance(self.inner.state, ta.SinglePlayerState):
+                raise UsageError(_two_player_refusal(self.game_id))
+            return self._new_messages(), {"task": task}
+        self.seat, self.opponent = seed % 2, self.opponents[(seed // 2) % len(self.opponents)]
         with _no_downloads(), self._own_random(seed):
-            self.game.reset(num_players=1, seed=seed)
-        if not isinstance(self.inner.state, ta.SinglePlayerState):
-            raise UsageError(
-                f"textarena:{self.game_id} is a multi-player game; only single-player games are supported."
-            )
-        return self._new_messages(), {"task": {"game": self.game_id, "seed": seed}}
+            self.game.reset(num_players=2, seed=seed)
+            first = self.inner.state.current_player_id == self.seat
+            self._opponent_turns()
+        task.update(seat=self.seat, first=first, opponent=self.opponent)
+        return self._new_messages(), {"task": task}
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
         with self._own_random():
             done, _ = self.game.step(action)
+            moves = [] if done or self.players == 1 else self._opponent_turns()
+        done = done or (self.players == 2 and bool(self.inner.state.done))
         text = self._new_messages()
+        turn: dict[str, Any] = {} if self.players == 1 else {"player": self.seat, "opponent_moves": moves}
         if not done:
-            return text, 0.0, False, False, {}
+            return text, 0.0, False, False, turn
         rewards, game_info = self.game.close()
-        score = float((rewards or {}).get(0, 0.0))
-        player_info = (game_info or {}).get(0, {})
+        score = float((rewards or {}).get(self.seat, 0.0))
+        player_info = (game_info or {}).get(self.seat, {})
         reason = player_info.get("reason", "")
         invalid = bool(player_info.get("invalid_move"))
         if invalid and self.invalid_move_score is not None:
             score = min(score, self.invalid_move_score)
         text = "\n".join(part for part in (text, f"Game over. {reason}".strip(), f"Score: {score:g}") if part)
-        info = {"success": score >= FULL_SCORE, "score": score, "reason": reason, "invalid_move": invalid}
+        info = {"success": score >= FULL_SCORE, "score": score, "reason": reason, "invalid_move": invalid, **turn}
+        if self.players == 2:
+            outcome = "win" if score > 0 else "draw" if score == 0 else "loss"
+            info.update(seat=self.seat, opponent=self.opponent, outcome=outcome)
         return text, score, True, False, info
 
+    def _opponent_turns(self) -> list[str]:
+        """The opponent's moves until it is the policy's turn or the game ends (inside _own_random)."""
+        state, moves = self.inner.state, list[str]()
+        while not state.done and state.current_player_id != self.seat and len(moves) < MAX_OPPONENT_MOVES:
+            move = opponent_move(self.opponent, self.inner)
+            moves.append(move)
+            self.game.step(move)
+        state.observations[1 - self.seat] = []  # what the opponent was shown: not the policy's
+        return moves
+
+    def _bot_action(self) -> str:
+        """The game's bot in the policy's seat: the expert of a two-player game."""
+        with self._own_random():
+            return opponent_move("bot", self.inner)
+
     def _new_messages(self) -> str:
-        _, messages = self.inner.get_observation()
+        if self.players == 1:
+            _, messages = self.inner.get_observation()
+        else:
+            messages, self.inner.state.observations[self.seat] = self.inner.state.observations[self.seat], []
         # A few games file messages with swapped arguments (an int as the text): those are not text.
-        return "\n".join(
-            text.strip()
-            for _, text, kind in messages
-            if isinstance(text, str) and kind != ta.ObservationType.PLAYER_ACTION
-        )
+        # The policy's own moves are in the chat already; an opponent's are shown as its move.
+        lines = []
+        for sender, text, kind in messages:
+            if not isinstance(text, str):
+                continue
+            if kind != ta.ObservationType.PLAYER_ACTION:
+                lines.append(text.strip())
+            elif self.players == 2 and sender != self.seat:
+                lines.append(f"Player {sender} (your opponent) moved: {text.strip()}")
+        return "\n".join(lines)
 
 
 def _blackjack_expert(game: Any) -> str:
@@ -142,6 +202,13 @@ def _build(game_id: str, game_kwargs: dict[str, Any]) -> Any:
         raise _cannot_play(game_id, exc) from None
 
 
+def _two_player_refusal(game_id: str) -> str:
+    return (
+        f"textarena:{game_id} is a two-player game: set env.kwargs.opponent to random or bot (or a list of them), "
+        "the opponent played inside the env."
+    )
+
+
 def _cannot_play(game_id: str, exc: Exception) -> UsageError:
     """One sentence on why a game cannot run here: missing NLTK data, more players, or its own error."""
     if isinstance(exc, LookupError):
@@ -154,13 +221,45 @@ def _cannot_play(game_id: str, exc: Exception) -> UsageError:
         )
     if isinstance(exc, (AssertionError, ValueError)) and "player" in str(exc).lower():
         return UsageError(
-            f"textarena:{game_id} is a multi-player game ({exc}); only single-player games are supported."
+            f"textarena:{game_id} is a game of more than two players ({exc}); only single-player games and "
+            "two-player games against an opponent are supported."
         )
     # Broken or online-only games (some need an OpenRouter key): say which and why.
     return UsageError(f"textarena:{game_id} cannot be played here: {type(exc).__name__}: {exc}")
 
 
-def make_env(name: str, invalid_move_score: float | None = 0.0, **kwargs: Any) -> TextArenaEnv:
+def _players(env: TextArenaEnv) -> int:
+    """1 or 2: how many players the game takes (a one-player reset refused, a two-player one not)."""
+    for players in (1, 2):
+        try:
+            with _no_downloads(), env._own_random(0):
+                env.game.reset(num_players=players, seed=0)
+            return players
+        except (AssertionError, ValueError) as exc:
+            if "player" not in str(exc).lower():
+                raise
+    raise AssertionError("takes neither one player nor two")
+
+
+def _opponents(game_id: str, opponent: str | list[str] | None, players: int) -> tuple[str, ...]:
+    if players == 1:
+        if opponent is not None:
+            raise UsageError(f"env.kwargs.opponent: textarena:{game_id} is a single-player game; drop the opponent.")
+        return ()
+    if opponent is None:
+        raise UsageError(_two_player_refusal(game_id))
+    kinds = [opponent] if isinstance(opponent, str) else opponent
+    if not isinstance(kinds, list) or not kinds or any(k not in OPPONENT_KINDS for k in kinds):
+        raise UsageError(
+            f"env.kwargs.opponent: expected {' or '.join(OPPONENT_KINDS)} or a list of them, got {opponent!r} "
+            "(self-play, pool and checkpoint opponents are not implemented yet)."
+        )
+    return tuple(kinds)
+
+
+def make_env(
+    name: str, invalid_move_score: float | None = 0.0, opponent: str | list[str] | None = None, **kwargs: Any
+) -> TextArenaEnv:
     if name not in ENV_REGISTRY:
         close = difflib.get_close_matches(name, ENV_REGISTRY, n=3)
         hint = f" Did you mean {', '.join(close)}?" if close else " See textarena.envs.registration.ENV_REGISTRY."
@@ -170,14 +269,30 @@ def make_env(name: str, invalid_move_score: float | None = 0.0, **kwargs: Any) -
     ):
         raise UsageError(f"env.kwargs.invalid_move_score: expected a number or null, got {invalid_move_score!r}.")
     env = TextArenaEnv(name, kwargs, invalid_move_score)
-    # Multi-player games reject one player only when reset; check once per game here, so a recipe
-    # fails at once with a clear sentence instead of failing every episode.
-    if name not in _single_player_checked:
+    # How many players a game takes shows only when it is reset: find out once per game here, so a
+    # recipe fails at once with a clear sentence instead of failing every episode.
+    if name not in _players_checked:
         try:
-            env.reset(0)
+            _players_checked[name] = _players(env)
         except UsageError:
             raise
         except Exception as exc:
             raise _cannot_play(name, exc) from None
-        _single_player_checked.add(name)
+    players = _players_checked[name]
+    env.players, env.opponents = players, _opponents(name, opponent, players)
+    if players == 2:
+        if type(env.inner).__name__ not in GAMES:
+            raise UsageError(
+                f"textarena:{name} is a two-player game without an opponent in rlcli yet; two-player games: "
+                "TicTacToe-v0, ConnectFour-v0, KuhnPoker-v0, SimpleNegotiation-v0 (and their variants)."
+            )
+        if name not in EXPERTS:
+            env.expert_action = env._bot_action
     return env
+
+
+def make_factory(name: str, **kwargs: Any) -> Callable[[], TextArenaEnv]:
+    """Checks the game and its options once (the recipe check, before any stage, calls this), then
+    makes an env per call."""
+    make_env(name, **kwargs)
+    return lambda: make_env(name, **kwargs)
