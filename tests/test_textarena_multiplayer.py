@@ -224,7 +224,7 @@ def test_group_relative_advantages_are_computed_within_a_role(tmp_path):
     assert adv.tolist() == pytest.approx([0.5, 0.0, -0.5])
 
 
-def test_eval_reports_win_draw_loss_per_opponent_and_seat(tmp_path, capsys):
+def test_eval_reports_win_draw_loss_per_opponent_and_seat(tmp_path, capsys, monkeypatch):
     from rlcli.engine.evaluate import run_eval, wilson_interval
     from rlcli.report.tables import games_table
     from rlcli.report.views import eval_view
@@ -257,5 +257,9 @@ def test_eval_reports_win_draw_loss_per_opponent_and_seat(tmp_path, capsys):
         assert (row["loss_ci_low"], row["loss_ci_high"]) == wilson_interval(losses, len(mine))
     table = games_table([eval_view(result)])
     assert table is not None and table.row_count == 6
+    from rlcli.cli import common
+
+    # As wide as the table: a terminal's COLUMNS (80 on CI) would fold its title and cut its cells.
+    monkeypatch.setattr(common.console, "width", 200)
     code, out, _ = cli(capsys, "--runs-dir", tmp_path / "runs", "eval", "-r", tmp_path / "r.yaml", "-c", "base")
     assert code == 0 and "Games against opponents" in out and "random" in out

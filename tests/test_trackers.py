@@ -109,18 +109,21 @@ def wandb_runs(folder: Path) -> list[tuple[str, str, str, Series]]:
     runs = []
     for path in sorted(folder.glob("offline-run-*/run-*.wandb")):
         name = group = job_type = ""
+        started = 0
         history: Series = defaultdict(list)
         for record in wandb_records(path):
             kind = record.WhichOneof("record_type")
             if kind == "run":
                 name, group, job_type = record.run.display_name, record.run.run_group, record.run.job_type
+                started = record.run.start_time.ToMicroseconds()
             elif kind == "history":
                 for item in record.history.item:
                     key = item.key or "/".join(item.nested_key)
                     if not key.startswith("_"):  # _step, _runtime, _timestamp: wandb's own
                         history[key].append((record.history.step.num, json.loads(item.value_json)))
-        runs.append((name, group, job_type, dict(history)))
-    return runs
+        runs.append((started, name, group, job_type, dict(history)))
+    # By start time: a folder's name has the second it started, and two series can start in one second.
+    return [run[1:] for run in sorted(runs, key=lambda run: run[0])]
 
 
 def trackio_series(name: str) -> Series:
