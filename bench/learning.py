@@ -13,7 +13,8 @@ What is measured, per recipe (one row each):
   * Then `rlcli eval` of base, sft (when the recipe has SFT), final (the last GRPO checkpoint) and
     best (the checkpoint with the best held-out success during training; needs grpo.eval_every) on
     the recipe's eval tasks and decoding. Evals the run already did are reused, not redone.
-  * Success rate with its 95% Wilson interval for each, and two verdicts: "≥ SFT" says whether the
+  * Success rate with its 95% Wilson interval for each (a two-player game's: its win rate against the
+    first of eval.opponents), and two verdicts: "≥ SFT" says whether the
     checkpoint that `latest` names (best with grpo.keep_best, else final) is not below SFT (or base,
     without SFT) beyond the intervals, i.e. its interval's upper end reaches the SFT point estimate;
     "final ≥ SFT" says the same of the last checkpoint.
@@ -56,6 +57,7 @@ RECIPES = (
     "rg_word_reversal",
     "textarena",
     "textarena_blackjack",
+    "tictactoe_selfplay",  # success: the win rate against the first of eval.opponents (random)
     "verifiers_guess",
 )
 
@@ -136,7 +138,8 @@ def run_row(name: str, out: Path, overrides: list[str], console: Console) -> Row
     points = {}
     for label, which in wanted.items():  # one call each: eval reports a checkpoint asked for twice once
         args = ["eval", "-r", str(recipe), *overrides, "-c", which, "--json"]
-        (result,) = _json_list(check(rlcli(runs_dir, *args), f"rlcli eval -c {which} ({name})"))
+        # Two-player games with eval.opponents: one result per opponent, the first (random) is the row's.
+        result = _json_list(check(rlcli(runs_dir, *args), f"rlcli eval -c {which} ({name})"))[0]
         points[label] = Point(
             checkpoint=label,
             checkpoint_id=result.get("checkpoint_id"),

@@ -100,7 +100,8 @@ def main() -> None:
     import torch
     from rich.console import Console
 
-    from rlcli.engine.rollout import EpisodeRunner, RolloutLimits, episode_specs
+    from rlcli.engine.episode_runner import EpisodeRunner, RolloutLimits
+    from rlcli.engine.rollout import episode_specs
     from rlcli.engine.trainer import episode_sequences
     from rlcli.engine.update import update
     from rlcli.envs.workers import InProcessEnvs

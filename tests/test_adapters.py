@@ -140,7 +140,7 @@ def test_textarena_blackjack_expert_wins_far_more_than_always_hitting():
 def test_textarena_clear_errors():
     with pytest.raises(UsageError, match="no game 'GuessTheNumbr-v0'.*GuessTheNumber-v0"):
         load_env("textarena:GuessTheNumbr-v0", {})()
-    with pytest.raises(UsageError, match="two-player game: set env.kwargs.opponent"):
+    with pytest.raises(UsageError, match="two-player game: set env.opponent"):
         load_env("textarena:TicTacToe-v0", {})()
     with pytest.raises(UsageError, match="do not fit"):
         load_env("textarena:GuessTheNumber-v0", {"colour": "red"})()
@@ -150,7 +150,7 @@ def test_a_game_the_adapter_refuses_stops_the_rollout_stage_with_one_sentence(tm
     from rlcli.engine.rollout import run_rollout_stage
 
     ctx = make_ctx(write_recipe(tmp_path / "r.yaml", env={"name": "textarena:TicTacToe-v0"}), tmp_path / "runs")
-    with pytest.raises(UsageError, match="two-player game: set env.kwargs.opponent"):
+    with pytest.raises(UsageError, match="two-player game: set env.opponent"):
         run_rollout_stage(ctx, stage="rollout", policy="base", split="train")
     assert ctx.rundb.db["episodes"].count == 0
 

@@ -8,6 +8,7 @@ import pytest
 
 from browser import require_chromium
 from helpers import REPO, make_ctx
+from rlcli.engine.evaluate import eval_opponents
 from rlcli.engine.pipeline import run_all
 
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
@@ -50,4 +51,5 @@ def test_recipe_runs_on_the_tiny_model(recipe: Path, tmp_path):
     stages = {s.name: s.status for s in ctx.rundb.stages(ctx.run)}
     assert stages and all(status == "done" for status in stages.values()), stages
     evals = ctx.rundb.db["evals"].count
-    assert evals == len({c for c in ctx.recipe.eval.checkpoints if c != "sft" or ctx.recipe.sft.source != "none"})
+    checkpoints = {c for c in ctx.recipe.eval.checkpoints if c != "sft" or ctx.recipe.sft.source != "none"}
+    assert evals == len(checkpoints) * len(eval_opponents(ctx.recipe)), "one eval per checkpoint and opponent"

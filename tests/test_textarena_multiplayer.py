@@ -1,5 +1,5 @@
 """Two-player TextArena games against opponents inside the env, SPIRAL's role-conditioned advantages
-(grpo.advantage rae) and eval's win/draw/loss table (issue 37, first slice)."""
+(grpo.advantage rae) and eval's win/draw/loss table (issue 37); model opponents: test_selfplay.py."""
 
 from __future__ import annotations
 
@@ -90,7 +90,7 @@ def test_a_two_player_game_without_an_opponent_is_refused_before_any_stage(tmp_p
     recipe = write_recipe(tmp_path / "r.yaml", env={"name": "textarena:TicTacToe-v0"})
     code, _, err = cli(capsys, "--runs-dir", tmp_path / "runs", "rollout", "-r", recipe)
     assert code == 2
-    assert "is a two-player game: set env.kwargs.opponent to random or bot" in " ".join(err.split())
+    assert "is a two-player game: set env.opponent to random, bot" in " ".join(err.split())
     assert not (tmp_path / "runs" / "t").exists(), "refused before the run was written"
     with pytest.raises(UsageError, match="expected random or bot"):
         load_env("textarena:TicTacToe-v0", {"opponent": "self"})
@@ -105,7 +105,7 @@ def _recipe(tmp_path, **grpo_options):
     tmp_path.mkdir(parents=True, exist_ok=True)
     return write_recipe(
         tmp_path / "r.yaml",
-        env={"name": "textarena:TicTacToe-v0", "kwargs": {"opponent": ["random", "bot"]}, "max_turns": 5},
+        env={"name": "textarena:TicTacToe-v0", "opponent": ["random", "bot"], "max_turns": 5},
         model={"max_length": 1024},
         rollout={"tasks": 4, "group_size": 2, "max_new_tokens": 6, "batch_size": 8},
         grpo={"iterations": 2, "advantage": "rae", "rae_decay": 0.5, **grpo_options},

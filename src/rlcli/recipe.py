@@ -142,12 +142,24 @@ class McpServerSection(Section):
     )
 
 
+ENV_OPPONENTS = ("random", "bot")  # env.opponent kinds played inside the env (the TextArena adapter)
+MODEL_OPPONENTS = ("self", "pool", "base", "sft")  # and kinds played by a model; also pool:K and checkpoint ids
+
+
 class EnvSection(Section):
     name: str = Field(
         "guess_number",
         description="Built-in name, envs/x.py[:Factory], package.module:factory, or textarena:/reasoning_gym:/gymnasium:/openenv:/verifiers: URI.",
     )
     kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments passed to the environment.")
+    opponent: str | int | list[str] | None = Field(
+        None,
+        description="Two-player games (textarena:TicTacToe-v0...): who plays the other seat. Inside the env: random "
+        "(a random legal move), bot (the game's scripted player), or a list of them, one per task in turn. A model, "
+        "its moves sampled beside the policy's: self (the policy plays both seats, each seat an episode trained on), "
+        "pool (a uniformly drawn earlier GRPO checkpoint of this run per iteration; pool:K the last K; self until one "
+        "exists), base, sft, or a checkpoint id. The policy's seat alternates with the task.",
+    )
     max_turns: int | list[list[int]] = Field(
         8,
         description="Episode ends (truncated) after this many agent turns. A horizon curriculum (ScalingInter-RL) "
@@ -307,6 +319,35 @@ class EnvSection(Section):
             )
         return self
 
+    @field_validator("opponent")
+    @classmethod
+    def _opponent_kind(cls, opponent: str | int | list[str] | None) -> str | int | list[str] | None:
+        if opponent is None or isinstance(opponent, int) or opponent in MODEL_OPPONENTS or opponent in ENV_OPPONENTS:
+            return opponent
+        if isinstance(opponent, str) and re.fullmatch(r"pool:[1-9][0-9]*", opponent):
+            return opponent
+        if isinstance(opponent, list) and opponent and all(o in ENV_OPPONENTS for o in opponent):
+            return opponent
+        raise ValueError(
+            "expected random or bot (or a list of them: opponents inside the env), or self, pool, pool:K, base, sft "
+            "or a checkpoint id (a model)"
+        )
+
+    def model_opponent(self) -> str | None:
+        """env.opponent when a model plays it (self, pool, pool:K, base, sft, a checkpoint id), as a string."""
+        if self.opponent is None or isinstance(self.opponent, list) or self.opponent in ENV_OPPONENTS:
+            return None
+        return str(self.opponent)
+
+    def factory_kwargs(self, opponent: str | list[str] | None = None) -> dict[str, Any]:
+        """env.kwargs as the env's factory takes them: with env.opponent (or `opponent` instead), a model's
+        seat as `engine` (the engine plays it, engine/games.py)."""
+        chosen = opponent if opponent is not None else self.opponent
+        if chosen is None:
+            return dict(self.kwargs)
+        inside = isinstance(chosen, list) or chosen in ENV_OPPONENTS
+        return {**self.kwargs, "opponent": chosen if inside else "engine"}
+
     def tool_time_limit(self) -> float:
         """env.tool_timeout_s, or half of env.step_timeout_s: a slow call is reported and the turn goes on."""
         return self.tool_timeout_s if self.tool_timeout_s is not None else self.step_timeout_s / 2
@@ -330,6 +371,14 @@ class EnvSection(Section):
             raise ValueError(
                 f"env.tasks {self.tasks} reaches the held-out seeds (env.eval_seed_start={self.eval_seed_start}); "
                 "end the pool at or below it"
+            )
+        if self.opponent is not None and not self.name.startswith("textarena:"):
+            raise ValueError(
+                f"env.opponent is for two-player TextArena games (textarena:TicTacToe-v0...), not {self.name}; drop it"
+            )
+        if "opponent" in self.kwargs and self.name.startswith("textarena:"):
+            raise ValueError(
+                "env.kwargs.opponent: set env.opponent instead (random, bot, self, pool, base, sft or an id)"
             )
         if self.name.startswith("verifiers:") and self.eval_seed_start != 1_000_000:
             raise ValueError(
@@ -681,6 +730,24 @@ class EvalSection(Section):
         description="Which checkpoints `rlcli run` evaluates: base, sft, latest, best, or ids.",
         json_schema_extra=RESUME_SAFE,
     )
+    opponents: list[str | int] | None = Field(
+        None,
+        description="Two-player games: the opponents each checkpoint plays on the held-out tasks, one eval stage "
+        "each (eval/<checkpoint>/vs-<opponent>): random, bot, base, sft or checkpoint ids; win/draw/loss per opponent "
+        "and seat, and `rlcli runs show` fits Elo ratings to the stored games. null: env.opponent (needed with self "
+        "or pool).",
+        json_schema_extra=RESUME_SAFE,
+    )
+
+    @field_validator("opponents")
+    @classmethod
+    def _fixed_opponents(cls, opponents: list[str | int] | None) -> list[str | int] | None:
+        allowed = (*ENV_OPPONENTS, "base", "sft")
+        if opponents is not None and (
+            not opponents or any(not isinstance(o, int) and o not in allowed for o in opponents)
+        ):
+            raise ValueError("expected a list of random, bot, base, sft or checkpoint ids, e.g. [random, base]")
+        return opponents
 
 
 class Recipe(Section):
@@ -741,6 +808,22 @@ class Recipe(Section):
             raise ValueError(
                 "rollout.vllm_sleep true frees the GPU during the update, while with grpo.max_staleness > 0 the "
                 "rollout worker samples during it; set rollout.vllm_sleep: auto or false"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _opponents(self) -> Recipe:
+        model = self.env.model_opponent()
+        if model is not None and (model == "self" or model.startswith("pool")) and self.eval.opponents is None:
+            raise ValueError(
+                f"env.opponent {model} is no fixed opponent to evaluate against; set eval.opponents, e.g. [random, base]"
+            )
+        if self.eval.opponents is not None and self.env.opponent is None:
+            raise ValueError("eval.opponents are for two-player games; set env.opponent too (or drop eval.opponents)")
+        if model is not None and self.grpo.max_staleness:
+            raise ValueError(
+                f"env.opponent {model} is played by a model beside the policy, which the asynchronous rollout worker "
+                "does not do; set grpo.max_staleness: 0 or an opponent inside the env (random, bot)"
             )
         return self
 
@@ -1121,4 +1204,6 @@ def _annotation_text(annotation: Any) -> str:
         return "mapping"
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return "section"
+    if args:  # a union inside a list: list of str | int
+        return " or ".join(_annotation_text(arg) for arg in args)
     return annotation.__name__

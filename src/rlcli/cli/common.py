@@ -83,6 +83,7 @@ def open_run(
     absent, if it made it): a typo in a command line must not mark a run failed or rewrite its recipe.
     """
     from rlcli.engine.context import RunContext
+    from rlcli.engine.games import check_opponents
     from rlcli.engine.preflight import check_recipe
     from rlcli.recipe import load_recipe, recipe_file
     from rlcli.store.db import RunDB, check_run_name, default_runs_dir
@@ -130,7 +131,9 @@ def open_run(
             try:
                 rundb.start_run(name, recipe, str(recipe_path) if recipe_path else None, force=force, code=code)
                 try:
-                    yield RunContext(recipe, rundb, name, runs_dir, console=err_console)
+                    ctx = RunContext(recipe, rundb, name, runs_dir, console=err_console)
+                    check_opponents(ctx)  # needs the run's checkpoints; before any work
+                    yield ctx
                 except BaseException:
                     rundb.restore_run(before)
                     raise

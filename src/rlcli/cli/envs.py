@@ -152,7 +152,7 @@ def _play_model(
 ) -> None:
     """One episode played by a model, through the same code as a rollout (EpisodeRunner and the
     recipe's engine: token-exact prompts, chat template, context budget), then shown turn by turn."""
-    from rlcli.engine.rollout import EpisodeRunner, EpisodeSpec, RolloutLimits
+    from rlcli.engine.episode_runner import EpisodeRunner, EpisodeSpec, RolloutLimits
     from rlcli.envs.loading import load_env
     from rlcli.envs.workers import InProcessEnvs
     from rlcli.generation.engines import generation_engine, make_sampler

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlcli.engine.context import RunContext
+from rlcli.engine.games import resolve_opponent
 from rlcli.engine.rollout import collect
 from rlcli.generation.engines import make_sampler
 from rlcli.generation.sampler import Sampler, sampling_config
@@ -22,6 +23,9 @@ from rlcli.store.episodes import stage_episodes
 from rlcli.store.evals import eval_decoding, eval_result, leading_tasks_success, replace_eval
 from rlcli.store.names import EXPERT, SFT, SFT_STAGE, PolicyRef, eval_stage
 from rlcli.store.records import Checkpoint, EndReason, Episode, EvalResult
+
+if TYPE_CHECKING:
+    from rlcli.recipe import Recipe
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -148,21 +152,45 @@ def run_eval(ctx: RunContext, checkpoints: list[str]) -> list[EvalResult]:
         if evaluated in seen:
             continue
         seen.add(evaluated)
-        results.append(evaluate_checkpoint(ctx, which, ckpt, ctx.recipe.eval.tasks))
+        for opponent in eval_opponents(ctx.recipe):
+            results.append(evaluate_checkpoint(ctx, which, ckpt, ctx.recipe.eval.tasks, opponent=opponent))
     return results
 
 
+def eval_opponents(recipe: Recipe) -> list[str | int | None]:
+    """Whom each checkpoint plays at eval, one stage each: eval.opponents; else a model env.opponent
+    (base, sft, an id); else [None]: the env's own opponents, if any, in one stage."""
+    if recipe.eval.opponents is not None:
+        return list(recipe.eval.opponents)
+    return [recipe.env.model_opponent()]
+
+
+def opponent_key(ctx: RunContext, opponent: str | int | None) -> str | None:
+    """How an eval stage names its opponent: random, bot, base or ckpt-<id> (sft and ids resolved)."""
+    if opponent is None or opponent in ("random", "bot", "base"):
+        return None if opponent is None else str(opponent)
+    ckpt = resolve_checkpoint(ctx.rundb, ctx.run, PolicyRef.from_cli(str(opponent)))
+    return "base" if ckpt is None else f"ckpt-{ckpt.id}"
+
+
 def evaluate_checkpoint(
-    ctx: RunContext, which: str, ckpt: Checkpoint | None, tasks: int, policy: tuple[Any, Any] | None = None
+    ctx: RunContext,
+    which: str,
+    ckpt: Checkpoint | None,
+    tasks: int,
+    policy: tuple[Any, Any] | None = None,
+    opponent: str | int | None = None,
 ) -> EvalResult:
     """One checkpoint's eval stage on the first `tasks` held-out tasks, with the recipe's eval decoding.
 
     policy: (model, tokenizer) already holding the checkpoint's weights (GRPO's model in memory),
-    used instead of loading it from disk. A stage done with at least `tasks` tasks is reused; one
-    done with fewer gets the missing ones, and an interrupted one finishes the tasks it was begun with.
+    used instead of loading it from disk. opponent: a two-player game's (eval_opponents), None for
+    none. A stage done with at least `tasks` tasks is reused; one done with fewer gets the missing
+    ones, and an interrupted one finishes the tasks it was begun with.
     """
     temperature, k = eval_decoding(ctx.recipe)
-    stage = eval_stage(EXPERT if PolicyRef.from_cli(which) == EXPERT else PolicyRef.of_checkpoint(ckpt), temperature, k)
+    evaluated = EXPERT if PolicyRef.from_cli(which) == EXPERT else PolicyRef.of_checkpoint(ckpt)
+    stage = eval_stage(evaluated, temperature, k, opponent_key(ctx, opponent))
     row = ctx.rundb.stage(ctx.run, stage)
     if row is not None and not row.done:
         tasks = max(tasks, row.params.get("tasks", 0))
@@ -170,8 +198,9 @@ def evaluate_checkpoint(
         ctx.rundb.mark_stage(ctx.run, stage, "pending")  # more tasks asked for: add the missing ones
     ctx.stage(
         stage,
-        lambda: _evaluate(ctx, stage, which, ckpt, tasks, policy),
-        {"checkpoint": which, "tasks": tasks, "k": k, "temperature": temperature},
+        lambda: _evaluate(ctx, stage, which, ckpt, tasks, policy, opponent),
+        {"checkpoint": which, "tasks": tasks, "k": k, "temperature": temperature}
+        | ({"opponent": str(opponent)} if opponent is not None else {}),
     )
     result = eval_result(ctx.rundb, ctx.run, stage)
     assert result is not None  # the stage just completed
@@ -179,7 +208,13 @@ def evaluate_checkpoint(
 
 
 def _evaluate(
-    ctx: RunContext, stage: str, which: str, ckpt: Checkpoint | None, tasks: int, policy: tuple[Any, Any] | None
+    ctx: RunContext,
+    stage: str,
+    which: str,
+    ckpt: Checkpoint | None,
+    tasks: int,
+    policy: tuple[Any, Any] | None,
+    opponent: str | int | None,
 ) -> dict[str, Any]:
     recipe = ctx.recipe
     sampling = sampling_config(recipe.rollout)
@@ -215,7 +250,8 @@ def _evaluate(
         task_indices=list(range(tasks)),
         group_size=recipe.eval.k,
         split="eval",
-        progress_label=f"eval {which}",
+        progress_label=f"eval {which}" + (f" vs {opponent}" if opponent is not None else ""),
+        opponent=resolve_opponent(ctx, opponent, sampler, sampling, stage=stage),
     )
     metrics = eval_metrics(stage_episodes(ctx.rundb, ctx.run, stage), recipe.eval.k)
     replace_eval(
@@ -255,7 +291,8 @@ class TrainingEvals:
         holds those weights (and there is one), else loaded from disk; return the metrics logged for `step`."""
         which = str(SFT if ckpt is not None and ckpt.stage == SFT_STAGE else PolicyRef.of_checkpoint(ckpt))
         policy = (self.model, self.tokenizer) if in_memory and self.model is not None else None
-        result = evaluate_checkpoint(self.ctx, which, ckpt, self.tasks, policy)
+        opponent = eval_opponents(self.ctx.recipe)[0]  # a two-player game: the first opponent
+        result = evaluate_checkpoint(self.ctx, which, ckpt, self.tasks, policy, opponent)
         rate = leading_tasks_success(self.ctx.rundb, self.ctx.run, result.stage, self.tasks)
         metrics = {HELDOUT_KEY: rate} if rate is not None else {}
         if step < 0 and rate is not None:  # no iteration line shows it

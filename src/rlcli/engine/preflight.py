@@ -26,7 +26,7 @@ def check_recipe(recipe: Recipe) -> None:
     check_trackers(recipe.run.trackers)
     check_model(recipe.model.name)
     check_reward_fns(recipe.rewards)
-    load_env(recipe.env.name, recipe.env.kwargs)  # finds the factory and checks the kwargs it takes
+    load_env(recipe.env.name, recipe.env.factory_kwargs())  # finds the factory and checks the kwargs it takes
     if recipe.env.tools or recipe.env.mcp_servers:
         check_tools(tool_use_spec(recipe.env, Path.cwd()).tools)
     if recipe.sft.source.startswith("hub:"):  # in the cache offline, known to the hub online: no rows read

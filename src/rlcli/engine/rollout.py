@@ -1,53 +1,36 @@
-"""Multi-turn rollouts: live episodes advance one turn per batched sampling call.
+"""Multi-turn rollout stages: which episodes, in which chunks, played where, stored how.
 
-Where the envs run: in this process (env.workers 0), or in worker processes (envs/workers.py),
-where a hung or crashing env is killed without taking the stage down, and the main process samples
-the next turn of the episodes whose env has answered while the others are still stepping.
-
-Token exactness: each turn's prompt is the previous turn's prompt plus the tokens sampled
-plus the tokenised *suffix* that the chat template adds (end of turn, env feedback, next
-generation prompt). Sampled tokens are never re-tokenised, so training sees exactly what was
-sampled. When a chat template rewrites earlier text (so the rendered conversation no longer
-extends what the model saw), the whole prompt is re-rendered and the episode is flagged
-`template_consistent = 0`; every turn's prompt ids are still stored exactly as seen.
+The episodes themselves are played by engine/episode_runner.py (one seat each) or, for two-player
+games against a model, engine/games.py (both seats); the envs run in this process or in workers.
 
 Durability: episode specs are cut into fixed chunks of `rollout.batch_size`; a chunk's episodes
 are committed in one transaction when the chunk finishes. A resumed stage skips committed chunks
 and replays the first missing one with the same composition and seeds, so resumed results are
 identical to uninterrupted ones.
-
-Failures are settled within the stage, so that a stage run once and a stage resumed store the
-same episodes: an episode whose env was lost with a worker killed during another episode's call is
-played again from its start, in the same chunk, with the same seeds (EpisodeRunner.run); one whose
-own call timed out is played again env.timeout_retries times, then stored as env_timeout. A stored
-episode is final: running its stage again plays only the episodes it has not stored.
 """
 
 from __future__ import annotations
 
-import json
-import math
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from rlcli.engine.context import RunContext
-from rlcli.envs.protocol import EnvFailure, EnvTimeout, as_messages
+from rlcli.engine.episode_runner import EpisodeRunner, EpisodeSpec, RolloutLimits
+from rlcli.engine.games import GameRunner, Opponent, resolve_opponent, stored_keys
 from rlcli.envs.tool_use import ToolUseSpec, tool_use_spec
 from rlcli.envs.tools import close_toolboxes
-from rlcli.envs.workers import EnvHost, EnvLost, EnvReply, EnvWorkerPool, InProcessEnvs
+from rlcli.envs.workers import EnvHost, EnvWorkerPool, InProcessEnvs
 from rlcli.errors import UsageError
 from rlcli.generation.engines import make_sampler
 from rlcli.generation.sampler import Sampler, sampling_config
 from rlcli.generation.seeds import derive_seed
-from rlcli.models import vision
 from rlcli.store.checkpoints import resolve_checkpoint
-from rlcli.store.db import now
 from rlcli.store.episodes import episode_summary, store_episodes, stored_episode_keys
 from rlcli.store.names import BASE, EXPERT, RESERVED_STAGES, PolicyRef, check_user_name
-from rlcli.store.records import EndReason, Episode, EpisodeSummary, Turn
+from rlcli.store.records import EpisodeSummary
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -55,433 +38,11 @@ if TYPE_CHECKING:
     from rlcli.models.loading import PolicyModel
     from rlcli.recipe import EnvSection
 
-LINGER = 0.1  # share of the last sampling call's time spent waiting for more envs to answer
 
-
-@dataclass
-class EpisodeSpec:
-    task_index: int
-    sample_index: int
-    env_seed: int  # the task: shared by the samples of a group
-    sample_seed: int  # the sampling randomness: differs per sample
-    attempt: int = 1  # 2 and up: played again after a lost env or a timeout
-
-
-@dataclass
-class LiveEpisode:
-    """An episode being played: the env, the transcript so far, and the tokens the model has seen."""
-
-    spec: EpisodeSpec
-    messages: list[dict] = field(default_factory=list)
-    tools: list[dict] | None = None
-    task: dict = field(default_factory=dict)
-    turns: list[Turn] = field(default_factory=list)
-    ids: list[int] = field(default_factory=list)  # every token the model has seen so far
-    text: str = ""  # the text those tokens decode to, for extending the prompt by a suffix
-    status: str = "ok"
-    end_reason: EndReason | None = None
-    error: str | None = None
-    transient: bool = False  # failed in a way that need not recur (a timeout, a lost env)
-    env_lost: bool = False  # its env was lost with a worker killed during another episode's call
-    lost: int = 0  # earlier attempts whose env was lost so
-    earlier_errors: list[str] = field(default_factory=list)  # how each earlier attempt ended
-    env_return: float = 0.0
-    success: bool | None = None
-    template_consistent: bool = True
-    images: list[vision.ImageRef] = field(default_factory=list)  # the images in `ids`, in order
-    pngs: dict[str, bytes] = field(default_factory=dict)  # every image the env showed, by sha256
-
-    @property
-    def done(self) -> bool:
-        return self.end_reason is not None
-
-    def finish(self, reason: EndReason, error: str | None = None) -> None:
-        self.end_reason = reason
-        if error is not None:
-            self.status, self.error = "failed", error
-
-    def env_failed(self, what: str, exc: EnvFailure) -> None:
-        reason = EndReason.ENV_TIMEOUT if isinstance(exc, EnvTimeout) else EndReason.ERROR
-        self.finish(reason, f"{what} failed: {exc}")
-        # A timeout, or an env lost with a worker that another episode's call killed, need not recur.
-        self.transient = isinstance(exc, (EnvTimeout, EnvLost))
-        self.env_lost = isinstance(exc, EnvLost)
-
-    def again(self) -> LiveEpisode:
-        """The next attempt at this episode: played from its start with the same seeds."""
-        return LiveEpisode(
-            replace(self.spec, attempt=self.spec.attempt + 1),
-            lost=self.lost + self.env_lost,
-            earlier_errors=[*self.earlier_errors, f"attempt {self.spec.attempt}: {self.error}"],
-        )
-
-    def to_record(self, run: str, stage: str, iteration: int | None, split: str, policy: str) -> Episode:
-        success = self.success if self.success is not None else self.env_return > 0
-        return Episode(
-            id=None,
-            run=run,
-            stage=stage,
-            iteration=iteration,
-            split=split,
-            task_index=self.spec.task_index,
-            sample_index=self.spec.sample_index,
-            seed=self.spec.env_seed,
-            policy=policy,
-            status=self.status,
-            end_reason=self.end_reason,
-            env_return=self.env_return,
-            success=bool(success) and self.status == "ok",
-            num_turns=len(self.turns),
-            num_tokens=sum(len(t.completion_ids) for t in self.turns),
-            task=self.task,
-            messages=_jsonable_messages(self.messages),
-            template_consistent=self.template_consistent,
-            error=self.error,
-            created_at=now(),
-            attempts=self.spec.attempt,
-            transient=self.transient,
-            lost=self.lost,
-            earlier_errors="\n".join(self.earlier_errors) or None,
-            turns=self.turns,
-            images=self.pngs,
-        )
-
-
-@dataclass
-class Action:
-    """What the policy did on one turn of one episode."""
-
-    text: str
-    ids: list[int] = field(default_factory=list)  # sampled token ids (none for the expert)
-    logprobs: list[float] = field(default_factory=list)
-    prompt_ids: list[int] = field(default_factory=list)
-    gen_time_s: float = 0.0
-    finished: bool = True  # False when the reply was cut by the token cap
-    images: list[str] = field(default_factory=list)  # sha256 of the images in prompt_ids
-
-
-def _jsonable_messages(messages: list[dict]) -> list[dict]:
-    """Images are not stored in the transcript; a placeholder says where they were, with the sha256
-    of the stored image when the model read it (the images table)."""
-    out = []
-    for m in messages:
-        content = m.get("content")
-        if isinstance(content, list):
-            content = [
-                p
-                if p.get("type") != "image"
-                else {"type": "image", **({"sha256": p["sha256"]} if "sha256" in p else {})}
-                for p in content
-            ]
-        out.append({**m, "content": content})
-    return out
-
-
-@dataclass
-class RolloutLimits:
-    max_turns: int
-    max_length: int
-    step_timeout_s: float
-    keep_images: int | None = None  # a vision-language model sees the last k images of an episode; None: all
-    timeout_retries: int = 0  # env.timeout_retries: plays again, in the stage, of an episode that timed out
-
-
-class EpisodeRunner:
-    """Plays a chunk of episodes to the end with one policy (a model's sampler, or the env's expert).
-
-    The envs live in `envs` (see envs/workers.py): in this process, or in worker processes that
-    answer as they finish. Each sampling call takes the episodes whose env has answered since the
-    last one, so with workers a slow env holds up only its own episode (continuous batching of
-    turns); in this process every env answers at once and every live episode shares each call.
-    An episode's tokens depend on its seeds and prompts only (the Sampler contract), so which
-    episodes share a call changes nothing in what is sampled.
-    """
-
-    def __init__(
-        self,
-        envs: EnvHost,
-        limits: RolloutLimits,
-        sampler: Sampler | None = None,
-        tokenizer: PreTrainedTokenizerBase | None = None,
-    ) -> None:
-        self.envs = envs
-        self.limits = limits
-        self.sampler = sampler
-        self.tokenizer = tokenizer
-        self.processor = vision.processor_of(tokenizer)  # None for a text model
-
-    def run(self, specs: list[EpisodeSpec], on_turns: Callable[[int], None] | None = None) -> list[LiveEpisode]:
-        """Play these episodes to their end, in order. An episode whose env was lost with a worker killed
-        during another episode's call is played again from its start, on a fresh worker, as is one that
-        timed out while env.timeout_retries allows; its seeds make it sample what the lost attempt would
-        have, so the chunk ends as if nothing had been lost. A pass loses envs when one of its episodes'
-        calls times out or crashes, and that episode ends (or is retried a bounded number of times), so
-        the passes end; a worker that dies between calls loses envs with no episode to blame, so a pass
-        whose every episode was lost stores them as failed rather than playing them again for ever."""
-        episodes = [LiveEpisode(spec) for spec in specs]
-        todo = list(range(len(episodes)))
-        while todo:
-            self._play([episodes[i] for i in todo], on_turns)
-            if all(episodes[i].env_lost for i in todo):
-                break
-            todo = [i for i in todo if self._again(episodes[i])]
-            for i in todo:
-                episodes[i] = episodes[i].again()
-        return episodes
-
-    def _again(self, ep: LiveEpisode) -> bool:
-        if ep.env_lost:
-            return True
-        timeouts = ep.spec.attempt - ep.lost  # this attempt's included
-        return ep.end_reason == EndReason.ENV_TIMEOUT and timeouts <= self.limits.timeout_retries
-
-    def _play(self, episodes: list[LiveEpisode], on_turns: Callable[[int], None] | None) -> None:
-        """One pass: every episode from its reset to its end, the sampler started afresh for them."""
-        by_key = {self.envs.reset(ep.spec.env_seed): ep for ep in episodes}
-        key_of = {id(ep): key for key, ep in by_key.items()}
-        if self.sampler is not None:
-            self.sampler.start([ep.spec.sample_seed for ep in episodes])
-        rows = {id(ep): row for row, ep in enumerate(episodes)}
-        acted: dict[int, Action] = {}  # key -> the action its env is stepping on
-        in_env, last_sample_s = len(episodes), 0.0
-        while in_env:
-            replies = self._gather(in_env, LINGER * last_sample_s)
-            in_env -= len(replies)
-            ready = []
-            for reply in replies:
-                ep = by_key[reply.key]
-                if reply.op == "reset":
-                    self._begin(ep, reply)
-                else:
-                    self._step(ep, acted.pop(reply.key, None), reply)
-                if ep.done:
-                    self.envs.release(reply.key)
-                else:
-                    ready.append(ep)
-            if not ready:
-                continue
-            batch = sorted(ready, key=lambda ep: rows[id(ep)])
-            if self.sampler is None:  # the expert acts inside the env's host, right before its step
-                for ep in batch:
-                    self.envs.expert_step(key_of[id(ep)])
-                in_env += len(batch)
-                continue
-            start = time.perf_counter()
-            actions = self._act(batch, rows)
-            last_sample_s = time.perf_counter() - start
-            for ep, action in zip(batch, actions):
-                key = key_of[id(ep)]
-                if ep.done:  # ended while building its prompt (context budget)
-                    self.envs.release(key)
-                    continue
-                acted[key] = action
-                self.envs.step(key, action.text)
-                in_env += 1
-            if on_turns:
-                on_turns(sum(len(a.ids) for a in actions))
-
-    def _gather(self, waiting: int, linger_s: float) -> list[EnvReply]:
-        """Replies to some of the `waiting` calls: wait for a first one, then up to linger_s for more,
-        so that envs answering together share the next sampling call instead of splitting it."""
-        replies = self.envs.replies()
-        until = time.perf_counter() + linger_s
-        while len(replies) < waiting and (left := until - time.perf_counter()) > 0:
-            more = self.envs.replies(left)
-            if not more:
-                break
-            replies += more
-        return replies
-
-    def _begin(self, ep: LiveEpisode, reply: EnvReply) -> None:
-        if reply.failure is not None:
-            if reply.failed_in == "create":
-                ep.finish(EndReason.ERROR, f"env could not be created: {reply.failure}")
-            else:
-                ep.env_failed("env reset", reply.failure)
-            return
-        try:
-            (obs, info), tools = reply.value
-            ep.messages = self._observe(ep, as_messages(obs))
-            ep.task = dict((info or {}).get("task", {}))
-            ep.tools = tools or None
-        except EnvFailure as exc:
-            ep.env_failed("env reset", exc)
-        except Exception as exc:  # reset returned something that is not (observation, info)
-            ep.finish(EndReason.ERROR, f"env could not be created: {type(exc).__name__}: {exc}")
-
-    # --- acting ---------------------------------------------------------------
-
-    def _act(self, live: list[LiveEpisode], rows: dict[int, int]) -> list[Action]:
-        """One turn of these episodes from the sampler; `rows` maps an episode (by id) to its row in it."""
-        sampler = self.sampler
-        assert sampler is not None  # the expert's actions come with the env's replies
-        prompts, budgets, asking = [], [], []
-        for ep in live:
-            prompt = self._prompt_ids(ep)
-            budget = min(sampler.config.max_new_tokens, self.limits.max_length - len(prompt))
-            if budget <= 0:
-                if ep.turns:
-                    ep.finish(EndReason.CONTEXT)
-                else:
-                    ep.finish(
-                        EndReason.ERROR,
-                        f"the first observation needs {len(prompt)} tokens, over the context "
-                        f"budget model.max_length={self.limits.max_length}",
-                    )
-                continue
-            prompts.append(prompt)
-            budgets.append(budget)
-            asking.append(ep)
-        results: dict[int, Action] = {}
-        if asking:
-            start = time.perf_counter()
-            rows_asked = [rows[id(ep)] for ep in asking]
-            if self.processor is not None:
-                images = [list(ep.images) for ep in asking]
-                samples = sampler.sample(rows_asked, prompts, budgets, images=images)
-            else:
-                samples = sampler.sample(rows_asked, prompts, budgets)
-            elapsed = (time.perf_counter() - start) / len(asking)
-            for ep, prompt, sample in zip(asking, prompts, samples):
-                text = self._decode(sample.ids, skip_special_tokens=True)
-                hashes = [ref.sha256 for ref in ep.images]
-                results[id(ep)] = Action(text, sample.ids, sample.logprobs, prompt, elapsed, sample.finished, hashes)
-        return [results.get(id(ep), Action("")) for ep in live]
-
-    def _policy_tokenizer(self) -> PreTrainedTokenizerBase:
-        """The policy's tokenizer: a runner with a sampler has one (the expert's plays text)."""
-        assert self.tokenizer is not None
-        return self.tokenizer
-
-    def _decode(self, ids: list[int], **options: bool) -> str:
-        # transformers types decode str | list[str]: a list of ids decodes to one string.
-        return cast(str, self._policy_tokenizer().decode(ids, **options))
-
-    def _render(self, ep: LiveEpisode) -> str:
-        text = self._policy_tokenizer().apply_chat_template(
-            ep.messages,
-            # transformers types tools as an (invariant) list of dicts or callables: a list of dicts is one.
-            tools=ep.tools,  # type: ignore[arg-type]
-            add_generation_prompt=True,
-            tokenize=False,
-        )
-        return cast(str, text)  # tokenize=False: the text
-
-    def _observe(self, ep: LiveEpisode, messages: list[dict]) -> list[dict]:
-        """A vision-language model's observation: each image as a PIL image named by its hash (its PNG
-        kept for the database). The expert's screenshots are kept the same way, so that SFT on its demos
-        can show them to a vision model. A text model's messages stay as they are (images unseen)."""
-        if self.processor is None and self.sampler is not None:
-            return messages
-        try:
-            return vision.name_images(messages, ep.pngs)
-        except (ValueError, OSError) as exc:
-            raise EnvFailure(f"an image in the observation cannot be read: {exc}") from None
-
-    def _vision_prompt_ids(self, ep: LiveEpisode) -> list[int]:
-        """_prompt_ids through the processor: image placeholders expanded into the image tokens; the
-        suffix carries the images that the tokens so far do not."""
-        messages = vision.keep_last_images(ep.messages, self.limits.keep_images)
-        rendered = vision.render(self.processor, messages)
-        images = vision.message_images(messages)
-        seen = [ref.sha256 for ref in ep.images]
-        if ep.ids and rendered.startswith(ep.text) and [r.sha256 for r in images[: len(seen)]] == seen:
-            ids = ep.ids + vision.tokenize(self.processor, rendered[len(ep.text) :], images[len(seen) :])
-        else:
-            # keep_images dropped an earlier screenshot (or the template rewrote the past): the whole
-            # prompt again, and the episode's turns train one by one.
-            if ep.ids:
-                ep.template_consistent = False
-            ids = vision.tokenize(self.processor, rendered, images)
-        ep.ids, ep.text, ep.images = ids, rendered, images
-        return ids
-
-    def _prompt_ids(self, ep: LiveEpisode) -> list[int]:
-        if self.processor is not None:
-            return self._vision_prompt_ids(ep)
-        rendered = self._render(ep)
-        if ep.ids and rendered.startswith(ep.text):
-            suffix = rendered[len(ep.text) :]
-            ids = ep.ids + self._policy_tokenizer()(suffix, add_special_tokens=False)["input_ids"]
-        else:
-            if ep.ids:
-                ep.template_consistent = False
-            ids = self._policy_tokenizer()(rendered, add_special_tokens=False)["input_ids"]
-        ep.ids, ep.text = ids, rendered
-        return ids
-
-    # --- the env's answer to a step ---------------------------------------------
-
-    def _step(self, ep: LiveEpisode, action: Action | None, reply: EnvReply) -> None:
-        """Record one turn: the action taken (the expert's comes with the reply) and the env's answer."""
-        if reply.op == "expert_step":
-            if reply.failed_in == "expert":
-                ep.finish(EndReason.ERROR, f"expert_action failed: {reply.failure}")
-                return
-            action = Action(reply.action, gen_time_s=reply.expert_time_s)
-        assert action is not None  # a sampled turn's action, or the expert's (above)
-        ep.messages.append({"role": "assistant", "content": action.text})
-        if self.sampler is not None:
-            ep.ids = ep.ids + action.ids
-            ep.text = ep.text + self._decode(action.ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        try:
-            if reply.failure is not None:
-                raise reply.failure
-            obs, reward, terminated, truncated, info = reply.value
-            feedback = self._observe(ep, as_messages(obs)) if obs else []
-            reward = float(reward)
-            if not math.isfinite(reward):
-                # SQLite would store NaN as NULL, later read as a reward of 0: fail the episode instead.
-                raise ValueError(f"reward {reward} is not a finite number")
-        except EnvFailure as exc:
-            ep.env_failed("env step", exc)
-            feedback, reward, terminated, truncated, info = [], 0.0, False, False, {}
-        except (TypeError, ValueError) as exc:
-            ep.finish(
-                EndReason.ERROR,
-                f"env step returned {type(exc).__name__}: {exc}; expected "
-                "(observation, reward, terminated, truncated, info)",
-            )
-            feedback, reward, terminated, truncated, info = [], 0.0, False, False, {}
-        info = info or {}
-        ep.turns.append(
-            Turn(
-                turn_index=len(ep.turns),
-                prompt_ids=action.prompt_ids,
-                completion_ids=action.ids,
-                logprobs=action.logprobs,
-                text=action.text,
-                observation=json.dumps(_jsonable_messages(feedback), default=str),
-                reward=reward,
-                terminated=bool(terminated),
-                truncated=bool(truncated),
-                info=json.dumps(info, default=str),
-                gen_time_s=action.gen_time_s,
-                env_time_s=reply.env_time_s,
-                images=action.images,
-            )
-        )
-        ep.env_return += reward
-        if "success" in info:
-            ep.success = bool(info["success"])
-        ep.messages.extend(feedback)
-        if ep.done:
-            return
-        if terminated or truncated or len(ep.turns) >= self.limits.max_turns:
-            # A last reply cut by the token cap tells more about the episode than how the env took it.
-            if not action.finished:
-                ep.finish(EndReason.LENGTH)
-            elif terminated:
-                ep.finish(EndReason.TERMINATED)
-            elif truncated:
-                ep.finish(EndReason.TRUNCATED)
-            else:
-                ep.finish(EndReason.MAX_TURNS)
-
-
-def env_host(env_cfg: EnvSection, factory: Callable[[], Any], tools: ToolUseSpec) -> EnvHost:
+def env_host(env_cfg: EnvSection, kwargs: dict, factory: Callable[[], Any], tools: ToolUseSpec) -> EnvHost:
     """Where the recipe's envs run: this process (env.workers 0), a pool of worker processes, or Ray
-    actors; factory: this process's envs; tools: the tool settings workers build theirs with."""
+    actors; kwargs: the env's factory kwargs (EnvSection.factory_kwargs); factory: this process's envs;
+    tools: the tool settings workers build theirs with."""
     if env_cfg.workers == 0:
         return InProcessEnvs(factory, env_cfg.step_timeout_s)
     if env_cfg.workers_backend == "ray":
@@ -489,7 +50,7 @@ def env_host(env_cfg: EnvSection, factory: Callable[[], Any], tools: ToolUseSpec
 
         return RayEnvHost(
             env_cfg.name,
-            env_cfg.kwargs,
+            kwargs,
             env_cfg.workers,
             env_cfg.step_timeout_s,
             address=env_cfg.ray_address,
@@ -499,7 +60,7 @@ def env_host(env_cfg: EnvSection, factory: Callable[[], Any], tools: ToolUseSpec
         )
     return EnvWorkerPool(
         env_cfg.name,
-        env_cfg.kwargs,
+        kwargs,
         env_cfg.workers,
         env_cfg.step_timeout_s,
         memory_mb=env_cfg.worker_memory_mb,
@@ -547,24 +108,32 @@ def collect(
     split: str,
     iteration: int | None = None,
     progress_label: str | None = None,
+    opponent: Opponent | None = None,
 ) -> dict[str, Any]:
     """Roll out every missing episode of a stage and store it; return the stage's result.
 
     policy: the weights the sampler plays, recorded with every episode; sampler: the policy's Sampler
-    (see `make_sampler`); None plays the env's expert.
+    (see `make_sampler`); None plays the env's expert. opponent: who plays a two-player game's other
+    seat (engine/games.py); None: env.opponent's players inside the env, if any.
     """
     from rlcli.envs.loading import load_env
 
     recipe = ctx.recipe
+    if opponent is None and recipe.env.model_opponent() is not None:
+        raise AssertionError(f"{stage}: env.opponent {recipe.env.model_opponent()} is a model; collect needs it")
+    seat = None if opponent is None else "engine" if opponent.by_model else opponent.name
+    kwargs = recipe.env.factory_kwargs(seat)
     tools = tool_use_spec(recipe.env, Path.cwd(), tokenizer)
-    env_factory = load_env(recipe.env.name, recipe.env.kwargs, tools=tools)
+    env_factory = load_env(recipe.env.name, kwargs, tools=tools)
+    # With a model opponent a spec is a game (sample index g), whose seats' episodes are stored together.
     specs = episode_specs(recipe.run.seed, stage, task_indices, group_size, split, recipe.env.eval_seed_start)
+    self_play = opponent is not None and opponent.self_play
     have = stored_episode_keys(ctx.rundb, ctx.run, stage)
     # A killed stage never leaves a chunk half stored (one transaction per chunk); a chunk is only
     # partly stored when the stage was asked for more tasks (eval.tasks raised): play the missing ones.
     todo = []
     for chunk in chunks(specs, recipe.rollout.batch_size):
-        missing = [spec for spec in chunk if (spec.task_index, spec.sample_index) not in have]
+        missing = [spec for spec in chunk if not set(stored_keys(spec, self_play)) <= have]
         if missing:
             todo.append(missing)
     keep_images = None if recipe.env.keep_images == "all" else recipe.env.keep_images
@@ -577,10 +146,16 @@ def collect(
     with _progress(ctx, progress_label or stage, len(specs), done_before) as advance:
         if todo:
             try:
-                with env_host(recipe.env, env_factory, tools) as envs:
-                    runner = EpisodeRunner(envs, limits, sampler, tokenizer)
+                with env_host(recipe.env, kwargs, env_factory, tools) as envs:
+                    if opponent is not None and opponent.by_model:
+                        games = GameRunner(
+                            envs, limits, sampler, tokenizer, opponent=opponent, run_seed=recipe.run.seed, stage=stage
+                        )
+                        play = games.run_games
+                    else:
+                        play = EpisodeRunner(envs, limits, sampler, tokenizer).run
                     for chunk in todo:
-                        episodes = runner.run(chunk, on_turns=lambda n: advance(0, n))
+                        episodes = play(chunk, on_turns=lambda n: advance(0, n))
                         records = [ep.to_record(ctx.run, stage, iteration, split, str(policy)) for ep in episodes]
                         store_episodes(ctx.rundb, records)
                         advance(len(chunk), 0)
@@ -664,6 +239,7 @@ def run_rollout_stage(ctx: RunContext, *, stage: str, policy: str, split: str) -
             folder = checkpoint.path if checkpoint is not None else None
             sampling = sampling_config(recipe.rollout)
             sampler = make_sampler(recipe, model, tokenizer, sampling, base=resolved == BASE, checkpoint_folder=folder)
+        opponent = recipe.env.model_opponent()
         summary = collect(
             ctx,
             stage=stage,
@@ -673,6 +249,14 @@ def run_rollout_stage(ctx: RunContext, *, stage: str, policy: str, split: str) -
             task_indices=list(range(recipe.rollout.tasks)),
             group_size=recipe.rollout.group_size,
             split=split,
+            # the expert plays a model opponent's games against random (inside the env) instead
+            opponent=resolve_opponent(
+                ctx,
+                opponent if sampler else "random" if opponent else None,
+                sampler,
+                sampling_config(recipe.rollout),
+                stage=stage,
+            ),
         )
         return {"policy": str(resolved), **summary}
 

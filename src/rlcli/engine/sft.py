@@ -193,6 +193,7 @@ def load_conversations(ctx: RunContext) -> list[Conversation]:
 
 def expert_conversations(ctx: RunContext) -> list[Conversation]:
     """sft.demos episodes played by the env's expert (stage sft/demos), read back from the database."""
+    from rlcli.engine.games import Opponent
     from rlcli.engine.rollout import collect
 
     demos = ctx.recipe.sft.demos
@@ -206,6 +207,8 @@ def expert_conversations(ctx: RunContext) -> list[Conversation]:
             group_size=1,
             split="train",
             progress_label="expert demos",
+            # a two-player game against a model: the expert's demos are its games against random
+            opponent=Opponent("random") if ctx.recipe.env.model_opponent() else None,
         ),
         {"demos": demos},
     )
@@ -256,7 +259,7 @@ def _env_tools(env_cfg: EnvSection) -> list[dict] | None:
     from rlcli.envs.tools import close_toolboxes
 
     try:
-        env = load_env(env_cfg.name, env_cfg.kwargs, tools=tool_use_spec(env_cfg, Path.cwd()))()
+        env = load_env(env_cfg.name, env_cfg.factory_kwargs(), tools=tool_use_spec(env_cfg, Path.cwd()))()
         return getattr(env, "tools", None) or None
     finally:
         close_toolboxes()  # the recipe's MCP servers, started to list their tools

@@ -248,6 +248,8 @@ class GrpoTrainer:
                 continue
             if cfg.mask_truncated and ep.hit_a_cap:
                 continue
+            if not ep.turns:  # a seat whose game ended before it moved (the other's invalid move): no tokens
+                continue
             assert ep.id is not None  # read from the database: every stored episode has its id
             for seq in episode_sequences(ep.id, ep.task_index, ep.turns):
                 seq.advantage = [turn_adv[i][t] for t in seq.turn_of_token]

@@ -119,7 +119,7 @@ def _evals(data: dict[str, Any]) -> str:
     if not data["evals"]:
         return '<p class="muted">No evaluation yet: <code>rlcli eval</code>, or <code>grpo.eval_every</code>.</p>'
     columns, cells = eval_cells(data["evals"])
-    numbers = [' class="num"' if c not in ("checkpoint", "decoding") else "" for c in columns]
+    numbers = [' class="num"' if c not in ("checkpoint", "vs", "decoding") else "" for c in columns]
     head = "".join(f"<th{n}>{_e(c)}</th>" for c, n in zip(columns, numbers))
     rows = "".join("<tr>" + "".join(f"<td{n}>{_e(c)}</td>" for c, n in zip(row, numbers)) + "</tr>" for row in cells)
     out = [

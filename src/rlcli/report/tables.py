@@ -90,6 +90,8 @@ def print_run(console: Console, data: dict[str, Any], series: dict[str, dict[str
         parts.append(evals_table(data["evals"]))
     if data["ending"]["best"] is not None:
         parts.append(best_latest_table(data["ending"]))
+    if data.get("ratings"):
+        parts.append(ratings_table(data["ratings"]))
     if data.get("events"):
         parts.append(events_table(data["events"]))
     console.print(Group(*parts))
@@ -201,7 +203,7 @@ def evals_table(rows: list[dict[str, Any]]) -> Table:
     table = Table(title="Evaluation (held-out tasks)")
     for col in columns:
         # The labels never fold or cut: the numbers give way first.
-        label = col in ("checkpoint", "decoding")
+        label = col in ("checkpoint", "vs", "decoding")
         table.add_column(col, justify="left" if label else "right", min_width=min(len(col), 8), no_wrap=label)
     for row in cells:
         table.add_row(literal(row[0]), *row[1:])
@@ -223,17 +225,31 @@ def games_table(rows: list[dict[str, Any]]) -> Table | None:
     return table
 
 
+def ratings_table(ratings: list[dict[str, Any]]) -> Table:
+    """Two-player games: Elo ratings of the run's checkpoints and opponents (report/ratings.py)."""
+    anchor = "random = 1000" if any(r["player"] == "random" for r in ratings) else "mean 1000"
+    table = Table(title=f"Elo from the held-out games ({anchor})")
+    for col in ("player", "elo", "games", "wins", "draws", "losses"):
+        table.add_column(col, justify="left" if col == "player" else "right", no_wrap=True)
+    for r in ratings:
+        table.add_row(r["player"], f"{r['elo']:.0f}", *(str(r[k]) for k in ("games", "wins", "draws", "losses")))
+    return table
+
+
 def eval_cells(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
     """The eval table's column names and cells (the first, the checkpoint's label, is the run's text):
     what `runs show` prints and the `runs report` page shows. Success and the means are over the
     episodes that ran; a "failed" column, shown when there are any, counts those the env failed."""
     failed = [r["details"].get("failed_episodes", 0) for r in rows]
     sampled = any(r.get("decoding", "greedy") != "greedy" for r in rows)  # a decoding column only then
-    columns = ["checkpoint", *(["decoding"] if sampled else []), "tasks×k", "success", "95% CI"]
+    versus = any(r.get("opponent") for r in rows)  # and an opponent column for eval.opponents' stages
+    columns = ["checkpoint", *(["vs"] if versus else []), *(["decoding"] if sampled else []), "tasks×k"]
+    columns += ["success", "95% CI"]
     columns += ["return", "pass@k", "turns", "tokens", *(["failed"] if any(failed) else [])]
     cells = [
         [
             r.get("label") or r["checkpoint"],
+            *([r.get("opponent") or "–"] if versus else []),
             *([r.get("decoding", "greedy")] if sampled else []),
             f"{r['tasks']}×{r['k']}",
             f"{r['success_rate']:.1%}",

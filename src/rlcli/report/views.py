@@ -9,9 +9,10 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
+from rlcli.report.ratings import elo_ratings
 from rlcli.store.checkpoints import BestAndLatest, best_and_latest, checkpoints
 from rlcli.store.db import RunDB
-from rlcli.store.episodes import episode_counts, labelled_episodes
+from rlcli.store.episodes import episode_counts, eval_games, labelled_episodes
 from rlcli.store.evals import eval_results
 from rlcli.store.events import list_events
 from rlcli.store.images import image_sizes, load_images
@@ -85,6 +86,8 @@ def run_details(rundb: RunDB, name: str) -> dict[str, Any]:
         "heldout_curve": _curve(rundb, name, HELDOUT_KEY),
         "checkpoints": [asdict(c) for c in checkpoints(rundb, name)],
         "evals": [eval_view(r) for r in eval_results(rundb, name)],
+        # two-player games: Elo ratings fitted to the held-out games of every eval stage
+        "ratings": [asdict(r) for r in elo_ratings(eval_games(rundb, name))],
         "ending": ending_view(best_and_latest(rundb, name)),
         "events": [asdict(e) for e in list_events(rundb, name)],  # warnings raised while it trained
         "recipe_history": [
@@ -121,7 +124,7 @@ def ending_view(ending: BestAndLatest) -> dict[str, Any]:
 
 def eval_view(result: EvalResult) -> dict[str, Any]:
     """An eval result with the display label that tells checkpoints apart."""
-    return {**asdict(result), "label": result.label, "decoding": result.decoding}
+    return {**asdict(result), "label": result.label, "decoding": result.decoding, "opponent": result.opponent}
 
 
 def metric_series(rundb: RunDB, run: str) -> dict[str, dict[str, Any]]:

@@ -42,6 +42,12 @@ def checkpoints(rundb: RunDB, run: str) -> list[Checkpoint]:
     return [Checkpoint(**{**row, "path": str(_resolved_path(rundb, row["path"], run))}) for row in rows]
 
 
+def checkpoint_run(rundb: RunDB, checkpoint_id: int) -> str | None:
+    """The run a checkpoint id belongs to (ids are unique across the database); None if no checkpoint has it."""
+    rows = list(rundb.db.table("checkpoints").rows_where("id = ?", [checkpoint_id], select="run"))
+    return rows[0]["run"] if rows else None
+
+
 def resolve_checkpoint(rundb: RunDB, run: str, which: str | PolicyRef) -> Checkpoint | None:
     """base -> None (the base model); sft / latest / best / a numeric id -> that checkpoint (`which`
     in the CLI form, PolicyRef.from_cli).

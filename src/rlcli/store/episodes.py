@@ -13,12 +13,14 @@ from rlcli.store.db import RunDB
 from rlcli.store.images import insert_images
 from rlcli.store.names import (
     ANY_SUPERSEDED_LIKE,
+    EvalStage,
     stale_stage,
     stale_stages_like,
     superseded_stage,
     superseded_stages_like,
+    try_parse_stage,
 )
-from rlcli.store.records import EndReason, Episode, EpisodeSummary, LabelledEpisode, RewardRow, Turn
+from rlcli.store.records import EndReason, Episode, EpisodeSummary, LabelledEpisode, PlayedGame, RewardRow, Turn
 
 TOTAL = "total"  # the reward component that holds a label set's weighted sum
 
@@ -128,6 +130,28 @@ def stage_episodes(rundb: RunDB, run: str, stage: str, *, finished_only: bool = 
             f"select * from episodes where run = ? and stage = ?{status} order by id", [run, stage]
         )
     ]
+
+
+def eval_games(rundb: RunDB, run: str) -> list[PlayedGame]:
+    """Every finished game of the run's eval stages against an opponent (eval/<policy>/vs-<opponent>, and
+    eval stages of games against opponents inside the env), scored from the player's zero-sum return.
+    A game cut off before it ended (env.max_turns, the token cap) says nothing about who is stronger."""
+    games = []
+    rows = rundb.db.query(
+        "select stage, task, env_return, end_reason from episodes where run = ? and stage like 'eval/%' "
+        "and status = 'ok' order by id",
+        [run],
+    )
+    for row in rows:
+        stage, task = try_parse_stage(row["stage"]), json.loads(row["task"] or "{}")
+        opponent = task.get("opponent") if isinstance(task, dict) else None
+        if not isinstance(stage, EvalStage) or not isinstance(opponent, str) or opponent == stage.key:
+            continue  # not a game, or a checkpoint against itself: no evidence of either's strength
+        ret = row["env_return"]
+        if ret == 0 and row["end_reason"] != EndReason.TERMINATED.value:
+            continue
+        games.append(PlayedGame(stage.key, opponent, 1.0 if ret > 0 else 0.0 if ret < 0 else 0.5))
+    return games
 
 
 def unlabelled_count(rundb: RunDB, run: str, stage: str, label_set: str) -> int:

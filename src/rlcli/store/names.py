@@ -11,7 +11,8 @@ typed record. The forms (docs/database.md):
   label/<i>, label/<i>+<r>           their labels under the label set grpo
   label/<label set>/<stage>          `rlcli label`'s labels of one stage
   train/<i>                          GRPO iteration i's update (and the checkpoint it saves)
-  eval/<key>[@t<temp>-k<k>]          an eval of key base, expert or ckpt-<id>; the suffix when it samples
+  eval/<key>[@t<temp>-k<k>][/vs-<o>] an eval of key base, expert or ckpt-<id>; @: when it samples; /vs-: its
+                                     opponent in a two-player game (random, bot, base, ckpt-<id>; eval.opponents)
   stale/<stage>/<n>                  episodes of <stage> that asynchronous GRPO set aside (episodes only)
   superseded/<stage>/<n>             episodes of <stage> played with weights a GRPO resume recomputes, set
                                      aside (episodes only; engine/trainer.py, supersede_lost_rollouts)
@@ -42,12 +43,14 @@ RESERVED_LABEL_SETS = (GRPO_LABEL_SET,)
 
 STAGE_FORMS = (
     "sft, sft/demos, dpo, dpo/<name>, grpo, grpo/<phase>, rollout/<i>[+<round>], label/<i>[+<round>], "
-    "label/<label set>/<stage>, train/<i>, eval/<base|expert|ckpt-<id>>[@t<temperature>-k<k>], "
+    "label/<label set>/<stage>, train/<i>, eval/<base|expert|ckpt-<id>>[@t<temperature>-k<k>][/vs-<opponent>], "
     "stale/<stage>/<n>, superseded/<stage>/<n>, or a user stage name without '/'"
 )
 _N = r"(0|[1-9][0-9]*)"  # a count as rlcli writes it: no sign, no leading zeros
 _ITERATION = re.compile(rf"{_N}(?:\+([1-9][0-9]*))?")
-_EVAL = re.compile(rf"(base|expert|ckpt-{_N})(?:@t(.+)-k([1-9][0-9]*))?")  # t1e-05-k4: the last -k
+_EVAL = re.compile(  # t1e-05-k4: the last -k
+    rf"(base|expert|ckpt-{_N})(?:@t([^/]+)-k([1-9][0-9]*))?(?:/vs-(random|bot|base|ckpt-{_N}))?"
+)
 
 
 class StageNameError(ValueError):
@@ -241,6 +244,7 @@ class EvalStage:
     policy: PolicyRef
     temperature: float = 0.0
     k: int = 1
+    opponent: str | None = None  # two-player games: random, bot, base or ckpt-<id> (eval.opponents)
 
     @property
     def key(self) -> str:
@@ -258,7 +262,8 @@ class EvalStage:
 
     @property
     def name(self) -> str:
-        return f"eval/{self.key}@{self.decoding}" if self.decoding else f"eval/{self.key}"
+        name = f"eval/{self.key}@{self.decoding}" if self.decoding else f"eval/{self.key}"
+        return f"{name}/vs-{self.opponent}" if self.opponent else name
 
 
 @dataclass(frozen=True)
@@ -331,8 +336,8 @@ def train_stage(iteration: int) -> str:
     return TrainStage(iteration).name
 
 
-def eval_stage(policy: PolicyRef, temperature: float = 0.0, k: int = 1) -> str:
-    return EvalStage(policy, temperature, k).name
+def eval_stage(policy: PolicyRef, temperature: float = 0.0, k: int = 1, opponent: str | None = None) -> str:
+    return EvalStage(policy, temperature, k, opponent).name
 
 
 def grpo_phase_stage(phase: int) -> str:
@@ -432,12 +437,12 @@ def _parses(name: str) -> bool:
 
 
 def _eval_stage(match: re.Match[str]) -> EvalStage | None:
-    key, checkpoint_id, temperature, k = match.groups()
+    key, checkpoint_id, temperature, k, opponent, _ = match.groups()
     policy = PolicyRef.checkpoint(int(checkpoint_id)) if checkpoint_id is not None else _NAMED[key]
     if temperature is None:
-        return EvalStage(policy)
+        return EvalStage(policy, opponent=opponent)
     try:
-        return EvalStage(policy, float(temperature), int(k))
+        return EvalStage(policy, float(temperature), int(k), opponent)
     except ValueError:  # not a number after @t
         return None
 

@@ -170,6 +170,16 @@ GPU_MEMORY_KEYS = ("perf/gpu_mem_peak_gb", "perf/vllm_mem_gb")
 
 
 @dataclass(frozen=True)
+class PlayedGame:
+    """A held-out two-player game, as the ratings read it: who played whom, and the first one's score
+    (1 a win, 0.5 a draw, 0 a loss)."""
+
+    player: str  # the evaluated policy: base, expert or ckpt-<id>
+    opponent: str  # random, bot, base or ckpt-<id>
+    score: float
+
+
+@dataclass(frozen=True)
 class Metric:
     run: str
     stage: str
@@ -226,6 +236,12 @@ class EvalResult:
         """How the eval sampled: greedy, or the temperature and samples per task (t0.8-k4)."""
         stage = try_parse_stage(self.stage)
         return (stage.decoding if isinstance(stage, EvalStage) else "") or "greedy"
+
+    @property
+    def opponent(self) -> str | None:
+        """A two-player game's opponent named by eval.opponents (random, bot, base, ckpt-<id>); else None."""
+        stage = try_parse_stage(self.stage)
+        return stage.opponent if isinstance(stage, EvalStage) else None
 
 
 @dataclass(frozen=True)

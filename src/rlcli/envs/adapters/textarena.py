@@ -19,7 +19,7 @@ read off the game state: hit to 11, stand from 17, and from 12 to 16 stand again
 (the dealer must draw and may bust), else hit. It wins about 4 hands in 10, near the game's best.
 
 Two-player games (TicTacToe-v0, ConnectFour-v0, KuhnPoker-v0, SimpleNegotiation-v0) play against an
-opponent inside the env: `opponent` (an adapter option in env.kwargs) is `random` (a uniformly random
+opponent inside the env: env.opponent (rlcli hands it to the adapter as `opponent`) is `random` (a uniformly random
 legal move) or `bot` (the game's scripted player, textarena_opponents.py), or a list of them, one per
 task in turn. The policy's seat (player 0 or 1) is the seed's parity, the opponent
 opponent[(seed // 2) % len]; the opponent's moves are played inside `step` until it is the policy's
@@ -29,6 +29,13 @@ a win; info carries `player` (the seat that acted: the policy's) and `opponent_m
 `seat`, `first` (the policy moved first) and `outcome` (win, draw, loss) at the end; info["task"] holds
 seat, first and opponent. A two-player game without `opponent` is refused when the recipe is checked.
 The game's bot is also its expert (SFT demos, `envs try --policy expert`).
+
+`opponent: engine` (set by rlcli when env.opponent is a model: self, pool, base, sft or a checkpoint)
+plays no seat inside the env: reset and step serve whichever player is to move, the caller playing
+both seats (engine/games.py). Every reply's info has `to_move` (the seat whose turn it is, its
+observation the reply's) and a step's `player` (the seat that acted); the last step's info has
+`returns` (each seat's zero-sum score, keyed "0" and "1"), `endings` (each seat's last observation) and
+`seats` (each seat's end-of-game info: success, score, reason, invalid_move, outcome).
 
 Limits: games of more than two players are refused, and so are two-player games other than those
 four (no legal moves or bot written for them yet). Games that need
@@ -53,6 +60,7 @@ from rlcli.envs.adapters.textarena_opponents import GAMES, OPPONENT_KINDS, oppon
 from rlcli.errors import UsageError
 
 FULL_SCORE = 1.0 - 1e-6  # a win scores 1; allow a float rounding hair below it
+ENGINE = "engine"  # opponent: both seats played by the caller (rlcli's engine), none inside the env
 MAX_OPPONENT_MOVES = 20  # a bound on the opponent's moves between two of the policy's (invalid ones retried)
 _players_checked: dict[str, int] = {}  # game id -> its number of players, once found
 
@@ -117,6 +125,11 @@ class TextArenaEnv:
             if not isinstance(self.inner.state, ta.SinglePlayerState):
                 raise UsageError(_two_player_refusal(self.game_id))
             return self._new_messages(), {"task": task}
+        if self.opponents == (ENGINE,):
+            with _no_downloads(), self._own_random(seed):
+                self.game.reset(num_players=2, seed=seed)
+            to_move = self.inner.state.current_player_id
+            return self._new_messages(to_move), {"task": task, "to_move": to_move}
         self.seat, self.opponent = seed % 2, self.opponents[(seed // 2) % len(self.opponents)]
         with _no_downloads(), self._own_random(seed):
             self.game.reset(num_players=2, seed=seed)
@@ -126,6 +139,8 @@ class TextArenaEnv:
         return self._new_messages(), {"task": task}
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        if self.opponents == (ENGINE,):
+            return self._seat_step(action)
         with self._own_random():
             done, _ = self.game.step(action)
             moves = [] if done or self.players == 1 else self._opponent_turns()
@@ -135,18 +150,52 @@ class TextArenaEnv:
         if not done:
             return text, 0.0, False, False, turn
         rewards, game_info = self.game.close()
-        score = float((rewards or {}).get(self.seat, 0.0))
-        player_info = (game_info or {}).get(self.seat, {})
+        score, ending, info = self._ending(self.seat, text, rewards, game_info)
+        info.update(turn)
+        if self.players == 2:
+            info.update(seat=self.seat, opponent=self.opponent)
+        return ending, score, True, False, info
+
+    def _ending(
+        self, seat: int, text: str, rewards: dict | None, game_info: dict | None
+    ) -> tuple[float, str, dict[str, Any]]:
+        """Seat `seat`'s score, last observation and end-of-game info once the game has closed."""
+        score = float((rewards or {}).get(seat, 0.0))
+        player_info = (game_info or {}).get(seat, {})
         reason = player_info.get("reason", "")
         invalid = bool(player_info.get("invalid_move"))
         if invalid and self.invalid_move_score is not None:
             score = min(score, self.invalid_move_score)
-        text = "\n".join(part for part in (text, f"Game over. {reason}".strip(), f"Score: {score:g}") if part)
-        info = {"success": score >= FULL_SCORE, "score": score, "reason": reason, "invalid_move": invalid, **turn}
+        ending = "\n".join(part for part in (text, f"Game over. {reason}".strip(), f"Score: {score:g}") if part)
+        info: dict[str, Any] = {
+            "success": score >= FULL_SCORE,
+            "score": score,
+            "reason": reason,
+            "invalid_move": invalid,
+        }
         if self.players == 2:
-            outcome = "win" if score > 0 else "draw" if score == 0 else "loss"
-            info.update(seat=self.seat, opponent=self.opponent, outcome=outcome)
-        return text, score, True, False, info
+            info["outcome"] = "win" if score > 0 else "draw" if score == 0 else "loss"
+        return score, ending, info
+
+    def _seat_step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        """opponent engine: the move of the player to move; the reply is for the next player to move."""
+        acted = self.inner.state.current_player_id
+        with self._own_random():
+            done, _ = self.game.step(action)
+        done = done or bool(self.inner.state.done)
+        if not done:
+            to_move = self.inner.state.current_player_id
+            return self._new_messages(to_move), 0.0, False, False, {"player": acted, "to_move": to_move}
+        texts = [self._new_messages(seat) for seat in (0, 1)]
+        rewards, game_info = self.game.close()
+        endings = [self._ending(seat, texts[seat], rewards, game_info) for seat in (0, 1)]
+        info: dict[str, Any] = {
+            "player": acted,
+            "returns": {str(seat): endings[seat][0] for seat in (0, 1)},
+            "endings": {str(seat): endings[seat][1] for seat in (0, 1)},
+            "seats": {str(seat): endings[seat][2] for seat in (0, 1)},
+        }
+        return endings[acted][1], endings[acted][0], True, False, info
 
     def _opponent_turns(self) -> list[str]:
         """The opponent's moves until it is the policy's turn or the game ends (inside _own_random)."""
@@ -163,11 +212,13 @@ class TextArenaEnv:
         with self._own_random():
             return opponent_move("bot", self.inner)
 
-    def _new_messages(self) -> str:
+    def _new_messages(self, seat: int | None = None) -> str:
+        """The messages to `seat` (default: the policy's) since it last looked."""
+        seat = self.seat if seat is None else seat
         if self.players == 1:
             _, messages = self.inner.get_observation()
         else:
-            messages, self.inner.state.observations[self.seat] = self.inner.state.observations[self.seat], []
+            messages, self.inner.state.observations[seat] = self.inner.state.observations[seat], []
         # A few games file messages with swapped arguments (an int as the text): those are not text.
         # The policy's own moves are in the chat already; an opponent's are shown as its move.
         lines = []
@@ -176,7 +227,7 @@ class TextArenaEnv:
                 continue
             if kind != ta.ObservationType.PLAYER_ACTION:
                 lines.append(text.strip())
-            elif self.players == 2 and sender != self.seat:
+            elif self.players == 2 and sender != seat:
                 lines.append(f"Player {sender} (your opponent) moved: {text.strip()}")
         return "\n".join(lines)
 
@@ -204,8 +255,8 @@ def _build(game_id: str, game_kwargs: dict[str, Any]) -> Any:
 
 def _two_player_refusal(game_id: str) -> str:
     return (
-        f"textarena:{game_id} is a two-player game: set env.kwargs.opponent to random or bot (or a list of them), "
-        "the opponent played inside the env."
+        f"textarena:{game_id} is a two-player game: set env.opponent to random, bot (or a list of them), self, "
+        "pool, base, sft or a checkpoint id."
     )
 
 
@@ -244,16 +295,15 @@ def _players(env: TextArenaEnv) -> int:
 def _opponents(game_id: str, opponent: str | list[str] | None, players: int) -> tuple[str, ...]:
     if players == 1:
         if opponent is not None:
-            raise UsageError(f"env.kwargs.opponent: textarena:{game_id} is a single-player game; drop the opponent.")
+            raise UsageError(f"env.opponent: textarena:{game_id} is a single-player game; drop the opponent.")
         return ()
     if opponent is None:
         raise UsageError(_two_player_refusal(game_id))
+    if opponent == ENGINE:
+        return (ENGINE,)
     kinds = [opponent] if isinstance(opponent, str) else opponent
     if not isinstance(kinds, list) or not kinds or any(k not in OPPONENT_KINDS for k in kinds):
-        raise UsageError(
-            f"env.kwargs.opponent: expected {' or '.join(OPPONENT_KINDS)} or a list of them, got {opponent!r} "
-            "(self-play, pool and checkpoint opponents are not implemented yet)."
-        )
+        raise UsageError(f"env.opponent: expected {' or '.join(OPPONENT_KINDS)} or a list of them, got {opponent!r}.")
     return tuple(kinds)
 
 

@@ -1,0 +1,458 @@
+"""Playing episodes: live episodes advance one turn per batched sampling call (EpisodeRunner).
+
+Token exactness: each turn's prompt is the previous turn's prompt plus the tokens sampled
+plus the tokenised *suffix* that the chat template adds (end of turn, env feedback, next
+generation prompt). Sampled tokens are never re-tokenised, so training sees exactly what was
+sampled. When a chat template rewrites earlier text (so the rendered conversation no longer
+extends what the model saw), the whole prompt is re-rendered and the episode is flagged
+`template_consistent = 0`; every turn's prompt ids are still stored exactly as seen.
+
+Failures are settled within the stage, so that a stage run once and a stage resumed store the
+same episodes: an episode whose env was lost with a worker killed during another episode's call is
+played again from its start, in the same chunk, with the same seeds (EpisodeRunner.run); one whose
+own call timed out is played again env.timeout_retries times, then stored as env_timeout. A stored
+episode is final: running its stage again plays only the episodes it has not stored.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, cast
+
+from rlcli.envs.protocol import EnvFailure, EnvTimeout, as_messages
+from rlcli.envs.workers import EnvHost, EnvLost, EnvReply
+from rlcli.generation.sampler import Sampler
+from rlcli.models import vision
+from rlcli.store.db import now
+from rlcli.store.records import EndReason, Episode, Turn
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+LINGER = 0.1  # share of the last sampling call's time spent waiting for more envs to answer
+
+
+@dataclass
+class EpisodeSpec:
+    task_index: int
+    sample_index: int
+    env_seed: int  # the task: shared by the samples of a group
+    sample_seed: int  # the sampling randomness: differs per sample
+    attempt: int = 1  # 2 and up: played again after a lost env or a timeout
+
+
+@dataclass
+class LiveEpisode:
+    """An episode being played: the env, the transcript so far, and the tokens the model has seen."""
+
+    spec: EpisodeSpec
+    messages: list[dict] = field(default_factory=list)
+    tools: list[dict] | None = None
+    task: dict = field(default_factory=dict)
+    turns: list[Turn] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)  # every token the model has seen so far
+    text: str = ""  # the text those tokens decode to, for extending the prompt by a suffix
+    status: str = "ok"
+    end_reason: EndReason | None = None
+    error: str | None = None
+    transient: bool = False  # failed in a way that need not recur (a timeout, a lost env)
+    env_lost: bool = False  # its env was lost with a worker killed during another episode's call
+    lost: int = 0  # earlier attempts whose env was lost so
+    earlier_errors: list[str] = field(default_factory=list)  # how each earlier attempt ended
+    env_return: float = 0.0
+    success: bool | None = None
+    template_consistent: bool = True
+    images: list[vision.ImageRef] = field(default_factory=list)  # the images in `ids`, in order
+    pngs: dict[str, bytes] = field(default_factory=dict)  # every image the env showed, by sha256
+
+    @property
+    def done(self) -> bool:
+        return self.end_reason is not None
+
+    def finish(self, reason: EndReason, error: str | None = None) -> None:
+        self.end_reason = reason
+        if error is not None:
+            self.status, self.error = "failed", error
+
+    def env_failed(self, what: str, exc: EnvFailure) -> None:
+        reason = EndReason.ENV_TIMEOUT if isinstance(exc, EnvTimeout) else EndReason.ERROR
+        self.finish(reason, f"{what} failed: {exc}")
+        # A timeout, or an env lost with a worker that another episode's call killed, need not recur.
+        self.transient = isinstance(exc, (EnvTimeout, EnvLost))
+        self.env_lost = isinstance(exc, EnvLost)
+
+    def again(self) -> LiveEpisode:
+        """The next attempt at this episode: played from its start with the same seeds."""
+        return LiveEpisode(
+            replace(self.spec, attempt=self.spec.attempt + 1),
+            lost=self.lost + self.env_lost,
+            earlier_errors=[*self.earlier_errors, f"attempt {self.spec.attempt}: {self.error}"],
+        )
+
+    def to_record(self, run: str, stage: str, iteration: int | None, split: str, policy: str) -> Episode:
+        success = self.success if self.success is not None else self.env_return > 0
+        return Episode(
+            id=None,
+            run=run,
+            stage=stage,
+            iteration=iteration,
+            split=split,
+            task_index=self.spec.task_index,
+            sample_index=self.spec.sample_index,
+            seed=self.spec.env_seed,
+            policy=policy,
+            status=self.status,
+            end_reason=self.end_reason,
+            env_return=self.env_return,
+            success=bool(success) and self.status == "ok",
+            num_turns=len(self.turns),
+            num_tokens=sum(len(t.completion_ids) for t in self.turns),
+            task=self.task,
+            messages=_jsonable_messages(self.messages),
+            template_consistent=self.template_consistent,
+            error=self.error,
+            created_at=now(),
+            attempts=self.spec.attempt,
+            transient=self.transient,
+            lost=self.lost,
+            earlier_errors="\n".join(self.earlier_errors) or None,
+            turns=self.turns,
+            images=self.pngs,
+        )
+
+
+@dataclass
+class Action:
+    """What the policy did on one turn of one episode."""
+
+    text: str
+    ids: list[int] = field(default_factory=list)  # sampled token ids (none for the expert)
+    logprobs: list[float] = field(default_factory=list)
+    prompt_ids: list[int] = field(default_factory=list)
+    gen_time_s: float = 0.0
+    finished: bool = True  # False when the reply was cut by the token cap
+    images: list[str] = field(default_factory=list)  # sha256 of the images in prompt_ids
+
+
+def _jsonable_messages(messages: list[dict]) -> list[dict]:
+    """Images are not stored in the transcript; a placeholder says where they were, with the sha256
+    of the stored image when the model read it (the images table)."""
+    out = []
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list):
+            content = [
+                p
+                if p.get("type") != "image"
+                else {"type": "image", **({"sha256": p["sha256"]} if "sha256" in p else {})}
+                for p in content
+            ]
+        out.append({**m, "content": content})
+    return out
+
+
+@dataclass
+class RolloutLimits:
+    max_turns: int
+    max_length: int
+    step_timeout_s: float
+    keep_images: int | None = None  # a vision-language model sees the last k images of an episode; None: all
+    timeout_retries: int = 0  # env.timeout_retries: plays again, in the stage, of an episode that timed out
+
+
+class EpisodeRunner:
+    """Plays a chunk of episodes to the end with one policy (a model's sampler, or the env's expert).
+
+    The envs live in `envs` (see envs/workers.py): in this process, or in worker processes that
+    answer as they finish. Each sampling call takes the episodes whose env has answered since the
+    last one, so with workers a slow env holds up only its own episode (continuous batching of
+    turns); in this process every env answers at once and every live episode shares each call.
+    An episode's tokens depend on its seeds and prompts only (the Sampler contract), so which
+    episodes share a call changes nothing in what is sampled.
+    """
+
+    def __init__(
+        self,
+        envs: EnvHost,
+        limits: RolloutLimits,
+        sampler: Sampler | None = None,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+    ) -> None:
+        self.envs = envs
+        self.limits = limits
+        self.sampler = sampler
+        self.tokenizer = tokenizer
+        self.processor = vision.processor_of(tokenizer)  # None for a text model
+
+    def run(self, specs: list[EpisodeSpec], on_turns: Callable[[int], None] | None = None) -> list[LiveEpisode]:
+        """Play these episodes to their end, in order. An episode whose env was lost with a worker killed
+        during another episode's call is played again from its start, on a fresh worker, as is one that
+        timed out while env.timeout_retries allows; its seeds make it sample what the lost attempt would
+        have, so the chunk ends as if nothing had been lost. A pass loses envs when one of its episodes'
+        calls times out or crashes, and that episode ends (or is retried a bounded number of times), so
+        the passes end; a worker that dies between calls loses envs with no episode to blame, so a pass
+        whose every episode was lost stores them as failed rather than playing them again for ever."""
+        episodes = [LiveEpisode(spec) for spec in specs]
+        todo = list(range(len(episodes)))
+        while todo:
+            self._play([episodes[i] for i in todo], on_turns)
+            if all(episodes[i].env_lost for i in todo):
+                break
+            todo = [i for i in todo if self._again(episodes[i])]
+            for i in todo:
+                episodes[i] = episodes[i].again()
+        return episodes
+
+    def _again(self, ep: LiveEpisode) -> bool:
+        if ep.env_lost:
+            return True
+        timeouts = ep.spec.attempt - ep.lost  # this attempt's included
+        return ep.end_reason == EndReason.ENV_TIMEOUT and timeouts <= self.limits.timeout_retries
+
+    def _play(self, episodes: list[LiveEpisode], on_turns: Callable[[int], None] | None) -> None:
+        """One pass: every episode from its reset to its end, the sampler started afresh for them."""
+        by_key = {self.envs.reset(ep.spec.env_seed): ep for ep in episodes}
+        key_of = {id(ep): key for key, ep in by_key.items()}
+        if self.sampler is not None:
+            self.sampler.start([ep.spec.sample_seed for ep in episodes])
+        rows = {id(ep): row for row, ep in enumerate(episodes)}
+        acted: dict[int, Action] = {}  # key -> the action its env is stepping on
+        in_env, last_sample_s = len(episodes), 0.0
+        while in_env:
+            replies = self._gather(in_env, LINGER * last_sample_s)
+            in_env -= len(replies)
+            ready = []
+            for reply in replies:
+                ep = by_key[reply.key]
+                if reply.op == "reset":
+                    self._begin(ep, reply)
+                else:
+                    self._step(ep, acted.pop(reply.key, None), reply)
+                if ep.done:
+                    self.envs.release(reply.key)
+                else:
+                    ready.append(ep)
+            if not ready:
+                continue
+            batch = sorted(ready, key=lambda ep: rows[id(ep)])
+            if self.sampler is None:  # the expert acts inside the env's host, right before its step
+                for ep in batch:
+                    self.envs.expert_step(key_of[id(ep)])
+                in_env += len(batch)
+                continue
+            start = time.perf_counter()
+            actions = self._act(batch, rows)
+            last_sample_s = time.perf_counter() - start
+            for ep, action in zip(batch, actions):
+                key = key_of[id(ep)]
+                if ep.done:  # ended while building its prompt (context budget)
+                    self.envs.release(key)
+                    continue
+                acted[key] = action
+                self.envs.step(key, action.text)
+                in_env += 1
+            if on_turns:
+                on_turns(sum(len(a.ids) for a in actions))
+
+    def _gather(self, waiting: int, linger_s: float) -> list[EnvReply]:
+        """Replies to some of the `waiting` calls: wait for a first one, then up to linger_s for more,
+        so that envs answering together share the next sampling call instead of splitting it."""
+        replies = self.envs.replies()
+        until = time.perf_counter() + linger_s
+        while len(replies) < waiting and (left := until - time.perf_counter()) > 0:
+            more = self.envs.replies(left)
+            if not more:
+                break
+            replies += more
+        return replies
+
+    def _begin(self, ep: LiveEpisode, reply: EnvReply) -> None:
+        if reply.failure is not None:
+            if reply.failed_in == "create":
+                ep.finish(EndReason.ERROR, f"env could not be created: {reply.failure}")
+            else:
+                ep.env_failed("env reset", reply.failure)
+            return
+        try:
+            (obs, info), tools = reply.value
+            ep.messages = self._observe(ep, as_messages(obs))
+            ep.task = dict((info or {}).get("task", {}))
+            ep.tools = tools or None
+        except EnvFailure as exc:
+            ep.env_failed("env reset", exc)
+        except Exception as exc:  # reset returned something that is not (observation, info)
+            ep.finish(EndReason.ERROR, f"env could not be created: {type(exc).__name__}: {exc}")
+
+    # --- acting ---------------------------------------------------------------
+
+    def _act(self, live: list[LiveEpisode], rows: dict[int, int], sampler: Sampler | None = None) -> list[Action]:
+        """One turn of these episodes from `sampler` (default: the policy's); `rows` maps an episode (by
+        id) to its row in it."""
+        sampler = sampler or self.sampler
+        assert sampler is not None  # the expert's actions come with the env's replies
+        prompts, budgets, asking = [], [], []
+        for ep in live:
+            prompt = self._prompt_ids(ep)
+            budget = min(sampler.config.max_new_tokens, self.limits.max_length - len(prompt))
+            if budget <= 0:
+                if ep.turns:
+                    ep.finish(EndReason.CONTEXT)
+                else:
+                    ep.finish(
+                        EndReason.ERROR,
+                        f"the first observation needs {len(prompt)} tokens, over the context "
+                        f"budget model.max_length={self.limits.max_length}",
+                    )
+                continue
+            prompts.append(prompt)
+            budgets.append(budget)
+            asking.append(ep)
+        results: dict[int, Action] = {}
+        if asking:
+            start = time.perf_counter()
+            rows_asked = [rows[id(ep)] for ep in asking]
+            if self.processor is not None:
+                images = [list(ep.images) for ep in asking]
+                samples = sampler.sample(rows_asked, prompts, budgets, images=images)
+            else:
+                samples = sampler.sample(rows_asked, prompts, budgets)
+            elapsed = (time.perf_counter() - start) / len(asking)
+            for ep, prompt, sample in zip(asking, prompts, samples):
+                text = self._decode(sample.ids, skip_special_tokens=True)
+                hashes = [ref.sha256 for ref in ep.images]
+                results[id(ep)] = Action(text, sample.ids, sample.logprobs, prompt, elapsed, sample.finished, hashes)
+        return [results.get(id(ep), Action("")) for ep in live]
+
+    def _policy_tokenizer(self) -> PreTrainedTokenizerBase:
+        """The policy's tokenizer: a runner with a sampler has one (the expert's plays text)."""
+        assert self.tokenizer is not None
+        return self.tokenizer
+
+    def _decode(self, ids: list[int], **options: bool) -> str:
+        # transformers types decode str | list[str]: a list of ids decodes to one string.
+        return cast(str, self._policy_tokenizer().decode(ids, **options))
+
+    def _render(self, ep: LiveEpisode) -> str:
+        text = self._policy_tokenizer().apply_chat_template(
+            ep.messages,
+            # transformers types tools as an (invariant) list of dicts or callables: a list of dicts is one.
+            tools=ep.tools,  # type: ignore[arg-type]
+            add_generation_prompt=True,
+            tokenize=False,
+        )
+        return cast(str, text)  # tokenize=False: the text
+
+    def _observe(self, ep: LiveEpisode, messages: list[dict]) -> list[dict]:
+        """A vision-language model's observation: each image as a PIL image named by its hash (its PNG
+        kept for the database). The expert's screenshots are kept the same way, so that SFT on its demos
+        can show them to a vision model. A text model's messages stay as they are (images unseen)."""
+        if self.processor is None and self.sampler is not None:
+            return messages
+        try:
+            return vision.name_images(messages, ep.pngs)
+        except (ValueError, OSError) as exc:
+            raise EnvFailure(f"an image in the observation cannot be read: {exc}") from None
+
+    def _vision_prompt_ids(self, ep: LiveEpisode) -> list[int]:
+        """_prompt_ids through the processor: image placeholders expanded into the image tokens; the
+        suffix carries the images that the tokens so far do not."""
+        messages = vision.keep_last_images(ep.messages, self.limits.keep_images)
+        rendered = vision.render(self.processor, messages)
+        images = vision.message_images(messages)
+        seen = [ref.sha256 for ref in ep.images]
+        if ep.ids and rendered.startswith(ep.text) and [r.sha256 for r in images[: len(seen)]] == seen:
+            ids = ep.ids + vision.tokenize(self.processor, rendered[len(ep.text) :], images[len(seen) :])
+        else:
+            # keep_images dropped an earlier screenshot (or the template rewrote the past): the whole
+            # prompt again, and the episode's turns train one by one.
+            if ep.ids:
+                ep.template_consistent = False
+            ids = vision.tokenize(self.processor, rendered, images)
+        ep.ids, ep.text, ep.images = ids, rendered, images
+        return ids
+
+    def _prompt_ids(self, ep: LiveEpisode) -> list[int]:
+        if self.processor is not None:
+            return self._vision_prompt_ids(ep)
+        rendered = self._render(ep)
+        if ep.ids and rendered.startswith(ep.text):
+            suffix = rendered[len(ep.text) :]
+            ids = ep.ids + self._policy_tokenizer()(suffix, add_special_tokens=False)["input_ids"]
+        else:
+            if ep.ids:
+                ep.template_consistent = False
+            ids = self._policy_tokenizer()(rendered, add_special_tokens=False)["input_ids"]
+        ep.ids, ep.text = ids, rendered
+        return ids
+
+    # --- the env's answer to a step ---------------------------------------------
+
+    def _step(self, ep: LiveEpisode, action: Action | None, reply: EnvReply) -> None:
+        """Record one turn: the action taken (the expert's comes with the reply) and the env's answer."""
+        if reply.op == "expert_step":
+            if reply.failed_in == "expert":
+                ep.finish(EndReason.ERROR, f"expert_action failed: {reply.failure}")
+                return
+            action = Action(reply.action, gen_time_s=reply.expert_time_s)
+        assert action is not None  # a sampled turn's action, or the expert's (above)
+        ep.messages.append({"role": "assistant", "content": action.text})
+        if self.sampler is not None:
+            ep.ids = ep.ids + action.ids
+            ep.text = ep.text + self._decode(action.ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        try:
+            if reply.failure is not None:
+                raise reply.failure
+            obs, reward, terminated, truncated, info = reply.value
+            feedback = self._observe(ep, as_messages(obs)) if obs else []
+            reward = float(reward)
+            if not math.isfinite(reward):
+                # SQLite would store NaN as NULL, later read as a reward of 0: fail the episode instead.
+                raise ValueError(f"reward {reward} is not a finite number")
+        except EnvFailure as exc:
+            ep.env_failed("env step", exc)
+            feedback, reward, terminated, truncated, info = [], 0.0, False, False, {}
+        except (TypeError, ValueError) as exc:
+            ep.finish(
+                EndReason.ERROR,
+                f"env step returned {type(exc).__name__}: {exc}; expected "
+                "(observation, reward, terminated, truncated, info)",
+            )
+            feedback, reward, terminated, truncated, info = [], 0.0, False, False, {}
+        info = info or {}
+        ep.turns.append(
+            Turn(
+                turn_index=len(ep.turns),
+                prompt_ids=action.prompt_ids,
+                completion_ids=action.ids,
+                logprobs=action.logprobs,
+                text=action.text,
+                observation=json.dumps(_jsonable_messages(feedback), default=str),
+                reward=reward,
+                terminated=bool(terminated),
+                truncated=bool(truncated),
+                info=json.dumps(info, default=str),
+                gen_time_s=action.gen_time_s,
+                env_time_s=reply.env_time_s,
+                images=action.images,
+            )
+        )
+        ep.env_return += reward
+        if "success" in info:
+            ep.success = bool(info["success"])
+        ep.messages.extend(feedback)
+        if ep.done:
+            return
+        if terminated or truncated or len(ep.turns) >= self.limits.max_turns:
+            # A last reply cut by the token cap tells more about the episode than how the env took it.
+            if not action.finished:
+                ep.finish(EndReason.LENGTH)
+            elif terminated:
+                ep.finish(EndReason.TERMINATED)
+            elif truncated:
+                ep.finish(EndReason.TRUNCATED)
+            else:
+                ep.finish(EndReason.MAX_TURNS)
