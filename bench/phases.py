@@ -1,8 +1,8 @@
 """Where does a recipe's wall-clock go? One `rlcli run`, cut into phases from its run database.
 
-    .venv/bin/python bench/profile.py                       # recipes/quickstart.yaml
-    .venv/bin/python bench/profile.py --recipe arithmetic --set grpo.iterations=4 --out /tmp/prof --markdown prof.md
-    .venv/bin/python bench/profile.py --threads 1           # sets run.threads=1
+    .venv/bin/python bench/phases.py                       # recipes/quickstart.yaml
+    .venv/bin/python bench/phases.py --recipe arithmetic --set grpo.iterations=4 --out /tmp/prof --markdown prof.md
+    .venv/bin/python bench/phases.py --threads 1           # sets run.threads=1
 
 What is measured: `rlcli run -r recipes/<recipe>.yaml [--set overrides]` in a runs dir of its own (--out,
 default a new temporary folder; one that already holds the run is refused: a resumed run skips work),
@@ -205,7 +205,7 @@ def main() -> None:
     overrides = [*args.overrides, *([f"run.threads={args.threads}"] if args.threads else [])]
     resolved = load_recipe(recipe, overrides)
     run = resolved.run.name
-    out = (args.out or Path(tempfile.mkdtemp(prefix="rlcli-profile-"))).resolve()
+    out = (args.out or Path(tempfile.mkdtemp(prefix="rlcli-phases-"))).resolve()
     if (out / run).exists():
         raise SystemExit(f"{out} already holds run {run!r}: a resumed run would skip work; give another --out.")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()

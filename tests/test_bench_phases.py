@@ -1,4 +1,4 @@
-"""bench/profile.py's phases on a real run: the quickstart on the tiny model, SFT, GRPO and evals."""
+"""bench/phases.py's phases on a real run: the quickstart on the tiny model, SFT, GRPO and evals."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from helpers import REPO, run_in_process
 from rlcli.store.db import RunDB
 
 
-def _profile_module():
-    spec = importlib.util.spec_from_file_location("bench_profile", REPO / "bench" / "profile.py")
+def _phases_module():
+    spec = importlib.util.spec_from_file_location("bench_phases", REPO / "bench" / "phases.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up there
@@ -22,7 +22,7 @@ def _profile_module():
 
 
 def test_phases_add_up_to_the_wall_clock(tmp_path):
-    profile = _profile_module()
+    bench = _phases_module()
     runs = tmp_path / "runs"
     small = [
         "model.name=tiny-random",
@@ -46,7 +46,7 @@ def test_phases_add_up_to_the_wall_clock(tmp_path):
 
     rundb = RunDB.open(runs)
     try:
-        phases = {p.name: p.seconds for p in profile.phases(rundb, "quickstart", wall_s)}
+        phases = {p.name: p.seconds for p in bench.phases(rundb, "quickstart", wall_s)}
         eval_rows_s = sum(s.duration_s or 0 for s in rundb.stages("quickstart") if s.name.startswith("eval/"))
     finally:
         rundb.close()
@@ -59,5 +59,5 @@ def test_phases_add_up_to_the_wall_clock(tmp_path):
     # did not count the GRPO iterations between their two runs.
     assert all(seconds >= 0 for seconds in phases.values()), phases
     assert phases["eval"] < eval_rows_s  # the twice-run evals' rows, which span GRPO iterations, were cut
-    markdown = profile.markdown([profile.Phase(n, s) for n, s in phases.items()], wall_s, "t")
+    markdown = bench.markdown([bench.Phase(n, s) for n, s in phases.items()], wall_s, "t")
     assert markdown.count("\n| ") == len(phases) + 1  # the header and one line per phase
