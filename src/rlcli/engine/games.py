@@ -35,6 +35,7 @@ from rlcli.engine.episode_runner import LINGER, Action, EpisodeRunner, EpisodeSp
 from rlcli.envs.protocol import as_messages
 from rlcli.envs.workers import EnvReply
 from rlcli.errors import UsageError
+from rlcli.generation.sampler import sampling_config
 from rlcli.generation.seeds import derive_seed
 from rlcli.store.checkpoints import checkpoint_run, checkpoints, resolve_checkpoint, train_checkpoints
 from rlcli.store.events import add_event
@@ -267,6 +268,19 @@ class GameRunner(EpisodeRunner):
 
 
 # --- which opponent ------------------------------------------------------------------------------
+
+
+def recipe_opponent(
+    ctx: RunContext, sampler: Sampler | None, *, stage: str, iteration: int | None = None
+) -> Opponent | None:
+    """env.opponent for a rollout stage that `sampler` plays (GRPO's, `rlcli rollout`, SFT's demos), an
+    opponent model sampling as rollouts do. The expert (sampler None) plays a model opponent's games
+    against random, inside the env, instead."""
+    kind = ctx.recipe.env.model_opponent()
+    if sampler is None:
+        return Opponent("random") if kind is not None else None
+    sampling = sampling_config(ctx.recipe.rollout)
+    return resolve_opponent(ctx, kind, sampler, sampling, stage=stage, iteration=iteration)
 
 
 def resolve_opponent(

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from rlcli.engine.context import RunContext
 from rlcli.engine.episode_runner import EpisodeRunner, EpisodeSpec, RolloutLimits
-from rlcli.engine.games import GameRunner, Opponent, resolve_opponent, stored_keys
+from rlcli.engine.games import GameRunner, Opponent, recipe_opponent, stored_keys
 from rlcli.envs.tool_use import ToolUseSpec, tool_use_spec
 from rlcli.envs.tools import close_toolboxes
 from rlcli.envs.workers import EnvHost, EnvWorkerPool, InProcessEnvs
@@ -239,7 +239,6 @@ def run_rollout_stage(ctx: RunContext, *, stage: str, policy: str, split: str) -
             folder = checkpoint.path if checkpoint is not None else None
             sampling = sampling_config(recipe.rollout)
             sampler = make_sampler(recipe, model, tokenizer, sampling, base=resolved == BASE, checkpoint_folder=folder)
-        opponent = recipe.env.model_opponent()
         summary = collect(
             ctx,
             stage=stage,
@@ -249,14 +248,7 @@ def run_rollout_stage(ctx: RunContext, *, stage: str, policy: str, split: str) -
             task_indices=list(range(recipe.rollout.tasks)),
             group_size=recipe.rollout.group_size,
             split=split,
-            # the expert plays a model opponent's games against random (inside the env) instead
-            opponent=resolve_opponent(
-                ctx,
-                opponent if sampler else "random" if opponent else None,
-                sampler,
-                sampling_config(recipe.rollout),
-                stage=stage,
-            ),
+            opponent=recipe_opponent(ctx, sampler, stage=stage),
         )
         return {"policy": str(resolved), **summary}
 

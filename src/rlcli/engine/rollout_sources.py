@@ -27,7 +27,7 @@ from rlcli.engine import grpo
 from rlcli.engine.async_rollout import START_VERSION, RolloutWorker, push_folder, set_aside_stale, thread_split
 from rlcli.engine.context import RunContext
 from rlcli.engine.curriculum import extra_tasks, group_sizes, iteration_tasks
-from rlcli.engine.games import resolve_opponent
+from rlcli.engine.games import recipe_opponent
 from rlcli.engine.labelling import GRPO_LABEL_SET, label_stage_episodes
 from rlcli.engine.rollout import collect
 from rlcli.engine.trainer import GrpoTrainer, checkpoint_folder, saves_checkpoint
@@ -185,7 +185,6 @@ class SyncRollouts:
     ) -> dict[str, Any]:
         """Play rollout `stage` of iteration it with the policy in memory, as a stage that records its tasks."""
         ctx = self.ctx
-        sampling = sampling_config(ctx.recipe.rollout)
         return ctx.stage(
             stage,
             lambda: collect(
@@ -200,9 +199,7 @@ class SyncRollouts:
                 iteration=it,
                 progress_label=progress,
                 # env.opponent pool draws its checkpoint per iteration, the same one again on resume
-                opponent=resolve_opponent(
-                    ctx, ctx.recipe.env.model_opponent(), self.sampler, sampling, stage=stage, iteration=it
-                ),
+                opponent=recipe_opponent(ctx, self.sampler, stage=stage, iteration=it),
             ),
             params={
                 "iteration": it,

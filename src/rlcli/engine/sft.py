@@ -193,7 +193,7 @@ def load_conversations(ctx: RunContext) -> list[Conversation]:
 
 def expert_conversations(ctx: RunContext) -> list[Conversation]:
     """sft.demos episodes played by the env's expert (stage sft/demos), read back from the database."""
-    from rlcli.engine.games import Opponent
+    from rlcli.engine.games import recipe_opponent
     from rlcli.engine.rollout import collect
 
     demos = ctx.recipe.sft.demos
@@ -207,8 +207,7 @@ def expert_conversations(ctx: RunContext) -> list[Conversation]:
             group_size=1,
             split="train",
             progress_label="expert demos",
-            # a two-player game against a model: the expert's demos are its games against random
-            opponent=Opponent("random") if ctx.recipe.env.model_opponent() else None,
+            opponent=recipe_opponent(ctx, None, stage=SFT_DEMOS_STAGE),
         ),
         {"demos": demos},
     )
