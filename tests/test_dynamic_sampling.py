@@ -1,5 +1,7 @@
-"""grpo.dynamic_sampling (DAPO): extra rollout rounds until rollout.tasks groups have unequal rewards,
-within grpo.max_rollout_rounds; the batch trained on, the metrics, and the same extra tasks after kill -9."""
+"""grpo.dynamic_sampling (DAPO): over-sampling in one rollout (grpo.oversample), informative groups first,
+the unused ones carried to the next iteration (grpo.carry_staleness), extra rollout rounds until rollout.tasks
+groups have unequal rewards (grpo.max_rollout_rounds); the batch trained on, the metrics, and the same
+tasks and batches after kill -9."""
 
 from __future__ import annotations
 
@@ -33,7 +35,8 @@ def make_env():
 def test_dynamic_sampling_is_refused_with_asynchronous_rollouts():
     with pytest.raises(UsageError, match="grpo.dynamic_sampling needs the synchronous loop"):
         load_recipe(None, ["grpo.dynamic_sampling=true", "grpo.max_staleness=1"])
-    assert load_recipe(None, ["grpo.dynamic_sampling=true"]).grpo.max_rollout_rounds == 3
+    cfg = load_recipe(None, ["grpo.dynamic_sampling=true"]).grpo
+    assert (cfg.oversample, cfg.carry_staleness, cfg.max_rollout_rounds) == (2.0, 1, 1)
 
 
 def _labelled(task: int, sample: int, reward: float) -> LabelledEpisode:
@@ -94,7 +97,13 @@ def test_dynamic_sampling_refills_to_the_target_and_resumes_the_same_after_kill(
         tmp_path / "r.yaml",
         env={"name": str(env_file), "max_turns": 1},
         rollout={"tasks": 3, "group_size": 4, "max_new_tokens": 6, "batch_size": 12},
-        grpo={"iterations": 2, "dynamic_sampling": True, "max_rollout_rounds": 4},
+        grpo={
+            "iterations": 2,
+            "dynamic_sampling": True,
+            "oversample": 1,
+            "carry_staleness": 0,
+            "max_rollout_rounds": 4,
+        },
     )
     runs = tmp_path / "runs"
     result = run_in_process(["train", "grpo", "-r", str(recipe)], runs)
@@ -144,3 +153,90 @@ def test_dynamic_sampling_refills_to_the_target_and_resumes_the_same_after_kill(
         for key in ("train/groups_drawn", "train/rollout_rounds", "train/zero_var_groups", "rollout/reward_mean"):
             assert resumed[it]["metrics"][key] == played[it]["metrics"][key]
         assert resumed[it]["metrics"]["train/loss"] == pytest.approx(played[it]["metrics"]["train/loss"], abs=1e-5)
+
+
+def test_groups_carried_from_another_iteration_are_groups_of_their_own():
+    from rlcli.engine.trainer import role_groups
+
+    episodes = [_labelled(7, s, r) for s, r in enumerate([0, 1, 0, 1])]
+    assert role_groups(episodes).tolist() == [0, 0, 0, 0]
+    # The first two played task 7 at iteration 3 (carried), the others at iteration 4.
+    assert role_groups(episodes, [3, 3, 4, 4]).tolist() == [0, 0, 1, 1]
+
+
+def _trained(runs, recipe):
+    """Per iteration: (its recorded tasks, the groups its train stage trained on, its metrics)."""
+    ctx = make_ctx(recipe, runs)
+    out = {}
+    for it in range(ctx.recipe.grpo.iterations):
+        rollout = ctx.rundb.stage(ctx.run, f"rollout/{it}")
+        train = ctx.rundb.stage(ctx.run, f"train/{it}")
+        assert rollout is not None and train is not None and train.status == "done"
+        out[it] = (rollout.params["tasks"], [tuple(g) for g in train.result["trained_groups"]], train.result)
+    return ctx, out
+
+
+def test_over_sampling_trains_informative_groups_and_carries_the_rest_once(tmp_path):
+    from rlcli.engine.trainer import GrpoTrainer
+
+    env_file = write_env_file(tmp_path / "some_flat.py", SOME_FLAT_ENV)
+    recipe = write_recipe(
+        tmp_path / "r.yaml",
+        env={"name": str(env_file), "max_turns": 1, "tasks": [0, 40]},
+        rollout={"tasks": 2, "group_size": 4, "max_new_tokens": 6, "batch_size": 20},
+        grpo={"iterations": 6, "dynamic_sampling": True, "oversample": 2.5, "sampling": "uniform"},
+    )
+    runs = tmp_path / "runs"
+    result = run_in_process(["train", "grpo", "-r", str(recipe)], runs)
+    assert result.returncode == 0, result.stderr
+    ctx, trained = _trained(runs, recipe)
+    played = _rounds(runs, recipe)
+    # One rollout stage per iteration, of 5 tasks: the over-sampling is in the one generation pass.
+    assert all(len(played[it]["stages"]) == 1 and len(played[it]["stages"][0][1]) == 5 for it in played)
+
+    def informative(it):
+        return [t for t in played[it]["stages"][0][1] if len(set(played[it]["groups"][t])) > 1]
+
+    seen, carried_total = set(), 0
+    for it, (_, groups, stats) in trained.items():
+        assert not set(groups) & seen, "a group was trained on twice"
+        seen |= set(groups)
+        carried = [(j, t) for j, t in groups if j != it]
+        # Only from the iteration before (grpo.carry_staleness 1), informative, left over by it.
+        assert all(j == it - 1 and t in informative(j) and (j, t) not in trained[j][1] for j, t in carried)
+        left_over = [(it - 1, t) for t in informative(it - 1) if (it - 1, t) not in trained[it - 1][1]] if it else []
+        own = [(it, t) for t in informative(it)]
+        # The iteration's own informative groups first, in draw order; carried ones fill what they leave short.
+        assert sorted(groups) == sorted((own + left_over)[:2]) or len(own + left_over) < 2
+        assert stats["train/carried"] == len(carried)
+        assert stats["train/groups_drawn"] == 5 + len(left_over)
+        assert stats["train/groups"] == 2
+        carried_total += len(carried)
+    assert carried_total >= 1, "no group was carried: weak test"
+    assert any(len(informative(it)) > 2 for it in trained), "no iteration had groups to carry: weak test"
+
+    # A carried group's sequences are weighed against their recorded logprobs (stale), the others are on-policy.
+    it = next(it for it, (_, groups, _) in trained.items() if any(j != it for j, _ in groups))
+    batch = GrpoTrainer(ctx, 0, None).batch(it)
+    assert sorted(batch.trained_groups) == sorted(trained[it][1])
+    played_in = {
+        row["id"]: row["iteration"]
+        for row in ctx.rundb.db.query("select id, iteration from episodes where run = ?", [ctx.run])
+    }
+    assert {played_in[s.episode_id] for s in batch.sequences} == {it - 1, it}
+    assert all(s.stale == (played_in[s.episode_id] != it) for s in batch.sequences)
+
+    # kill -9 after iteration 1's rollout; the resumed run trains on the same groups, to the same losses.
+    killed = tmp_path / "killed"
+    kill_when(
+        ["train", "grpo", "-r", str(recipe)],
+        killed,
+        "select count(*) from episodes where stage = 'rollout/1'",
+        at_least=1,
+    )
+    result = run_in_process(["train", "grpo", "-r", str(recipe)], killed)
+    assert result.returncode == 0, result.stderr
+    _, again = _trained(killed, recipe)
+    for it in trained:
+        assert again[it][:2] == trained[it][:2]
+        assert again[it][2]["train/loss"] == pytest.approx(trained[it][2]["train/loss"], abs=1e-5)

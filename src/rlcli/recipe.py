@@ -629,16 +629,33 @@ class GrpoSection(Section):
     )
     dynamic_sampling: bool = Field(
         False,
-        description="Dynamic sampling (DAPO): when fewer than rollout.tasks of an iteration's groups have unequal "
-        "rewards, roll out as many more tasks (rollout/<i>+<r>, label/<i>+<r>) until they do or "
-        "grpo.max_rollout_rounds is reached, and train on rollout.tasks groups, those with unequal rewards first "
-        "(train/groups_drawn, train/rollout_rounds). Not with grpo.max_staleness > 0.",
+        description="Dynamic sampling (DAPO) in one generation pass: rollout/<i> plays grpo.oversample x "
+        "rollout.tasks tasks (drawn as grpo.sampling draws) and the iteration trains on rollout.tasks groups, those "
+        "with unequal rewards first: its own in draw order, then groups carried from earlier iterations "
+        "(grpo.carry_staleness) to fill what they leave short (train/groups_drawn, train/carried). With grpo.max_rollout_rounds > 1, extra rounds "
+        "(rollout/<i>+<r>) refill a batch still short of informative groups. Not with grpo.max_staleness > 0.",
+        json_schema_extra=RESUME_SAFE,
+    )
+    oversample: float = Field(
+        2.0,
+        ge=1,
+        description="grpo.dynamic_sampling: how many times rollout.tasks tasks an iteration's rollout plays, all in "
+        "the same batched generation (rounded up); 1 plays rollout.tasks.",
+        json_schema_extra=RESUME_SAFE,
+    )
+    carry_staleness: int = Field(
+        1,
+        ge=0,
+        description="grpo.dynamic_sampling: an informative group that its iteration did not train on is kept for "
+        "the next ones, up to this many updates after the weights that played it; it is trained on once, weighed "
+        "against its recorded logprobs like an asynchronous episode (truncated at grpo.tis_cap, else 2). 0: dropped.",
         json_schema_extra=RESUME_SAFE,
     )
     max_rollout_rounds: int = Field(
-        3,
+        1,
         ge=1,
-        description="grpo.dynamic_sampling: the most rollout rounds per iteration, the first included.",
+        description="grpo.dynamic_sampling: the most rollout rounds per iteration, the first included; each extra "
+        "round is another generation pass, of as many unplayed tasks as informative groups are missing.",
         json_schema_extra=RESUME_SAFE,
     )
     replay: ReplaySection | None = Field(
@@ -801,8 +818,8 @@ class Recipe(Section):
             )
         if self.grpo.dynamic_sampling:
             raise ValueError(
-                "grpo.dynamic_sampling needs the synchronous loop (its extra rounds depend on the labels of the "
-                "first); set grpo.max_staleness: 0 or grpo.dynamic_sampling: false"
+                "grpo.dynamic_sampling needs the synchronous loop (which groups an iteration trains on and carries "
+                "depends on the labels of the iterations before); set grpo.max_staleness: 0 or grpo.dynamic_sampling: false"
             )
         if self.rollout.vllm_sleep is True:
             raise ValueError(

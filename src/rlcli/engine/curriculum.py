@@ -1,6 +1,7 @@
 """Which training tasks a GRPO iteration plays (grpo.sampling over env.tasks).
 
-sequential: the tasks in order, it * rollout.tasks onwards (cycling through env.tasks when set).
+sequential: the tasks in order, it * rollout.tasks onwards (grpo.oversample times as many with
+  grpo.dynamic_sampling) (cycling through env.tasks when set).
 uniform: rollout.tasks distinct tasks drawn from env.tasks with a seed derived from (run seed, iteration).
 curriculum: the same seeded draw, weighted by how informative each task is. A group whose samples all
   succeed or all fail has zero reward variance and teaches GRPO nothing, so the weight is the
@@ -16,6 +17,9 @@ tasks it drew: a resumed run reuses that record rather than drawing again.
 
 from __future__ import annotations
 
+import math
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from rlcli.engine.context import RunContext
@@ -24,22 +28,34 @@ from rlcli.generation.seeds import derive_seed
 from rlcli.store.names import rollout_stage
 from rlcli.store.tasks import TaskStats, compute_task_stats
 
+if TYPE_CHECKING:
+    from rlcli.recipe import Recipe
+
 PRIOR = 0.5  # pseudo-successes and pseudo-failures added to every task's record
+
+
+def tasks_played(recipe: Recipe) -> int:
+    """How many tasks an iteration's rollout plays: rollout.tasks, over-sampled by grpo.oversample
+    with grpo.dynamic_sampling (the iteration then trains on rollout.tasks groups of them)."""
+    n = recipe.rollout.tasks
+    return math.ceil(n * recipe.grpo.oversample - 1e-9) if recipe.grpo.dynamic_sampling else n
 
 
 def iteration_tasks(ctx: RunContext, it: int) -> list[int]:
     """The tasks of iteration `it`: those its rollout stage recorded, else a fresh choice."""
     row = ctx.rundb.stage(ctx.run, rollout_stage(it))
     recorded = row.params.get("tasks") if row is not None else None
-    # Before rlcli recorded the list, a rollout stage kept [first, last] of a sequential range.
-    if isinstance(recorded, list) and len(recorded) == ctx.recipe.rollout.tasks:
+    # Before rlcli recorded the list, a rollout stage kept [first, last] of a sequential range. A list of
+    # another length is the stage's own (played under another grpo.oversample): kept, as the episodes are.
+    legacy = isinstance(recorded, list) and len(recorded) == 2 != tasks_played(ctx.recipe)
+    if isinstance(recorded, list) and not legacy:
         return [int(t) for t in recorded]
     return choose_tasks(ctx, it)
 
 
 def choose_tasks(ctx: RunContext, it: int) -> list[int]:
     recipe = ctx.recipe
-    n, pool, sampling = recipe.rollout.tasks, recipe.env.tasks, recipe.grpo.sampling
+    n, pool, sampling = tasks_played(recipe), recipe.env.tasks, recipe.grpo.sampling
     if sampling == "sequential":
         if pool is None:
             return list(range(it * n, (it + 1) * n))
@@ -70,7 +86,7 @@ def extra_tasks(ctx: RunContext, it: int, round_: int, played: list[int], count:
     if isinstance(recorded, list):
         return [int(t) for t in recorded]
     recipe = ctx.recipe
-    n, pool, seen = recipe.rollout.tasks, recipe.env.tasks, set(played)
+    n, pool, seen = tasks_played(recipe), recipe.env.tasks, set(played)
     if recipe.grpo.sampling == "sequential":
         # The sequence continues past the iteration's own tasks (it may overlap the next iterations':
         # their episodes are seeded by their own stage, so they are other samples of those tasks).

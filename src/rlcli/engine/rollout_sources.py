@@ -1,8 +1,8 @@
 """Where a GRPO iteration's episodes come from: one interface, two sources.
 
-SyncRollouts (grpo.max_staleness 0) plays rollout/i here, with the weights of the update before;
-with grpo.dynamic_sampling it also plays the extra rounds rollout/i+r, label/i+r once label/i is
-done. AsyncRollouts (k > 0) has a worker process (engine/async_rollout.py) play rollout/i+1..i+k
+SyncRollouts (grpo.max_staleness 0) plays rollout/i here, with the weights of the update before
+(grpo.dynamic_sampling: grpo.oversample times rollout.tasks tasks); with grpo.max_rollout_rounds > 1
+it also plays the extra rounds rollout/i+r, label/i+r once label/i is done. AsyncRollouts (k > 0) has a worker process (engine/async_rollout.py) play rollout/i+1..i+k
 while this process labels and trains iteration i, and pushes it the new weights after each update.
 
 The loop (engine/train.py) runs, inside `with source.running():`, per iteration i:
@@ -30,7 +30,7 @@ from rlcli.engine.curriculum import extra_tasks, group_sizes, iteration_tasks
 from rlcli.engine.games import recipe_opponent
 from rlcli.engine.labelling import GRPO_LABEL_SET, label_stage_episodes
 from rlcli.engine.rollout import collect
-from rlcli.engine.trainer import GrpoTrainer, checkpoint_folder, saves_checkpoint
+from rlcli.engine.trainer import GrpoTrainer, carried_groups, checkpoint_folder, saves_checkpoint
 from rlcli.generation.engines import generation_engine, make_sampler
 from rlcli.generation.sampler import Sampler, sampling_config
 from rlcli.models.loading import save_checkpoint
@@ -160,14 +160,20 @@ class SyncRollouts:
 
     def _refill(self, it: int, reward_fns: list[RewardFn]) -> None:
         """grpo.dynamic_sampling: after rollout/it and label/it, extra rounds rollout/it+r and label/it+r
-        (r = 1, 2, ...) of as many unplayed tasks as groups with unequal rewards are still missing, until
-        rollout.tasks of them are in hand or grpo.max_rollout_rounds is reached. Each round's tasks are
-        recorded with its stage, so a resumed run replays the same ones."""
+        (r = 1, 2, ...) of as many unplayed tasks as groups with unequal rewards are still missing (the
+        groups carried from the iterations before count), until rollout.tasks of them are in hand or
+        grpo.max_rollout_rounds is reached. Each round's tasks are recorded with its stage, so a resumed
+        run replays the same ones."""
         ctx, recipe = self.ctx, self.ctx.recipe
+        if recipe.grpo.max_rollout_rounds == 1:
+            return
         stages = [rollout_stage(it)]
         played = list(iteration_tasks(ctx, it))
+        carried = len(
+            {(e.episode.iteration, e.episode.task_index) for e in carried_groups(ctx, it, self.trainer.first)}
+        )
         for r in range(1, recipe.grpo.max_rollout_rounds):
-            short = recipe.rollout.tasks - _informative_groups(ctx, stages)
+            short = recipe.rollout.tasks - carried - _informative_groups(ctx, stages)
             if short <= 0:
                 break
             stage = rollout_stage(it, r)

@@ -19,10 +19,13 @@ set aside and played again by the recomputed weights (engine/trainer.py, superse
 An iteration's checkpoint row, metrics and `done` mark are committed together, once its checkpoint
 folder is on disk (fsynced).
 
-grpo.dynamic_sampling (DAPO) adds rounds rollout/i+r, label/i+r after label/i while fewer than
-rollout.tasks groups have unequal rewards (engine/rollout_sources.py, SyncRollouts), each round's
-tasks recorded with its stage; train/i trains on rollout.tasks of the groups, informative ones first
-(engine/trainer.py, training_batch).
+grpo.dynamic_sampling (DAPO) over-samples: rollout/i plays grpo.oversample x rollout.tasks tasks in
+one batched generation (engine/curriculum.py, tasks_played), and train/i trains on rollout.tasks
+groups, informative ones first: its own (training_batch), then, where they leave it short, those
+carried from the iterations before (at most grpo.carry_staleness updates old, each trained once;
+engine/trainer.py, carried_groups). With grpo.max_rollout_rounds > 1, rounds rollout/i+r, label/i+r after label/i
+refill a batch still short of informative groups (engine/rollout_sources.py, SyncRollouts), each
+round's tasks recorded with its stage.
 
 rollout.group_size_hard gives a task that the statistics of the iterations before rate as hard
 rollout.group_size_hard samples instead of rollout.group_size (engine/curriculum.py, group_sizes),

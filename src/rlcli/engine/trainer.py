@@ -64,6 +64,7 @@ class IterationBatch:
     metrics: dict[str, float]  # train/: groups, zero-variance groups, sequences, staleness, ...
     replayed: list[tuple[int, int]] | None  # grpo.replay's (episode id, task) added; None: replay is off
     rae_baselines: dict[str, float] | None = None  # grpo.advantage rae: the baselines after this batch
+    trained_groups: list[tuple[int, int]] | None = None  # grpo.dynamic_sampling: (iteration played, task) chosen
 
 
 @dataclass
@@ -75,21 +76,27 @@ class IterationStats:
     reward_std: float
     metrics: dict[str, float]
     replayed: list[tuple[int, int]] | None = None  # (episode id, task); None: grpo.replay is off
+    # grpo.dynamic_sampling: the groups it trained on, as (iteration that played it, task), so that the
+    # iterations after it carry only the informative groups no iteration has trained on
+    trained_groups: list[tuple[int, int]] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         stored: dict[str, Any] = {"reward_mean": self.reward_mean, "reward_std": self.reward_std, **self.metrics}
         if self.replayed is not None:
             stored["replayed_episodes"] = [list(r) for r in self.replayed]
+        if self.trained_groups is not None:
+            stored["trained_groups"] = [list(g) for g in self.trained_groups]
         return stored
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> IterationStats:
-        replayed = data.get("replayed_episodes")
+        replayed, trained = data.get("replayed_episodes"), data.get("trained_groups")
         return cls(
             data["reward_mean"],
             data["reward_std"],
             {k: v for k, v in data.items() if k.startswith(("train/", "perf/"))},
             None if replayed is None else [(episode, task) for episode, task in replayed],
+            None if trained is None else [(iteration, task) for iteration, task in trained],
         )
 
 
@@ -179,23 +186,32 @@ class GrpoTrainer:
 
     def batch(self, it: int) -> IterationBatch:
         """Iteration it's batch from its stored, labelled episodes: those of its rollout stages
-        (rollout_stages; with grpo.dynamic_sampling, rollout.tasks groups picked by training_batch) and
-        grpo.replay's, their advantages per group, and one training sequence per episode (or turn)."""
+        (rollout_stages; with grpo.dynamic_sampling, rollout.tasks groups picked by training_batch among
+        them and the groups carried from the iterations before) and grpo.replay's, their advantages per
+        group, and one training sequence per episode (or turn)."""
         ctx, recipe, cfg = self.ctx, self.ctx.recipe, self.cfg
         stages = rollout_stages(ctx, it)
-        episodes = [e for stage in stages for e in episodes_for_training(ctx.rundb, ctx.run, stage, GRPO_LABEL_SET)]
-        drawn = len({e.episode.task_index for e in episodes})
+        episodes = [e for stage in stages for e in drawn_episodes(ctx, stage)]
+        trained_groups = None
         if cfg.dynamic_sampling:
-            episodes = training_batch(episodes, recipe.rollout.tasks)
+            carried = carried_groups(ctx, it, self.first)
+            drawn = len(_group_keys(episodes + carried))
+            # The iteration's own groups first: a carried one only fills what they leave short.
+            episodes = training_batch(episodes + carried, recipe.rollout.tasks)
+            trained_groups = sorted(_group_keys(episodes))
         if not episodes:
             raise RlcliError(
                 f"Iteration {it} has no successfully finished, labelled episodes to train on "
                 f"(see `rlcli runs show {ctx.run}` for failed episodes)."
             )
-        replayed = replays_for(ctx, it, episodes) if cfg.replay is not None else []
+        # A replay joins its task's group of this iteration, never a carried one.
+        replayed = (
+            replays_for(ctx, it, [e for e in episodes if e.episode.iteration == it]) if cfg.replay is not None else []
+        )
+        played_in = [e.episode.iteration for e in episodes] + [it] * len(replayed)
         episodes = episodes + replayed
         rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float64)
-        groups = role_groups(episodes)
+        groups = role_groups(episodes, played_in)
         grpo.check_finite("the rewards", rewards)
         zero_var = grpo.zero_variance_groups(rewards, groups)
         metrics: dict[str, float] = {
@@ -206,6 +222,7 @@ class GrpoTrainer:
             metrics["train/replayed"] = len(replayed)
         if cfg.dynamic_sampling:
             metrics["train/groups_drawn"] = drawn
+            metrics["train/carried"] = len({g for g in trained_groups or [] if g[0] != it})
             metrics["train/rollout_rounds"] = len(stages)
         if recipe.rollout.group_size_hard is not None:
             metrics["train/hard_groups"] = len(hard_tasks(ctx, stages) & {e.episode.task_index for e in episodes})
@@ -265,6 +282,7 @@ class GrpoTrainer:
             metrics,
             [(_stored_id(e), e.episode.task_index) for e in replayed] if cfg.replay is not None else None,
             rae,
+            trained_groups,
         )
 
     def iteration(self, batch: IterationBatch) -> IterationStats:
@@ -280,7 +298,7 @@ class GrpoTrainer:
             metrics.update(update(self.ctx, self.model, self.optimizer, self.scheduler, batch.sequences, it))
         else:  # every group had equal rewards, or every episode was masked: nothing to learn from
             metrics["train/skipped"] = 1.0
-        return IterationStats(batch.reward_mean, batch.reward_std, metrics, batch.replayed)
+        return IterationStats(batch.reward_mean, batch.reward_std, metrics, batch.replayed, batch.trained_groups)
 
     def save(self, it: int) -> None:
         """Iteration it's checkpoint: weights, optimizer, scheduler, schedule and KL anchor, written to a
@@ -349,10 +367,16 @@ def role_of(labelled: LabelledEpisode) -> str:
     return f"{game}/seat{task['seat']}" if "seat" in task else game
 
 
-def role_groups(episodes: list[LabelledEpisode]) -> torch.Tensor:
+def role_groups(episodes: list[LabelledEpisode], played_in: list[int | None] | None = None) -> torch.Tensor:
     """The group of each episode: its task, and within a task its seat (two-player games), so that
-    group-relative advantages compare an episode only with others that played the same role."""
-    keys = [(e.episode.task_index, (e.episode.task or {}).get("seat", -1)) for e in episodes]
+    group-relative advantages compare an episode only with others that played the same role.
+    played_in: the iteration whose group each episode belongs to (grpo.dynamic_sampling carries groups
+    from earlier iterations, which may have played the same task); None: all the same."""
+    origins = played_in if played_in is not None else [None] * len(episodes)
+    keys = [
+        (origin if origin is not None else -1, e.episode.task_index, (e.episode.task or {}).get("seat", -1))
+        for e, origin in zip(episodes, origins, strict=True)
+    ]
     dense = {key: i for i, key in enumerate(sorted(set(keys)))}
     return torch.tensor([dense[key] for key in keys])
 
@@ -370,16 +394,68 @@ def rollout_stages(ctx: RunContext, it: int) -> list[str]:
 
 
 def training_batch(episodes: list[LabelledEpisode], target: int) -> list[LabelledEpisode]:
-    """grpo.dynamic_sampling: the episodes of `target` groups, those with unequal rewards first, in the
-    order they were drawn (a round's episodes come after the round before's); zero-variance groups
-    only fill what the rounds' cap left short."""
-    groups: dict[int, list[LabelledEpisode]] = {}
+    """grpo.dynamic_sampling: the episodes of `target` groups (a group: a task as one iteration played
+    it), those with unequal rewards first, in the order given (the iteration's draw, a round's after
+    the round before's, then carried groups); zero-variance groups only fill what is left short."""
+    groups: dict[tuple[int, int], list[LabelledEpisode]] = {}
     for e in episodes:
-        groups.setdefault(e.episode.task_index, []).append(e)
-    informative = [g for g, members in groups.items() if len({m.reward for m in members}) > 1]
+        groups.setdefault(_group_key(e), []).append(e)
+    informative = [g for g, members in groups.items() if _informative(members)]
     flat = [g for g in groups if g not in set(informative)]
     chosen = set((informative + flat)[:target])
-    return [e for e in episodes if e.episode.task_index in chosen]
+    return [e for e in episodes if _group_key(e) in chosen]
+
+
+def carried_groups(ctx: RunContext, it: int, first: int) -> list[LabelledEpisode]:
+    """grpo.dynamic_sampling: the episodes of the informative groups that iterations it-k .. it-1 of
+    the phase (k = grpo.carry_staleness) played and none trained on, oldest first. What each iteration
+    trained on is read from its train stage's result; an iteration that did not record it (trained
+    before rlcli carried groups) carries nothing from itself or before."""
+    start = max(first, it - ctx.recipe.grpo.carry_staleness)
+    trained: set[tuple[int, int]] = set()
+    for k in range(start, it):
+        row = ctx.rundb.stage(ctx.run, train_stage(k))
+        result = row.result if row is not None and row.status == "done" else None
+        recorded = (result or {}).get("trained_groups")
+        if recorded is None:
+            start, trained = k + 1, set()
+            continue
+        trained |= {(int(j), int(task)) for j, task in recorded}
+    out = []
+    for j in range(start, it):
+        episodes = [e for stage in rollout_stages(ctx, j) for e in drawn_episodes(ctx, stage)]
+        groups: dict[tuple[int, int], list[LabelledEpisode]] = {}
+        for e in episodes:
+            groups.setdefault(_group_key(e), []).append(e)
+        out += [e for key, members in groups.items() if key not in trained and _informative(members) for e in members]
+    return out
+
+
+def drawn_episodes(ctx: RunContext, stage: str) -> list[LabelledEpisode]:
+    """A rollout stage's labelled episodes for training, their groups in the order the stage drew its
+    tasks (its recorded list), so that grpo.dynamic_sampling prefers the first drawn, as a draw means."""
+    episodes = episodes_for_training(ctx.rundb, ctx.run, stage, GRPO_LABEL_SET)
+    row = ctx.rundb.stage(ctx.run, stage)
+    recorded = row.params.get("tasks") if row is not None else None
+    if not isinstance(recorded, list):
+        return episodes
+    position = {int(task): i for i, task in reversed(list(enumerate(recorded)))}
+    return sorted(episodes, key=lambda e: position.get(e.episode.task_index, len(position)))
+
+
+def _group_key(labelled: LabelledEpisode) -> tuple[int, int]:
+    """(the iteration that played it, its task): a GRPO group of grpo.dynamic_sampling."""
+    iteration = labelled.episode.iteration
+    return (-1 if iteration is None else iteration, labelled.episode.task_index)
+
+
+def _group_keys(episodes: list[LabelledEpisode]) -> set[tuple[int, int]]:
+    return {_group_key(e) for e in episodes}
+
+
+def _informative(members: list[LabelledEpisode]) -> bool:
+    """A group with unequal rewards: one GRPO learns from."""
+    return len({m.reward for m in members}) > 1
 
 
 def hard_tasks(ctx: RunContext, stages: list[str]) -> set[int]:

@@ -178,8 +178,10 @@ def _behaviour_logprobs(
     engine/async_rollout.py): `old` is the proximal policy and a stale sequence's recorded rollout
     logprobs are its behaviour policy's, so it gets the weight pi_prox / pi_behav, truncated at tis_cap
     (ASYNC_TIS_CAP when null); without tis_cap a fresh sequence is on-policy and weighs exactly 1.
-    A replayed episode (grpo.replay) counts as stale: its behaviour policy is the one that played it."""
-    if not (cfg.max_staleness or cfg.replay is not None) or cfg.tis_cap is not None:
+    A replayed episode (grpo.replay) counts as stale: its behaviour policy is the one that played it, and
+    so does a group that grpo.dynamic_sampling carried from an earlier iteration."""
+    carries = cfg.dynamic_sampling and cfg.carry_staleness > 0
+    if not (cfg.max_staleness or cfg.replay is not None or carries) or cfg.tis_cap is not None:
         return rollout_logprobs, cfg.tis_cap
     from rlcli.engine.async_rollout import ASYNC_TIS_CAP
 
