@@ -180,6 +180,40 @@ def test_a_vllm_worker_samples_with_the_pushed_weights(tmp_path, tiny64):  # noq
     assert not _recorded_logprobs_match(ctx, "rollout/2", None)
 
 
+def test_the_worker_takes_each_new_adapter_in_place_and_samples_as_a_fresh_load(tmp_path):
+    from rlcli.models.loading import load_policy, save_checkpoint
+
+    recipe = load_recipe(_recipe(tmp_path))
+    # Two versions of the policy's adapter, as the trainer saves them after two updates.
+    trained, tokenizer = load_policy(recipe.model, recipe.lora, recipe.quantization)
+    folders = []
+    for version in range(2):
+        torch.manual_seed(version)
+        with torch.no_grad():
+            for name, param in trained.named_parameters():
+                if "lora_" in name:
+                    param.add_(torch.randn_like(param) * 0.5)
+        folders.append(str(save_checkpoint(trained, tokenizer, tmp_path / f"v{version}")))
+    ids = torch.tensor([tokenizer("Compute 12 + 30.")["input_ids"]])
+
+    def logits(model):
+        with torch.no_grad():
+            return model(input_ids=ids.to(next(model.parameters()).device)).logits.cpu()
+
+    def fresh(folder):
+        return load_policy(recipe.model, recipe.lora, recipe.quantization, adapter=folder, trainable=False)[0]
+
+    assert not torch.equal(logits(fresh(folders[0])), logits(fresh(folders[1])))
+    loaded = async_rollout.WorkerPolicy(recipe)
+    loaded.load(None)
+    base_model = loaded.model
+    assert torch.equal(logits(base_model), logits(fresh(None)))
+    for folder in [*folders, folders[0]]:  # back to the first: nothing of the second's merge is left
+        loaded.load(folder)
+        assert torch.equal(logits(loaded.model), logits(fresh(folder))), folder
+        assert loaded.model.get_base_model() is base_model  # the adapter changed, the base model was not reloaded
+
+
 def test_weights_between_checkpoints_reach_the_worker(tmp_path):
     ctx = make_ctx(_recipe(tmp_path, max_staleness=1, iterations=4, checkpoint_every=3), tmp_path / "runs")
     run_grpo(ctx)

@@ -2,7 +2,8 @@
 
 The trainer (engine/train.py's run_grpo) runs label/i and train/i as the synchronous loop does; the
 rollout stages are played by a rollout worker, a process of its own (spawned) that loads its own copy
-of the policy (load_policy) on rollout.device with its own sampler (make_sampler: hf or vllm), and
+of the policy (load_policy) on rollout.device once, with its own sampler (make_sampler: hf or vllm),
+takes each new version's LoRA adapter into it in place (WorkerPolicy), and
 writes its stages and episodes into the same run database (WAL: one writer at a time, the other
 waiting under the busy timeout).
 
@@ -370,6 +371,7 @@ def _serve_rollouts(conn: Connection, spec: RolloutWorkerSpec) -> None:
     # The trainer's console shows the run; rollout progress bars from a second process would garble it.
     ctx = RunContext(recipe, rundb, spec.run, Path(spec.runs_dir), console=Console(stderr=True, quiet=True))
     weights: tuple[int, str | None, PolicyRef] | None = None  # (version, folder, policy): the newest pushed
+    loaded = WorkerPolicy(recipe)
     asked: deque[tuple[int, list[int]]] = deque()
     policy: tuple[tuple[int, str | None, PolicyRef], Sampler, PreTrainedTokenizerBase] | None = None  # loaded
 
@@ -390,7 +392,7 @@ def _serve_rollouts(conn: Connection, spec: RolloutWorkerSpec) -> None:
             j, tasks = asked.popleft()
             assert weights is not None  # the trainer pushes the starting weights before it asks for a rollout
             if policy is None or policy[0] != weights:
-                policy = (weights, *_load(recipe, weights[1]))
+                policy = (weights, *loaded.load(weights[1]))
             start = time.perf_counter()
             _rollout(ctx, j, tasks, weights[2], policy[1], policy[2])
             seconds = time.perf_counter() - start
@@ -402,15 +404,73 @@ def _serve_rollouts(conn: Connection, spec: RolloutWorkerSpec) -> None:
         rundb.close()
 
 
-def _load(recipe: Recipe, folder: str | None) -> tuple[Sampler, PreTrainedTokenizerBase]:
-    """(sampler, tokenizer) over the weights in `folder` (None: the base model)."""
-    from rlcli.generation.engines import make_sampler
-    from rlcli.generation.sampler import sampling_config
-    from rlcli.models.loading import load_policy
+class WorkerPolicy:
+    """The worker's policy, read from disk once. With LoRA each new version's adapter (the folder the
+    trainer saved, a few MB) goes into it in place, rather than the whole model being loaded again. On
+    the HF sampler without quantization the adapter is merged into the weights, as an inference load
+    merges it (load_policy; the separate branch slows decoding), starting each time from a copy of the
+    base weights kept on the CPU, so that every version samples exactly as a fresh load of it would.
+    A full model (no LoRA) is loaded whole: its checkpoint is the weights. The sampler is made anew per
+    version: cheap for the HF sampler; the vLLM engine is the process's one, given the new weights."""
 
-    model, tokenizer = load_policy(recipe.model, recipe.lora, recipe.quantization, adapter=folder, trainable=False)
-    sampling = sampling_config(recipe.rollout)
-    return make_sampler(recipe, model, tokenizer, sampling, base=folder is None, checkpoint_folder=folder), tokenizer
+    def __init__(self, recipe: Recipe) -> None:
+        from rlcli.generation.engines import generation_engine
+
+        self.recipe = recipe
+        self.model: Any = None
+        self.tokenizer: Any = None
+        self.merges = generation_engine(recipe) == "hf" and recipe.quantization.mode == "none"
+        self.base: dict[str, Any] | None = None  # name -> base weight of each layer the adapter merges into
+
+    def load(self, folder: str | None) -> tuple[Sampler, PreTrainedTokenizerBase]:
+        """(sampler, tokenizer) over the weights in `folder` (None: the base model)."""
+        from rlcli.generation.engines import make_sampler
+        from rlcli.generation.sampler import sampling_config
+        from rlcli.models.loading import load_policy
+
+        recipe = self.recipe
+        adapter = folder is not None and (Path(folder) / "adapter_config.json").is_file()
+        if recipe.lora is None or (folder is not None and not adapter):
+            self.model, self.tokenizer = load_policy(
+                recipe.model, recipe.lora, recipe.quantization, adapter=folder, trainable=False
+            )
+        else:
+            if self.model is None:
+                self.model, self.tokenizer = load_policy(
+                    recipe.model, recipe.lora, recipe.quantization, trainable=False
+                )
+            if folder is not None:
+                self._put_adapter(folder)
+        sampler = make_sampler(
+            recipe,
+            self.model,
+            self.tokenizer,
+            sampling_config(recipe.rollout),
+            base=folder is None,
+            checkpoint_folder=folder,
+        )
+        return sampler, self.tokenizer
+
+    def _put_adapter(self, folder: str) -> None:
+        import torch
+
+        from rlcli.models.loading import put_adapter
+
+        if self.base is not None:  # undo the last merge: peft's state back to unmerged, the weights to the base
+            self.model.unmerge_adapter()
+            with torch.no_grad():
+                for name, param in self.model.named_parameters():
+                    if name in self.base:
+                        param.copy_(self.base[name])
+        self.model = put_adapter(self.model, folder)
+        if self.merges:
+            if self.base is None:
+                self.base = {
+                    name: param.detach().to("cpu", copy=True)
+                    for name, param in self.model.named_parameters()
+                    if name.endswith("base_layer.weight")
+                }
+            self.model.merge_adapter()
 
 
 def _rollout(

@@ -117,6 +117,22 @@ def load_policy(
     return model, tokenizer
 
 
+def put_adapter(model: Any, folder: str | Path) -> Any:
+    """`model`, loaded for inference without an adapter (or as put_adapter returned it), with the LoRA
+    adapter of checkpoint folder `folder` in place of the one it has: only the adapter's weights are read
+    (a few MB), the base model stays as it is. The adapter is a separate branch; merge_adapter() folds it
+    into the weights. The first call wraps the model in peft's PeftModel: use the model it returns."""
+    from peft import PeftModel
+    from peft.utils import load_peft_weights, set_peft_model_state_dict
+
+    if not isinstance(model, PeftModel):
+        with _quiet_peft():
+            return PeftModel.from_pretrained(model, str(folder), is_trainable=False)
+    device = next(model.parameters()).device
+    set_peft_model_state_dict(model, load_peft_weights(str(folder), device=str(device)))
+    return model
+
+
 def resolve_device(name: str) -> str:
     import torch
 
