@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/curation.py --threads 1 --out /tmp/curation       # 2 tasks x 2 settings x 3 seeds
     .venv/bin/python bench/curation.py --tasks quickstart --seeds 0 --budget 60   # a quick look
+    .venv/bin/python bench/curation.py --tasks quickstart --settings default curated lean dapo
 
 For each task, seed and setting, in a runs dir of its own under --out:
   1. `rlcli sft`, when the task's recipe has SFT. Not counted: it is the same in both settings.
@@ -16,7 +17,12 @@ The settings:
   * default: the recipe as shipped (a fresh task every draw, sequential seeds);
   * curated: a 64-task pool (env.tasks), grpo.sampling=curriculum, grpo.dynamic_sampling=true (twice
     rollout.tasks tasks in the one rollout, informative groups first, the unused ones carried one
-    iteration), and grpo.replay (1 stored success joins a group that has none).
+    iteration), and grpo.replay (1 stored success joins a group that has none);
+  * lean (for the quickstart, whose rollout.tasks is 4): curated with rollout.tasks 2, so that it plays
+    as many tasks as the default (2 x 2) and trains on the 2 most informative groups of them (and what
+    was carried); on arithmetic (rollout.tasks 2) it is curated again;
+  * dapo: lean's dynamic sampling alone (grpo.dynamic_sampling, oversample 2, rollout.tasks 2) on the
+    default's fresh tasks: no pool, curriculum or replay.
 The tasks: the quickstart (guess_number, SFT then GRPO) and arithmetic with 3-digit numbers (no SFT).
 Reported per task and setting, pooled over the seeds: held-out success at 70% and 100% of the budget
 with 95% Wilson intervals, iterations done, the share of trained groups with zero reward variance, and
@@ -58,6 +64,19 @@ SETTINGS = {
         "grpo.oversample=2",
         "grpo.replay={max_per_group: 1, min_reward: 1.0}",
     ],
+    # On the quickstart (rollout.tasks 4), curated at the default's generation cost per iteration: as many
+    # tasks played (2 x 2), half as many groups trained on, the most informative.
+    "lean": [
+        "env.tasks=[0, 64]",
+        "grpo.sampling=curriculum",
+        "grpo.dynamic_sampling=true",
+        "grpo.oversample=2",
+        "rollout.tasks=2",
+        "grpo.replay={max_per_group: 1, min_reward: 1.0}",
+    ],
+    # Dynamic sampling alone, on the default's tasks (fresh ones, in order) at its generation cost: no pool,
+    # curriculum or replay.
+    "dapo": ["grpo.dynamic_sampling=true", "grpo.oversample=2", "rollout.tasks=2"],
 }
 # Eval during training would spend the budget on evaluation; keep_best would make `latest` depend on it.
 COMMON = ["grpo.eval_every=0", "grpo.keep_best=false", "grpo.iterations=10000"]
@@ -192,7 +211,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tasks", nargs="+", choices=list(TASKS), default=list(TASKS), help="Which tasks.")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="run.seed values.")
-    parser.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS), help="Which settings.")
+    parser.add_argument(
+        "--settings",
+        nargs="+",
+        choices=list(SETTINGS),
+        default=["default", "curated"],
+        help="Which settings (lean and dapo on request).",
+    )
     parser.add_argument("--budget", type=float, default=240.0, help="CPU seconds of `rlcli train grpo` per cell.")
     parser.add_argument("--eval-tasks", type=int, default=64, help="Held-out tasks per eval (eval.tasks).")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "curation-runs", help="Runs dirs go here.")

@@ -179,6 +179,7 @@ def run_rlcli(args, engine: str, max_staleness: int = 0) -> dict:
             "max_new_tokens": args.max_tokens,
             "batch_size": batch,
             "engine": engine,
+            "vllm_sync": args.vllm_sync,
         },
         "rewards": [{"fn": "numeric_match", "kwargs": {"field": "answer"}}],
         "grpo": {
@@ -397,6 +398,12 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=2e-4, help="Learning rate (constant).")
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--lora-r", type=int, default=8, help="LoRA rank (alpha = 2r).")
+    parser.add_argument(
+        "--vllm-sync",
+        choices=("merged", "adapter"),
+        default="merged",
+        help="rlcli-vllm: rollout.vllm_sync, how each update reaches the engine (merged weights, or the adapter).",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--eval-tasks", type=int, default=32, help="Held-out tasks for the final greedy eval; 0 skips it."
@@ -451,6 +458,7 @@ def main() -> None:
             "seed",
             "eval_tasks",
             "threads",
+            "vllm_sync",
         )
     ]
     busy_warning(console)
