@@ -96,7 +96,7 @@ SECONDS: dict[str, float] = {
     "test_vlm_quantized": 15,
     "test_hub": 14,
     "test_vllm_engine": 14,
-    "test_dynamic_sampling": 14,
+    "test_dynamic_sampling": 25,
     "test_vlm_grpo": 14,
     "test_curriculum": 14,
     "test_cli": 14,

@@ -96,7 +96,7 @@ def test_dynamic_sampling_refills_to_the_target_and_resumes_the_same_after_kill(
     recipe = write_recipe(
         tmp_path / "r.yaml",
         env={"name": str(env_file), "max_turns": 1},
-        rollout={"tasks": 3, "group_size": 4, "max_new_tokens": 6, "batch_size": 12},
+        rollout={"tasks": 3, "group_size": 4, "max_new_tokens": 6, "batch_size": 18},
         grpo={
             "iterations": 2,
             "dynamic_sampling": True,
@@ -240,3 +240,34 @@ def test_over_sampling_trains_informative_groups_and_carries_the_rest_once(tmp_p
     for it in trained:
         assert again[it][:2] == trained[it][:2]
         assert again[it][2]["train/loss"] == pytest.approx(trained[it][2]["train/loss"], abs=1e-5)
+
+
+def test_refill_rounds_count_the_carried_groups(tmp_path):
+    env_file = write_env_file(tmp_path / "some_flat.py", SOME_FLAT_ENV)
+    recipe = write_recipe(
+        tmp_path / "r.yaml",
+        env={"name": str(env_file), "max_turns": 1},
+        # Pairs: a non-flat task's group is informative half the time, so iterations fall short and overflow.
+        rollout={"tasks": 3, "group_size": 2, "max_new_tokens": 6, "batch_size": 18},
+        grpo={"iterations": 6, "dynamic_sampling": True, "oversample": 3, "max_rollout_rounds": 2},
+    )
+    runs = tmp_path / "runs"
+    result = run_in_process(["train", "grpo", "-r", str(recipe)], runs)
+    assert result.returncode == 0, result.stderr
+    ctx, trained = _trained(runs, recipe)
+    played = _rounds(runs, recipe)
+
+    def informative(it, stage):
+        return [t for t in dict(played[it]["stages"])[stage] if len(set(played[it]["groups"][t])) > 1]
+
+    carried_counted = 0
+    for it in played:
+        left_over = []
+        if it:
+            before = [t for name, _ in played[it - 1]["stages"] for t in informative(it - 1, name)]
+            left_over = [t for t in before if (it - 1, t) not in trained[it - 1][1]]
+        short = 3 - len(left_over) - len(informative(it, f"rollout/{it}"))
+        extra = dict(played[it]["stages"]).get(f"rollout/{it}+1", [])
+        assert len(extra) == max(short, 0), it  # a refill round plays only what own and carried groups leave short
+        carried_counted += bool(left_over) and short + len(left_over) > 0  # without them it would have refilled
+    assert carried_counted, "no iteration whose carried groups spared a refill: weak test"

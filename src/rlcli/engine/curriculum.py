@@ -1,7 +1,7 @@
 """Which training tasks a GRPO iteration plays (grpo.sampling over env.tasks).
 
-sequential: the tasks in order, it * rollout.tasks onwards (grpo.oversample times as many with
-  grpo.dynamic_sampling) (cycling through env.tasks when set).
+sequential: the tasks in order, it * rollout.tasks onwards, cycling through env.tasks when set
+  (with grpo.dynamic_sampling, grpo.oversample times as many: tasks_played).
 uniform: rollout.tasks distinct tasks drawn from env.tasks with a seed derived from (run seed, iteration).
 curriculum: the same seeded draw, weighted by how informative each task is. A group whose samples all
   succeed or all fail has zero reward variance and teaches GRPO nothing, so the weight is the

@@ -2,8 +2,9 @@
 
 SyncRollouts (grpo.max_staleness 0) plays rollout/i here, with the weights of the update before
 (grpo.dynamic_sampling: grpo.oversample times rollout.tasks tasks); with grpo.max_rollout_rounds > 1
-it also plays the extra rounds rollout/i+r, label/i+r once label/i is done. AsyncRollouts (k > 0) has a worker process (engine/async_rollout.py) play rollout/i+1..i+k
-while this process labels and trains iteration i, and pushes it the new weights after each update.
+it also plays the extra rounds rollout/i+r, label/i+r once label/i is done. AsyncRollouts (k > 0)
+has a worker process (engine/async_rollout.py) play rollout/i+1..i+k while this process labels and
+trains iteration i, and pushes it the new weights after each update.
 
 The loop (engine/train.py) runs, inside `with source.running():`, per iteration i:
 play(i) -> label/i -> before_update(i) -> train/i -> after_update(i).
@@ -30,7 +31,7 @@ from rlcli.engine.curriculum import extra_tasks, group_sizes, iteration_tasks
 from rlcli.engine.games import recipe_opponent
 from rlcli.engine.labelling import GRPO_LABEL_SET, label_stage_episodes
 from rlcli.engine.rollout import collect
-from rlcli.engine.trainer import GrpoTrainer, carried_groups, checkpoint_folder, saves_checkpoint
+from rlcli.engine.trainer import GrpoTrainer, carried_groups, checkpoint_folder, group_keys, saves_checkpoint
 from rlcli.generation.engines import generation_engine, make_sampler
 from rlcli.generation.sampler import Sampler, sampling_config
 from rlcli.models.loading import save_checkpoint
@@ -169,9 +170,7 @@ class SyncRollouts:
             return
         stages = [rollout_stage(it)]
         played = list(iteration_tasks(ctx, it))
-        carried = len(
-            {(e.episode.iteration, e.episode.task_index) for e in carried_groups(ctx, it, self.trainer.first)}
-        )
+        carried = len(group_keys(carried_groups(ctx, it, self.trainer.first)))
         for r in range(1, recipe.grpo.max_rollout_rounds):
             short = recipe.rollout.tasks - carried - _informative_groups(ctx, stages)
             if short <= 0:

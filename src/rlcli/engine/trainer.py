@@ -195,10 +195,10 @@ class GrpoTrainer:
         trained_groups = None
         if cfg.dynamic_sampling:
             carried = carried_groups(ctx, it, self.first)
-            drawn = len(_group_keys(episodes + carried))
+            drawn = len(group_keys(episodes + carried))
             # The iteration's own groups first: a carried one only fills what they leave short.
             episodes = training_batch(episodes + carried, recipe.rollout.tasks)
-            trained_groups = sorted(_group_keys(episodes))
+            trained_groups = sorted(group_keys(episodes))
         if not episodes:
             raise RlcliError(
                 f"Iteration {it} has no successfully finished, labelled episodes to train on "
@@ -449,7 +449,8 @@ def _group_key(labelled: LabelledEpisode) -> tuple[int, int]:
     return (-1 if iteration is None else iteration, labelled.episode.task_index)
 
 
-def _group_keys(episodes: list[LabelledEpisode]) -> set[tuple[int, int]]:
+def group_keys(episodes: list[LabelledEpisode]) -> set[tuple[int, int]]:
+    """The grpo.dynamic_sampling groups these episodes belong to."""
     return {_group_key(e) for e in episodes}
 
 
