@@ -323,7 +323,7 @@ def run_trl(args) -> dict:
             gradient_checkpointing=False,
             bf16=False,
             fp16=False,
-            use_cpu=True,
+            use_cpu=not torch.cuda.is_available(),  # the device rlcli's side takes (model.device auto)
             seed=args.seed,
             logging_steps=1,
             report_to="none",

@@ -83,6 +83,7 @@ SECONDS: dict[str, float] = {
     "test_concurrency": 40,
     "test_train": 39,
     "test_vllm_rollout": 38,
+    "test_stage_memory": 36,  # two `rlcli run`s (HF sampler, vLLM) and three failing pipelines
     "test_trackers": 38,
     "test_engine_parity": 35,
     "test_gpu_paths": 33,

@@ -87,15 +87,19 @@ def test_auto_picks_vllm_on_a_cpu_for_head_sizes_its_kernels_take(tmp_path, monk
     assert engine(model_with_heads(64)) == "hf"  # vllm not installed
 
 
-def test_sft_turns_activation_checkpointing_off_under_either_transformers_name():
+def test_sft_turns_activation_checkpointing_off_unless_asked_under_either_transformers_name():
     from trl import SFTConfig
 
-    from rlcli.engine.sft import _checkpointing_field
+    from rlcli.engine.sft import checkpointing_options
 
-    config = SFTConfig(
-        output_dir="unused", report_to="none", use_cpu=True, bf16=False, **{_checkpointing_field(SFTConfig): False}
+    off = SFTConfig(
+        output_dir="unused", report_to="none", use_cpu=True, bf16=False, **checkpointing_options(SFTConfig, False)
     )
-    assert config.gradient_checkpointing is False
+    assert off.gradient_checkpointing is False
+    on = SFTConfig(
+        output_dir="unused", report_to="none", use_cpu=True, bf16=False, **checkpointing_options(SFTConfig, True)
+    )
+    assert on.gradient_checkpointing is True and on.gradient_checkpointing_kwargs == {"use_reentrant": False}
 
 
 # --- rollouts ------------------------------------------------------------------------------------

@@ -438,7 +438,25 @@ class RolloutSection(Section):
         None,
         gt=0,
         description="vllm: up to 1, the share of GPU memory vLLM takes for weights and KV cache (leave room "
-        "for the trainer on the same GPU); above 1, the KV cache size in bytes. null: 0.5 on a GPU, 1 GiB on a CPU.",
+        "for the trainer on the same GPU); above 1, the KV cache size in bytes (vLLM is given the share that holds "
+        "it). null: on a GPU, the memory plan's share (vLLM's weights, profiling run, graphs and a KV cache for every "
+        "episode of a generate call, within what the trainer leaves: `rlcli recipes plan` shows it); on a CPU, 1 GiB "
+        "of KV cache.",
+    )
+    vllm_quantization: Literal["auto", "none", "fp8"] = Field(
+        "auto",
+        description="vllm: the weights vLLM samples with. none: dense, in the model's dtype. fp8: vLLM quantises "
+        "the linear layers to FP8 as it loads them and again at every merged sync (GPUs of compute capability 8.9 "
+        "or newer: Ada, Hopper, Blackwell), about half the memory of dense. auto: fp8 for a 4-bit or 8-bit text "
+        "policy on such a GPU, else none. vLLM 0.32 cannot hold bitsandbytes' 4-bit weights; `rlcli recipes plan` "
+        "shows the choice and its memory.",
+    )
+    vllm_image_size: tuple[int, int] | None = Field(
+        None,
+        description="vllm, a vision-language model: [width, height] of the largest image a prompt holds. vLLM "
+        "profiles its vision encoder with images of this size (and env.keep_images of them) instead of its "
+        "processor's largest (12.8 megapixels for Qwen2.5-VL), which leaves that memory to the KV cache. null: "
+        "the processor's largest.",
     )
     vllm_sync: Literal["merged", "adapter"] = Field(
         "merged",
@@ -456,6 +474,13 @@ class RolloutSection(Section):
         "true elsewhere is refused.",
         json_schema_extra=RESUME_SAFE,
     )
+
+    @field_validator("vllm_image_size")
+    @classmethod
+    def _positive_size(cls, value: tuple[int, int] | None) -> tuple[int, int] | None:
+        if value is not None and min(value) <= 0:
+            raise ValueError("expected [width, height] in pixels, both above 0")
+        return value
 
 
 class RewardSpec(Section):
@@ -513,6 +538,11 @@ class SftSection(Section):
     batch_size: int = Field(8, gt=0, description="Conversations per optimizer step.")
     micro_batch_size: int = Field(4, gt=0, description="Conversations per forward pass (gradient accumulation).")
     eval_fraction: float = Field(0.1, ge=0, lt=1, description="Held-out share of the data for eval loss.")
+    gradient_checkpointing: bool = Field(
+        False,
+        description="Trade compute for memory: keep each layer's input and recompute the rest in the backward "
+        "(a long sequence's activations shrink to about a tenth; `rlcli recipes plan` shows them).",
+    )
     save_steps: int = Field(50, gt=0, description="Checkpoint every this many steps (resume point).")
 
     @field_validator("columns")
@@ -730,6 +760,11 @@ class DpoSection(Section):
     epochs: float = Field(1.0, gt=0, description="Passes over the pairs.")
     batch_size: int = Field(8, gt=0, description="Pairs per optimizer step.")
     micro_batch_size: int = Field(4, gt=0, description="Pairs per forward pass (gradient accumulation).")
+    gradient_checkpointing: bool = Field(
+        False,
+        description="Trade compute for memory: keep each layer's input and recompute the rest in the backward "
+        "(a long sequence's activations shrink to about a tenth; `rlcli recipes plan` shows them).",
+    )
     save_steps: int = Field(50, gt=0, description="Checkpoint every this many steps (resume point).")
 
 
@@ -1219,6 +1254,8 @@ def _annotation_text(annotation: Any) -> str:
         return "list of " + ("sections" if _section_type(args[0]) else _annotation_text(args[0]))
     if origin is dict:
         return "mapping"
+    if origin is tuple:
+        return f"list of {len(args)} {_annotation_text(args[0])}"
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return "section"
     if args:  # a union inside a list: list of str | int

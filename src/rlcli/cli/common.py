@@ -59,14 +59,27 @@ def shared(cli_ctx: typer.Context) -> SharedOptions:
 
 @contextlib.contextmanager
 def stage_run(
-    cli_ctx: typer.Context, recipe_path: Path | None, run: str | None, overrides: list[str] | None, force: bool
+    cli_ctx: typer.Context,
+    recipe_path: Path | None,
+    run: str | None,
+    overrides: list[str] | None,
+    force: bool,
+    stages: list[str] | None = None,
 ) -> Iterator[RunContext]:
-    """What a stage command runs in: its run opened under the lock, and a status that follows the command."""
+    """What a stage command runs in: its run opened under the lock, and a status that follows the command.
+    When the command ends, failing or not, what its stages built is freed (engine/memory.py); the vLLM
+    engine stays for the rest of the process (an in-process caller's next command reuses it)."""
+    from rlcli.engine.memory import release_stage_memory
     from rlcli.engine.threads import set_threads
 
-    with open_run(recipe_path, run, shared(cli_ctx).runs_dir, overrides, force) as ctx, tracked(ctx):
+    with open_run(recipe_path, run, shared(cli_ctx).runs_dir, overrides, force, stages) as ctx, tracked(ctx):
         set_threads(ctx.recipe.run.threads, lambda text: err_console.print(text, highlight=False))
-        yield ctx
+        try:
+            yield ctx
+        except BaseException as exc:
+            release_stage_memory(keep_engine=True, failure=exc)
+            raise
+        release_stage_memory(keep_engine=True)
 
 
 @contextlib.contextmanager
@@ -76,8 +89,10 @@ def open_run(
     runs_dir: Path | None,
     overrides: list[str] | None,
     force: bool = False,
+    stages: list[str] | None = None,
 ) -> Iterator[RunContext]:
     """Validate the recipe, open the database, lock the run, record it; yield a RunContext.
+    stages: what the command runs (sft, grpo, dpo, eval), for the memory plan on a GPU; None: the recipe's.
 
     A command that fails before any stage of the run has started leaves the run as it found it (or
     absent, if it made it): a typo in a command line must not mark a run failed or rewrite its recipe.
@@ -100,7 +115,7 @@ def open_run(
     recipe = load_recipe(recipe_path, overrides or []) if recipe_path is not None else None
     if recipe is not None:
         recipe.run.name = check_run_name(run or recipe.run.name)
-        check_recipe(recipe)
+        check_recipe(recipe, stages)
     runs_dir = Path(runs_dir) if runs_dir else default_runs_dir()
     rundb = RunDB.open(runs_dir)
     try:
@@ -114,7 +129,7 @@ def open_run(
                 apply_override(data, item)
             recipe = validate_recipe(data, f"run {run!r}")
             recipe.run.name = run
-            check_recipe(recipe)
+            check_recipe(recipe, stages)
         name = recipe.run.name
         rundb.check_case_twin(name)  # before the lock, which makes the run's folder
         new_folder = not (runs_dir / name).exists()

@@ -10,10 +10,11 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from rlcli.cli.common import JsonOpt, console, err_console
+from rlcli.cli.common import JsonOpt, Overrides, console, err_console
 from rlcli.errors import UsageError
 
 if TYPE_CHECKING:  # rlcli.recipe imports pydantic: only the commands that need it load it
+    from rlcli.generation.memory_plan import MemoryPlan
     from rlcli.recipe import FieldDoc, SectionDoc
 
 app = typer.Typer(help="List, copy and check recipes, and show the recipe schema.", no_args_is_help=True)
@@ -120,6 +121,89 @@ def recipes_validate(
         print(json.dumps({"ok": ok, "files": results}, indent=2))
     if not ok:
         raise typer.Exit(2)
+
+
+@app.command("plan")
+def recipes_plan(
+    recipe: Annotated[str, typer.Argument(help="A recipe file, or a shipped recipe's name.", show_default=False)],
+    overrides: Overrides = None,
+    gpu_gb: Annotated[
+        float | None,
+        typer.Option("--gpu-gb", min=1, help="The card's memory in GB (default: this machine's first visible GPU)."),
+    ] = None,
+    gpus: Annotated[
+        int | None, typer.Option("--gpus", min=1, help="How many such cards (default: the visible ones, else 1).")
+    ] = None,
+    capability: Annotated[
+        float | None,
+        typer.Option(
+            "--capability",
+            min=1,
+            help="The card's CUDA compute capability, which decides bfloat16 (8.0) and FP8 in vLLM (8.9) "
+            "(default: the visible GPU's, else 8.9: an L4, RTX 4090 or H100 and newer).",
+        ),
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """What each stage of a recipe takes on each GPU, before anything runs: weights, LoRA and optimizer state,
+    activations, vLLM's share and KV cache, CUDA context and the peak, against the card; and what the `auto`
+    settings mean there. Computed from the model's config.json (no weights loaded). Exits 2 when a stage
+    cannot fit, with the setting to change.
+
+    With --json: an object with "card", "gpus", "fits", "problems", "choices" and "stages" (each with "stage",
+    "device", "peak_gb" and "parts_gb")."""
+    from rlcli.engine.pipeline import planned_stages
+    from rlcli.generation.memory_plan import GB, Card, plan_memory, visible_gpus
+    from rlcli.recipe import load_recipe, recipe_file
+
+    loaded = load_recipe(recipe_file(recipe), overrides or [])
+    seen = visible_gpus()
+    if gpu_gb is None and not seen:
+        raise UsageError("No GPU is visible here; give the card's memory with --gpu-gb (e.g. --gpu-gb 24).")
+    here = seen[0] if seen else None
+    name = here.name if here is not None and gpu_gb is None else f"{gpu_gb:g} GB GPU"
+    total = int(gpu_gb * GB) if gpu_gb is not None else here.total_bytes  # type: ignore[union-attr]
+    cap = capability if capability is not None else (here.capability if here is not None and gpu_gb is None else 8.9)
+    card = Card(name, total, cap)
+    plan = plan_memory(loaded, planned_stages(loaded), card, gpus or max(len(seen), 1))
+    if as_json:
+        print(json.dumps(plan.to_dict(), indent=2))
+    else:
+        _print_plan(plan)
+    if not plan.fits:
+        if not as_json:
+            for problem in plan.problems:
+                err_console.print(f"[red]✗[/red] {problem}", highlight=False)
+        raise typer.Exit(2)
+
+
+def _print_plan(plan: MemoryPlan) -> None:
+    from rich.table import Table
+
+    from rlcli.generation.memory_plan import GB, HEADROOM
+
+    def gb(size: float) -> str:
+        return f"{size / GB:.1f}"
+
+    card = plan.card
+    cap = f", compute capability {card.capability:g}" if card.capability else ""
+    title = f"{plan.model} on {plan.gpus} x {card.name} ({gb(card.total_bytes)} GB{cap}): GB per stage and device"
+    # A row per part, a column per stage and device: the parts outnumber the stages.
+    parts = list(dict.fromkeys(part for stage in plan.stages for part in stage.parts))
+    table = Table(title=title, title_justify="left")
+    table.add_column("")
+    for stage in plan.stages:
+        table.add_column(f"{stage.stage}\n{stage.device}", justify="right")
+    for part in parts:
+        table.add_row(part, *(gb(stage.parts[part]) if stage.parts.get(part) else "" for stage in plan.stages))
+    table.add_section()
+    table.add_row("peak", *(gb(stage.peak) for stage in plan.stages), style="bold")
+    limit = card.total_bytes * HEADROOM
+    table.add_row("fits", *("yes" if stage.peak <= limit else "[red]no[/red]" for stage in plan.stages))
+    console.print(table, highlight=False)
+    console.print(f"config: {plan.shape_source}", highlight=False)
+    for reason in plan.choices.why:
+        console.print(f"- {reason}", highlight=False, markup=False)
 
 
 @app.command("explain")

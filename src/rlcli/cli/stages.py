@@ -49,7 +49,7 @@ def sft_cmd(
     force: ForceOpt = False,
 ) -> None:
     """SFT warm-start from a dataset, expert demonstrations, or the run's best episodes."""
-    with stage_run(cli_ctx, recipe, run, overrides, force) as ctx:
+    with stage_run(cli_ctx, recipe, run, overrides, force, ["sft"]) as ctx:
         from rlcli.engine.sft import run_sft
         from rlcli.report.tables import sft_table
 
@@ -70,7 +70,7 @@ def rollout_cmd(
     force: ForceOpt = False,
 ) -> None:
     """Collect episodes (tasks x group size) with a policy and record them token by token."""
-    with stage_run(cli_ctx, recipe, run, overrides, force) as ctx:
+    with stage_run(cli_ctx, recipe, run, overrides, force, ["eval"]) as ctx:
         from rlcli.engine.rollout import run_rollout_stage
         from rlcli.report.tables import episodes_table
 
@@ -88,7 +88,7 @@ def label_cmd(
     force: ForceOpt = False,
 ) -> None:
     """(Re)label the run's episodes with the recipe's reward functions, without new rollouts."""
-    with stage_run(cli_ctx, recipe, run, overrides, force) as ctx:
+    with stage_run(cli_ctx, recipe, run, overrides, force, []) as ctx:
         from rlcli.engine.labelling import run_label_stage
         from rlcli.report.tables import labels_table
 
@@ -104,7 +104,7 @@ def train_grpo_cmd(
     force: ForceOpt = False,
 ) -> None:
     """Online GRPO: per iteration rollout -> label -> advantages -> update -> checkpoint."""
-    with stage_run(cli_ctx, recipe, run, overrides, force) as ctx:
+    with stage_run(cli_ctx, recipe, run, overrides, force, ["grpo"]) as ctx:
         from rlcli.engine.train import run_grpo
 
         run_grpo(ctx)
@@ -126,7 +126,7 @@ def train_dpo_cmd(
     """DPO on preference pairs mined from the run's labelled groups (best vs worst episode by reward)."""
     if not isinstance(try_parse_stage(stage), DpoStage):
         raise UsageError(f"--stage {stage!r}: expected dpo or dpo/<name>, e.g. dpo/2.")
-    with stage_run(cli_ctx, recipe, run, overrides, force) as ctx:
+    with stage_run(cli_ctx, recipe, run, overrides, force, ["dpo"]) as ctx:
         from dataclasses import asdict
 
         from rlcli.engine.dpo import run_dpo
@@ -157,7 +157,7 @@ def eval_cmd(
     force: ForceOpt = False,
 ) -> None:
     """Evaluate checkpoints on held-out tasks: success rate (95% CI), mean return, pass@k."""
-    with stage_run(cli_ctx, recipe, run, overrides, force) as ctx:
+    with stage_run(cli_ctx, recipe, run, overrides, force, ["eval"]) as ctx:
         from rlcli.engine.evaluate import run_eval
         from rlcli.report.tables import evals_table, games_table
         from rlcli.report.views import eval_view

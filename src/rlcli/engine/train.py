@@ -70,6 +70,7 @@ from rlcli.engine import guardrails
 from rlcli.engine.context import RunContext
 from rlcli.engine.evaluate import TrainingEvals
 from rlcli.engine.labelling import GRPO_LABEL_SET, label_stage_episodes
+from rlcli.engine.memory import frees_on_failure
 from rlcli.engine.rollout_sources import Rollout, rollout_source
 from rlcli.engine.trainer import METRICS_STAGE, GrpoTrainer, IterationStats, saves_checkpoint
 from rlcli.errors import UsageError
@@ -150,6 +151,7 @@ def phase_start(ctx: RunContext, row: Stage | None) -> Checkpoint | None:
     return known[-1] if known else None
 
 
+@frees_on_failure  # a failed phase's traceback keeps no policy, optimizer or reference alive
 def _run_phase(ctx: RunContext, phase: int, start: Checkpoint | None) -> dict[str, Any]:
     """Iterations phase*N .. phase*N+N-1 (N = grpo.iterations), resumed where they stopped; phase 0
     starts from the SFT checkpoint (else the base model), a later one from `start`."""
@@ -170,29 +172,34 @@ def _run_phase(ctx: RunContext, phase: int, start: Checkpoint | None) -> dict[st
         ctx.console.print(f"{trainer.title}: all {recipe.grpo.iterations} iterations are done.")
         HeldOutEvals(ctx, None, None).before(trainer)  # a kill may have cut off the last: loaded from disk
         return summary
-    trainer.setup()
-    evals = HeldOutEvals(ctx, trainer.model, trainer.tokenizer)
-    view = MetricsView(ctx.console)
-    with (
-        stage_tracker(ctx, METRICS_STAGE) as tracker,
-        rollouts.running(),
-    ):
-        evals.before(trainer)
-        for it in iterations:
-            rollout = rollouts.play(it)  # rollout/i: the policy's episodes, stored token by token
-            with rollout.timed("perf/time_label_s"):  # label/i: the recipe's rewards for them
-                ctx.stage(
-                    grpo_label_stage(it),
-                    lambda: label_stage_episodes(ctx, rollout_stage(it), GRPO_LABEL_SET, reward_fns),
-                )
-            rollouts.before_update(it, rollout, reward_fns)  # grpo.dynamic_sampling's extra rounds
-            metrics = _train(ctx, trainer, it, rollout)  # train/i: batch -> update -> checkpoint -> commit
-            rollouts.after_update(it)  # the rollout worker gets the new weights
-            metrics |= evals.after(it)  # grpo.eval_every: the new checkpoint's held-out success
-            tracker.log(metrics, step=it)
-            view.show(it, metrics)
-            for warning in guardrails.check(ctx, it):  # once its metrics and held-out eval are stored
-                ctx.console.print(f"warning: {warning.message}", style="yellow", highlight=False)
+    try:
+        trainer.setup()
+        evals = HeldOutEvals(ctx, trainer.model, trainer.tokenizer)
+        view = MetricsView(ctx.console)
+        with (
+            stage_tracker(ctx, METRICS_STAGE) as tracker,
+            rollouts.running(),
+        ):
+            evals.before(trainer)
+            for it in iterations:
+                rollout = rollouts.play(it)  # rollout/i: the policy's episodes, stored token by token
+                with rollout.timed("perf/time_label_s"):  # label/i: the recipe's rewards for them
+                    ctx.stage(
+                        grpo_label_stage(it),
+                        lambda: label_stage_episodes(ctx, rollout_stage(it), GRPO_LABEL_SET, reward_fns),
+                    )
+                rollouts.before_update(it, rollout, reward_fns)  # grpo.dynamic_sampling's extra rounds
+                metrics = _train(ctx, trainer, it, rollout)  # train/i: batch -> update -> checkpoint -> commit
+                rollouts.after_update(it)  # the rollout worker gets the new weights
+                metrics |= evals.after(it)  # grpo.eval_every: the new checkpoint's held-out success
+                tracker.log(metrics, step=it)
+                view.show(it, metrics)
+                for warning in guardrails.check(ctx, it):  # once its metrics and held-out eval are stored
+                    ctx.console.print(f"warning: {warning.message}", style="yellow", highlight=False)
+    finally:
+        # Failing or not, the policy, optimizer and schedule go with the phase: a failed iteration's
+        # traceback, and the closures it holds, keep an empty learner.
+        trainer.release()
     return summary
 
 

@@ -170,6 +170,12 @@ class GrpoTrainer:
             f"{self.title}: iterations {self.next_iteration}..{self.end - 1}, starting from {self._starting_point()}"
         )
 
+    def release(self) -> None:
+        """Drop the policy (its KL reference is an adapter of it), AdamW and the schedule, once the phase
+        is over: whatever still holds this learner then holds none of their memory."""
+        for name in ("model", "tokenizer", "optimizer", "scheduler"):
+            self.__dict__.pop(name, None)
+
     def _starting_point(self) -> str:
         if self.resumed:
             shown = f"checkpoint {self.resumed.id}"

@@ -46,6 +46,11 @@ def generation_engine(recipe: Recipe) -> str:
 
     on_cuda = resolve_device(cfg.device or recipe.model.device).startswith("cuda")
     head_size = _head_size(recipe.model.name)
+    if cfg.vllm_quantization == "fp8" and not on_cuda and cfg.engine == "vllm":
+        raise UsageError(
+            "rollout.vllm_quantization fp8: vLLM quantises to FP8 on CUDA GPUs only, and this engine runs on the "
+            "CPU; set rollout.vllm_quantization: auto or none."
+        )
     if cfg.engine == "vllm":
         # Refused here, before any work: vLLM would fail only once its engine had started.
         if not on_cuda and head_size is not None and head_size not in VLLM_CPU_HEAD_SIZES:
@@ -57,7 +62,11 @@ def generation_engine(recipe: Recipe) -> str:
     if cfg.top_k != 0 or cfg.top_p != 1 or importlib.util.find_spec("vllm") is None or needs_torchvision:
         return "hf"
     if on_cuda:
-        return "vllm"
+        from rlcli.generation.memory_plan import plan_on_this_machine
+
+        # The memory plan picks the HF sampler where vLLM's share cannot fit beside the trainer.
+        plan = plan_on_this_machine(recipe, [])
+        return "vllm" if plan is None else plan.choices.engine
     if model_type is not None:
         return "hf"  # not measured against the HF sampler on a CPU, unlike text models (below)
     # On a CPU vLLM ran the quickstart 1.37x faster than the HF sampler, start-up and syncs included.

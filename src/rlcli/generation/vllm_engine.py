@@ -40,12 +40,13 @@ import tempfile
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TypeAlias
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias, cast
 
 import torch
 
 from rlcli.console import err_console
 from rlcli.errors import RlcliError, UsageError
+from rlcli.generation.memory_plan import VLLM_STEP_TOKENS
 from rlcli.generation.sampler import Sample, SamplingConfig
 from rlcli.generation.seeds import derive_seed
 from rlcli.models import vision
@@ -68,6 +69,9 @@ VllmDtype: TypeAlias = Literal["auto", "half", "float16", "bfloat16", "float", "
 LOGPROBS_MODE = "processed_logprobs"
 # vLLM's default token budget of a step on the CPU build (EngineArgs, LLM class), kept when prompts fit.
 CPU_STEP_TOKENS = 4096
+# vLLM's online FP8 weights (rollout.vllm_quantization fp8): a scale per output channel, which needs no
+# divisibility of the layers' sizes (per-block scales want multiples of 128).
+VLLM_FP8 = "fp8_per_channel"
 
 
 class VllmEngine:
@@ -83,7 +87,13 @@ class VllmEngine:
     max_lora_rank: serve LoRA adapters up to this rank over the base weights (adapter-only sync,
     `load_adapter`); None: no LoRA, weights are synced by `load_weights`.
     sleep_mode: build the engine so that `sleep` can free its GPU memory (vLLM's enable_sleep_mode;
-    CUDA only).
+    CUDA only). sleep_level: 1 keeps the weights in host memory while asleep; 2 drops them, for an
+    engine whose every sync reloads all of them (merged sync).
+    quantization: vLLM's online quantisation of the weights ("fp8_per_channel"); None: as loaded.
+    max_num_seqs, max_num_batched_tokens: vLLM's scheduling bounds (its defaults when None), which also
+    bound its start-up profiling run and so leave more of its share to the KV cache.
+    image_size: (width, height) of the largest image a prompt holds; vLLM profiles its vision encoder
+    with max_images images of that size instead of its processor's largest.
     """
 
     def __init__(
@@ -100,7 +110,12 @@ class VllmEngine:
         seed: int = 0,
         max_lora_rank: int | None = None,
         sleep_mode: bool = False,
+        sleep_level: int = 1,
         max_images: int | None = None,
+        image_size: tuple[int, int] | None = None,
+        quantization: str | None = None,
+        max_num_seqs: int | None = None,
+        max_num_batched_tokens: int | None = None,
     ) -> None:
         # Must be set before vllm reads it: the engine core then runs in this process, where its
         # model runner (and so in-place weight reload) is reachable without serialising tensors.
@@ -129,7 +144,17 @@ class VllmEngine:
         threads = torch.get_num_threads()
         free_before = _free_gpu_bytes(current_platform)
         # A vision-language model's engine sizes its encoder budget for this many images per prompt.
-        images: dict[str, Any] = {"limit_mm_per_prompt": {"image": max_images}} if max_images is not None else {}
+        images: dict[str, Any] = {}
+        if max_images is not None or image_size is not None:
+            limit: dict[str, Any] = {"count": max_images if max_images is not None else 1}
+            if image_size is not None:
+                limit |= {"width": image_size[0], "height": image_size[1]}
+            images["limit_mm_per_prompt"] = {"image": limit}
+        scheduling: dict[str, Any] = {
+            name: value
+            for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens))
+            if value is not None
+        }
         self.llm: LLM | None = LLM(
             model=str(model_path),
             max_model_len=max_model_len,
@@ -142,8 +167,10 @@ class VllmEngine:
             logprobs_mode=LOGPROBS_MODE,
             seed=seed,
             enable_sleep_mode=sleep_mode,
+            quantization=cast(Any, quantization),  # vLLM types it as a Literal of its method names
             **images,
             **lora,
+            **scheduling,
             **_whole_prefills_on_cpu(current_platform, max_model_len),
         )
         if torch.get_num_threads() != threads:
@@ -151,7 +178,8 @@ class VllmEngine:
         # What vLLM holds on the GPU (weights, KV cache, CUDA graphs): perf/vllm_mem_gb. None on a CPU.
         free_after = _free_gpu_bytes(current_platform)
         self.reserved_gb = None if free_before is None or free_after is None else (free_before - free_after) / 1e9
-        self.sleep_mode, self.asleep = sleep_mode, False
+        self.sleep_mode, self.sleep_level, self.asleep = sleep_mode, sleep_level, False
+        self.weights_dropped = False  # asleep at level 2: the weights are gone until load_weights refills them
         self.serves_base = True  # the policy of model_path; False once other weights or an adapter are served
         # The base weights under the policy: model_path's as loaded ("none"), or their copy through
         # a 4-bit or 8-bit quantisation (what a quantised trainer's base computes with).
@@ -185,6 +213,8 @@ class VllmEngine:
         if len(seeds) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds.")
         self.wake_up()
+        if self.weights_dropped:
+            raise RlcliError("This vLLM engine slept at level 2 and no weights were loaded since; sync them first.")
         budgets = max_new_tokens or [config.max_new_tokens] * len(prompts)
         params = [_sampling_params(config, seed, budget, bad_words) for seed, budget in zip(seeds, budgets)]
         requests = []
@@ -219,6 +249,7 @@ class VllmEngine:
         with self._weights_awake():
             self._running().collective_rpc("reload_weights", kwargs={"weights_iterator": iter(pairs)})
             self._running().collective_rpc(_repack_tied_cpu_weights)
+        self.weights_dropped = False
         self._running().reset_prefix_cache()
         # A vision tower that trains (full fine-tune, lora.target_vision) makes cached image features stale.
         self._running().llm_engine.reset_encoder_cache()
@@ -253,18 +284,21 @@ class VllmEngine:
         self.adapter = None
 
     def sleep(self) -> None:
-        """Give the GPU to the trainer: weights to host memory, KV cache (and prefix cache) freed.
-
-        Level 1, not 2: level 2 drops the weights too, and adapter-only sync needs the base weights
-        back; merged sync reloads them anyway. A no-op unless the engine was built with sleep_mode.
+        """Give the GPU to the trainer: the KV cache (and prefix cache) freed, and the weights copied to
+        host memory (level 1) or dropped (level 2: merged sync reloads every weight anyway, so the copy to
+        host and back would be wasted; vLLM keeps the model's buffers). Adapter-only sync needs the base
+        weights back: level 1. A no-op unless the engine was built with sleep_mode.
         """
         if self.sleep_mode and not self.asleep:
-            self._running().sleep(level=1)
+            self._running().sleep(level=self.sleep_level)
             self.asleep = True
+            self.weights_dropped = self.sleep_level == 2
 
     def wake_up(self) -> None:
-        """Take the GPU memory back after `sleep`; every method that uses the engine calls it first."""
+        """Take the GPU memory back after `sleep`; every method that uses the engine calls it first.
+        torch's cache is emptied first: what the update left reserved is free for the wake (as TRL does)."""
         if self.asleep:
+            _empty_cuda_cache()
             self._running().wake_up()
             self.asleep = False
 
@@ -285,10 +319,10 @@ class VllmEngine:
         if not self.asleep:
             yield
             return
+        _empty_cuda_cache()  # what the update left reserved goes back before the weights come
         self._running().wake_up(tags=["weights"])
         yield
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        _empty_cuda_cache()
         self._running().wake_up(tags=["kv_cache"])
         self.asleep = False
 
@@ -416,7 +450,7 @@ def policy_engine(
     there (an inference load merges the adapter into the weights, so model has none left to save).
     """
     from rlcli.models.cache import resolve_model
-    from rlcli.models.loading import resolve_device, resolve_dtype
+    from rlcli.models.loading import resolve_device
 
     device = resolve_device(recipe.rollout.device or recipe.model.device)
     sleep_mode = sleeps_around_updates(recipe)
@@ -428,22 +462,8 @@ def policy_engine(
                 f"rollout.vllm_sleep true: vLLM has no sleep mode on {current_platform.device_type} (CUDA GPUs "
                 "only); set rollout.vllm_sleep: auto or false."
             )
-    memory = recipe.rollout.vllm_memory
-    if memory is None:
-        memory = 0.5 if device.startswith("cuda") else float(1 << 30)
     model_path = resolve_model(recipe.model.name)
-    engine = shared_engine(
-        model_path,
-        max_model_len=recipe.model.max_length,
-        dtype=str(resolve_dtype(recipe.model.dtype, device)).removeprefix("torch."),
-        device=device,
-        gpu_memory_utilization=min(memory, 0.9),
-        kv_cache_memory_bytes=int(memory) if memory > 1 else None,
-        # vllm_sync adapter without a lora section is refused by the recipe.
-        max_lora_rank=recipe.lora.r if recipe.rollout.vllm_sync == "adapter" and recipe.lora is not None else None,
-        sleep_mode=sleep_mode or None,  # None: the default, so that the key matches an engine built without it
-        max_images=max_images_per_prompt(recipe, model_path),
-    )
+    engine = shared_engine(model_path, **engine_options(recipe, device, model_path, sleep_mode=sleep_mode))
     if engine.base_quantization != recipe.quantization.mode:
         # A quantised trainer's base is the checkpoint through 4 or 8 bits, where a fresh engine holds
         # its dense weights. Serve the base the trainer computes with, as every later sync does, so that
@@ -456,10 +476,53 @@ def policy_engine(
     if base and engine.adapter_sync:
         engine.serve_base()  # the base weights never left the engine
         engine.serves_base = True
-    elif not (base and engine.serves_base):
+    elif not (base and engine.serves_base) or engine.weights_dropped:
         sync_weights(engine, model, adapter_folder)
         engine.serves_base = base
     return engine
+
+
+def engine_options(recipe: Recipe, device: str, model_path: str | Path, *, sleep_mode: bool) -> dict[str, Any]:
+    """The shared engine's options for the recipe on `device` (resolved). On a GPU, vLLM's share, weights
+    and sleep level are the memory plan's (generation/memory_plan.py); on a CPU, rollout.vllm_memory is a
+    share of the host's memory or, by default, 1 GiB of KV cache."""
+    from rlcli.models.loading import resolve_dtype
+
+    memory = recipe.rollout.vllm_memory
+    options: dict[str, Any] = dict(
+        max_model_len=recipe.model.max_length,
+        dtype=str(resolve_dtype(recipe.model.dtype, device)).removeprefix("torch."),
+        device=device,
+        # vllm_sync adapter without a lora section is refused by the recipe.
+        max_lora_rank=recipe.lora.r if recipe.rollout.vllm_sync == "adapter" and recipe.lora is not None else None,
+        sleep_mode=sleep_mode or None,  # None: the default, so that the key matches an engine built without it
+        max_images=max_images_per_prompt(recipe, model_path),
+    )
+    if not device.startswith("cuda"):
+        memory = memory if memory is not None else float(1 << 30)
+        return options | dict(
+            gpu_memory_utilization=min(memory, 0.9), kv_cache_memory_bytes=int(memory) if memory > 1 else None
+        )
+    from rlcli.generation.memory_plan import plan_on_this_machine
+
+    plan = plan_on_this_machine(recipe, [])
+    if plan is None or plan.choices.vllm_memory is None:
+        # No nvidia-smi to plan with, or a share that cannot fit (refused before any stage on a GPU machine).
+        share = 0.5 if memory is None else min(memory, 0.9)
+        return options | dict(
+            gpu_memory_utilization=share, kv_cache_memory_bytes=int(memory) if memory and memory > 1 else None
+        )
+    choices = plan.choices
+    return options | dict(
+        gpu_memory_utilization=choices.vllm_memory,
+        kv_cache_memory_bytes=int(memory) if memory is not None and memory > 1 else None,
+        quantization=VLLM_FP8 if choices.vllm_quantization == "fp8" else None,
+        sleep_level=choices.sleep_level if sleep_mode else None,
+        # A generate call holds at most rollout.batch_size episodes; the bounds also shrink vLLM's profiling run.
+        max_num_seqs=recipe.rollout.batch_size,
+        max_num_batched_tokens=max(recipe.model.max_length, VLLM_STEP_TOKENS),
+        image_size=tuple(recipe.rollout.vllm_image_size) if recipe.rollout.vllm_image_size else None,
+    )
 
 
 def max_images_per_prompt(recipe: Recipe, model_path: str | Path) -> int | None:
@@ -502,6 +565,11 @@ def sync_weights(engine: VllmEngine, model: PolicyModel, adapter_folder: str | o
     else:
         engine.load_weights(merged_weights(model))
     engine.serves_base = False
+
+
+def _empty_cuda_cache() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _repack_tied_cpu_weights(worker: Any) -> None:

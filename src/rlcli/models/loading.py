@@ -26,7 +26,7 @@ from rlcli.models.cache import resolve_model
 
 if TYPE_CHECKING:
     from peft import PeftModel
-    from transformers import PreTrainedModel
+    from transformers import PreTrainedModel, TrainingArguments
 
     from rlcli.recipe import LoraSection, ModelSection, QuantizationSection
 
@@ -147,17 +147,27 @@ def resolve_device(name: str) -> str:
     raise UsageError(f"model.device: expected auto, cpu, cuda or cuda:N, got {name!r}.")
 
 
-def check_trainer_device(device: str, stage: str) -> None:
-    """Refuse model.device cuda:N (N > 0) for a stage that trains with the HF Trainer (SFT, DPO).
+def on_one_device(args: TrainingArguments, device: str) -> None:
+    """Make the Hugging Face Trainer built on `args` (SFT's, DPO's) train on `device` alone (the
+    recipe's model.device, resolved), however many GPUs are visible.
 
-    In a single process the Trainer puts each batch on the current CUDA device (cuda:0) and, seeing
-    the model on another GPU, leaves it there: the first step would fail on tensors on two devices.
+    Without a distributed launcher, TrainingArguments counts every visible GPU (n_gpu) and takes
+    cuda:0: with n_gpu > 1 the Trainer would wrap the policy in nn.DataParallel (a replica per GPU and
+    n_gpu times the batch; TRL's trainers refuse it), and its batches would go to cuda:0 beside a
+    policy on cuda:1. So n_gpu is 1, as the Trainer itself sets it for a model it must not wrap, and
+    on cuda:N the args' device (where the Trainer puts the model and each batch) and accelerate's
+    (where its dataloaders put batches, and where a 4-bit model must be) are cuda:N. The process's
+    current CUDA device stays cuda:0, the in-process vLLM engine's.
     """
-    if re.fullmatch(r"cuda:\d+", device) and device != "cuda:0":
-        raise UsageError(
-            f"model.device {device}: {stage} trains with the Hugging Face Trainer, which puts its batches on the "
-            f"first visible GPU; run it with CUDA_VISIBLE_DEVICES={device.partition(':')[2]} and model.device: cuda."
-        )
+    import torch
+
+    if args.device.type != "cuda":
+        return
+    args._n_gpu = 1
+    target = torch.device(device)
+    if target.index is not None and target != args.device:
+        args._setup_devices = target  # a cached property: what args.device gives from now on
+        args.distributed_state.device = target
 
 
 def resolve_dtype(name: str, device: str) -> Any:

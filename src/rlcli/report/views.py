@@ -48,7 +48,8 @@ def runs_summary(rundb: RunDB) -> list[dict[str, Any]]:
 def run_details(rundb: RunDB, name: str) -> dict[str, Any]:
     run = rundb.require_run(name)
     status = _status(rundb, run)
-    # Recorded on a GPU only (engine/context.py): the stage's peak, and the vLLM engine's share.
+    # Recorded on a GPU only (engine/context.py): the stage's peaks (allocated, reserved; the largest
+    # GPU's), and the vLLM engine's share.
     memory = {key: {m.stage: m.value for m in rundb.metrics(name, key)} for key in GPU_MEMORY_KEYS}
     stages = [
         {
@@ -61,6 +62,7 @@ def run_details(rundb: RunDB, name: str) -> dict[str, Any]:
             "error": s.error,
             "result": s.result,
             "gpu_mem_peak_gb": memory["perf/gpu_mem_peak_gb"].get(s.name),
+            "gpu_mem_reserved_gb": memory["perf/gpu_mem_reserved_gb"].get(s.name),
             "vllm_mem_gb": memory["perf/vllm_mem_gb"].get(s.name),
         }
         for s in rundb.stages(name)

@@ -164,9 +164,15 @@ class EpisodeSummary:
 
 # Metrics each stage records on CUDA (engine/context.py), under the stage's own name: the peak of
 # torch's allocator in this process (the trainer's tensors, and an in-process vLLM engine's, which
-# allocates through it too), summed over GPUs; and what the vLLM engine took from its GPU when it
-# started (weights, KV cache, CUDA graphs).
-GPU_MEMORY_KEYS = ("perf/gpu_mem_peak_gb", "perf/vllm_mem_gb")
+# allocates through it too) on the GPU where it was largest; what the vLLM engine took from its GPU
+# when it started (weights, KV cache, CUDA graphs); and the peak of what torch's allocator reserved
+# from the driver (allocated plus its cache), on the GPU where that was largest. A stage that used
+# more than one GPU also records both peaks per device, under KEY/cuda:N. The CUDA context itself
+# (about 0.5 GB per GPU) is in none of torch's counters.
+GPU_PEAK_KEY = "perf/gpu_mem_peak_gb"
+VLLM_MEMORY_KEY = "perf/vllm_mem_gb"
+GPU_RESERVED_KEY = "perf/gpu_mem_reserved_gb"
+GPU_MEMORY_KEYS = (GPU_PEAK_KEY, VLLM_MEMORY_KEY, GPU_RESERVED_KEY)
 
 
 @dataclass(frozen=True)
