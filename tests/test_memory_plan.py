@@ -99,38 +99,23 @@ def test_the_plan_s_weights_match_what_the_loaded_policy_holds(tmp_path):
 
 def test_activations_per_token_match_what_autograd_keeps():
     """The plan's 37 x hidden + 10 x intermediate bytes a token a layer (bfloat16), against the tensors a
-    Qwen2 layer with LoRA on every linear layer saves for its backward, at a width the suite can afford."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    Qwen2 layer with LoRA on every linear layer saves for its backward (bench/plan_calibration.py's count),
+    at a width the suite can afford."""
+    import importlib.util
 
     from rlcli.generation.memory_plan import ModelShape
 
+    spec = importlib.util.spec_from_file_location("plan_calibration", REPO / "bench" / "plan_calibration.py")
+    calibration = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(calibration)
     hidden, inner, tokens = 256, 1024, 64
-    config = dict(
-        hidden_size=hidden, intermediate_size=inner, num_attention_heads=4, num_key_value_heads=2, vocab_size=512
-    )
-
-    def saved(layers: int) -> int:
-        torch.manual_seed(0)
-        model = Qwen2ForCausalLM(Qwen2Config(num_hidden_layers=layers, **config)).to(torch.bfloat16)
-        model = get_peft_model(model, LoraConfig(r=8, target_modules="all-linear")).train()
-        weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        kept: dict[int, int] = {}
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            storage = t.untyped_storage()
-            if storage.data_ptr() not in weights:
-                kept[storage.data_ptr()] = storage.nbytes()
-            return t
-
-        ids = torch.randint(0, 512, (1, tokens))
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model.base_model.model.model(input_ids=ids)
-        return sum(kept.values())
-
-    measured = (saved(3) - saved(2)) / tokens
-    shape = ModelShape.from_config({**config, "num_hidden_layers": 1})
-    assert shape.activation_bytes_per_token(2, checkpointing=False) == pytest.approx(measured, rel=0.15)
+    shape = (hidden, inner, 4, 2)
+    measured = (
+        calibration.saved_bytes(shape, 3, tokens, False) - calibration.saved_bytes(shape, 2, tokens, False)
+    ) / tokens
+    config = dict(hidden_size=hidden, intermediate_size=inner, num_attention_heads=4, num_key_value_heads=2)
+    planned = ModelShape.from_config({**config, "vocab_size": 1024, "num_hidden_layers": 1})
+    assert planned.activation_bytes_per_token(2, checkpointing=False) == pytest.approx(measured, rel=0.15)
 
 
 def test_a_7b_qlora_recipe_fits_24gb_only_with_vllm_in_fp8(tmp_path, capsys):

@@ -326,7 +326,7 @@ def test_runs_show_lists_the_reserved_peak_beside_the_allocated_one(tmp_path, ca
     ctx.rundb.log_metrics(ctx.run, "sft", 0, {"perf/gpu_mem_peak_gb": 3.25, "perf/gpu_mem_reserved_gb": 4.5})
     code, out, err = cli(capsys, "--runs-dir", runs, "runs", "show", "t")
     assert code == 0, err
-    assert "GPU GB" in out and "reserved GB" in out and "3.25" in out and "4.50" in out
+    assert "GPU GB" in out and "reserved" in out and "3.25" in out and "4.50" in out
     code, out, _ = cli(capsys, "--runs-dir", runs, "runs", "show", "t", "--json")
     [stage] = json.loads(out)["stages"]
     assert stage["gpu_mem_peak_gb"] == 3.25 and stage["gpu_mem_reserved_gb"] == 4.5 and stage["vllm_mem_gb"] is None

@@ -110,7 +110,7 @@ def events_table(events: list[dict[str, Any]]) -> Table:
 
 # The columns of a run's stages recorded on a GPU (engine/context.py) and their figures: torch's
 # allocated and reserved peaks (of the GPU where each was largest) and the vLLM engine's share.
-GPU_COLUMNS = {"GPU GB": "gpu_mem_peak_gb", "reserved GB": "gpu_mem_reserved_gb", "vLLM GB": "vllm_mem_gb"}
+GPU_COLUMNS = {"GPU GB": "gpu_mem_peak_gb", "reserved": "gpu_mem_reserved_gb", "vLLM GB": "vllm_mem_gb"}
 
 # A stage row's colour: the first of these statuses among its members.
 STATUS_COLOURS = (("failed", "red"), ("stopped", "red"), ("running", "yellow"), ("done", "green"))
@@ -120,8 +120,10 @@ def stages_table(stages: list[dict[str, Any]]) -> Table:
     """Stages with durations; numbered stages (rollout/0, rollout/1, ...) fold into one row each."""
     table = Table(title="Stages", expand=False)
     on_gpu = any(s.get("gpu_mem_peak_gb") is not None for s in stages)
+    # Only when a stage failed: at a terminal's 80 columns every column counts.
+    errors = any(s["error"] for s in stages)
     columns = ("stage", "status", "started", "finished", "duration", *(GPU_COLUMNS if on_gpu else ()))
-    for col in (*columns, "error"):
+    for col in (*columns, *(("error",) if errors else ())):
         table.add_column(col, justify="right" if col in ("duration", *GPU_COLUMNS) else "left")
     for name, members in _stage_groups(stages):
         counts = Counter(s["status"] for s in members)
@@ -139,7 +141,7 @@ def stages_table(stages: list[dict[str, Any]]) -> Table:
             (members[-1]["finished_at"] or "")[11:19],
             _fmt_duration(sum(durations)) if durations else "–",
             *((_largest(members, key) for key in GPU_COLUMNS.values()) if on_gpu else ()),
-            literal(error[:80], style="red"),
+            *((literal(error[:80], style="red"),) if errors else ()),
         )
     return table
 
