@@ -311,3 +311,17 @@ def test_recipe_comments_of_the_7b_recipe_quote_the_plan(capsys):
     update = next(s for s in plan["stages"] if s["stage"] == "update")
     for figure in (rollout["peak_gb"], update["peak_gb"], rollout["parts_gb"]["vLLM weights"]):
         assert f"{figure:.1f} GB" in header, figure
+
+
+def test_a_model_whose_config_the_plan_cannot_read_runs_unplanned(tmp_path, fake_gpus, capsys):
+    from rlcli.generation.memory_plan import check_fits
+
+    fake_gpus(("NVIDIA L4", 23034, "8.9"))
+    folder = tmp_path / "gpt2ish"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 768, "n_layer": 12}))
+    recipe = load(write_recipe(tmp_path / "r.yaml", model={"name": str(folder)}))
+    check_fits(recipe, ["grpo"])  # no refusal
+    assert "no memory plan for this run" in capsys.readouterr().err
+    code, _, err = cli(capsys, "recipes", "plan", str(tmp_path / "r.yaml"), "--gpu-gb", "24")
+    assert code == 2 and "config.json has no usable 'hidden_size'" in err

@@ -735,6 +735,12 @@ def plan_on_this_machine(recipe: Recipe, stages: list[str]) -> MemoryPlan | None
     cards = visible_gpus()
     if not cards or recipe.model.device == "cpu":
         return None
+    try:
+        model_shape(recipe.model.name)
+    except UsageError as exc:
+        # A model family whose config the plan cannot read runs unplanned rather than not at all.
+        _warn_once(f"warning: no memory plan for this run: {exc}")
+        return None
     index = int(_cuda(recipe.model.device).partition(":")[2])
     return plan_memory(recipe, stages, cards[min(index, len(cards) - 1)], gpus=len(cards))
 
@@ -746,3 +752,10 @@ def check_fits(recipe: Recipe, stages: list[str]) -> None:
     plan = plan_on_this_machine(recipe, stages)
     if plan is not None and plan.problems:
         raise UsageError(f"{plan.problems[0]} (rlcli recipes plan shows every stage.)")
+
+
+@functools.cache
+def _warn_once(text: str) -> None:
+    from rlcli.console import err_console
+
+    err_console.print(text, highlight=False, markup=False)
