@@ -150,8 +150,7 @@ def recipes_plan(
     settings mean there. Computed from the model's config.json (no weights loaded). Exits 2 when a stage
     cannot fit, with the setting to change.
 
-    With --json: an object with "card", "gpus", "fits", "problems", "choices" and "stages" (each with "stage",
-    "device", "peak_gb" and "parts_gb")."""
+    With --json: "card", "gpus", "fits", "problems", "choices", "stages" (stage, device, peak_gb, parts_gb)."""
     from rlcli.engine.pipeline import planned_stages
     from rlcli.generation.memory_plan import GB, Card, plan_memory, visible_gpus
     from rlcli.recipe import load_recipe, recipe_file
