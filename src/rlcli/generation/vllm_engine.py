@@ -143,18 +143,6 @@ class VllmEngine:
         # leave the trainer beside it one core; on a CPU it binds its OpenMP threads (as many, above).
         threads = torch.get_num_threads()
         free_before = _free_gpu_bytes(current_platform)
-        # A vision-language model's engine sizes its encoder budget for this many images per prompt.
-        images: dict[str, Any] = {}
-        if max_images is not None or image_size is not None:
-            limit: dict[str, Any] = {"count": max_images if max_images is not None else 1}
-            if image_size is not None:
-                limit |= {"width": image_size[0], "height": image_size[1]}
-            images["limit_mm_per_prompt"] = {"image": limit}
-        scheduling: dict[str, Any] = {
-            name: value
-            for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens))
-            if value is not None
-        }
         self.llm: LLM | None = LLM(
             model=str(model_path),
             max_model_len=max_model_len,
@@ -168,9 +156,9 @@ class VllmEngine:
             seed=seed,
             enable_sleep_mode=sleep_mode,
             quantization=cast(Any, quantization),  # vLLM types it as a Literal of its method names
-            **images,
+            **_image_limits(max_images, image_size),
             **lora,
-            **scheduling,
+            **_given(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
             **_whole_prefills_on_cpu(current_platform, max_model_len),
         )
         if torch.get_num_threads() != threads:
@@ -565,6 +553,22 @@ def sync_weights(engine: VllmEngine, model: PolicyModel, adapter_folder: str | o
     else:
         engine.load_weights(merged_weights(model))
     engine.serves_base = False
+
+
+def _given(**options: Any) -> dict[str, Any]:
+    """The options that have a value: None leaves vLLM's own default."""
+    return {name: value for name, value in options.items() if value is not None}
+
+
+def _image_limits(max_images: int | None, image_size: tuple[int, int] | None) -> dict[str, Any]:
+    """vLLM's per-prompt image limit: a vision-language model's engine sizes its encoder budget (and
+    profiles its encoder) for this many images of this size per prompt; {} keeps vLLM's defaults."""
+    if max_images is None and image_size is None:
+        return {}
+    limit: dict[str, Any] = {"count": max_images if max_images is not None else 1}
+    if image_size is not None:
+        limit |= {"width": image_size[0], "height": image_size[1]}
+    return {"limit_mm_per_prompt": {"image": limit}}
 
 
 def _empty_cuda_cache() -> None:
