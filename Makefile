@@ -43,7 +43,7 @@ export HF_DATASETS_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 export HF_HUB_DISABLE_TELEMETRY ?= 1
 
-.PHONY: install browser demo test test-fast test-fuzz test-resolve gpu-smoke lint format bench clean
+.PHONY: install browser demo test test-durations test-fast test-fuzz test-resolve gpu-smoke lint format bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -101,6 +101,11 @@ test: install
 
 test-fuzz: install
 	$(BIN)/python -m pytest -m fuzz $(PYTEST_ARGS)
+
+# `make test`, measuring each test file's seconds into tests/durations.json (tests/conftest.py), which
+# orders the files, longest first, for the xdist workers: run it alone on the machine, then commit the file.
+test-durations: install
+	$(BIN)/python -m pytest -m "not fuzz" $(XDIST) --store-durations $(PYTEST_ARGS)
 
 # mypy: the type checker, configured in pyproject.toml ([tool.mypy]) for src/; its cache, .mypy_cache,
 # makes a re-run take seconds.

@@ -15,7 +15,7 @@ Both sides: LoRA r 16, alpha 32 on all linear layers (float32 adapter on bf16 or
 forward and backward over all sequences at once (micro-batch = batch), AdamW step, no gradient
 checkpointing (`--gradient-checkpointing` turns it on for both), token-mean loss, clip 0.2/0.28.
 
-- **rlcli**: `rlcli.engine.update.update` as `train grpo` calls it (chunked logprobs from the hidden
+- **rlcli**: `rlcli.engine.grpo.update.update` as `train grpo` calls it (chunked logprobs from the hidden
   states, length-sorted micro-batches, shared prefix), on TrainSequences built from the batch.
 - **TRL**: `GRPOTrainer.compute_loss` (TRL's own `_compute_loss`: full-vocabulary logits for every
   completion position, `selective_log_softmax`, entropies), on the inputs its generation step would
@@ -140,7 +140,7 @@ def measure(config: str, folder: str, args) -> dict:
 def _rlcli(folder: str, fmt: str, batch: list[dict], args, work: Path):
     import torch
 
-    from rlcli.engine.update import TrainSequence, update
+    from rlcli.engine.grpo.update import TrainSequence, update
     from rlcli.models.loading import load_policy
     from rlcli.recipe import load_recipe
 

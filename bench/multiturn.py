@@ -20,8 +20,8 @@ the same seeds.
   the envs in this process. Each sampling call is one turn of every episode; its seconds over the
   tokens it generated give s/token per turn. The row of the longest episodes gives its first and
   last turn; "turn N / turn 1" is the ratio of the two.
-- **update**: `rlcli.engine.update.update`, what `train grpo` calls, on the episodes just played,
-  built into training sequences by `trainer.episode_sequences` (one sequence per episode; prompts and
+- **update**: `rlcli.engine.grpo.update.update`, what `train grpo` calls, on the episodes just played,
+  built into training sequences by `grpo/batch.py`'s `episode_sequences` (one sequence per episode; prompts and
   env messages are masked), advantages +1 / -1 per episode, LoRA r 16 on all linear layers, AdamW,
   `--micro-batch` sequences per forward. Its seconds over the trained (generated) tokens give
   s/token; "N turns / 1 turn" compares the longest episodes' update with the 1-turn episodes'.
@@ -101,9 +101,9 @@ def main() -> None:
     from rich.console import Console
 
     from rlcli.engine.episode_runner import EpisodeRunner, RolloutLimits
+    from rlcli.engine.grpo.batch import episode_sequences
+    from rlcli.engine.grpo.update import update
     from rlcli.engine.rollout import episode_specs
-    from rlcli.engine.trainer import episode_sequences
-    from rlcli.engine.update import update
     from rlcli.envs.workers import InProcessEnvs
     from rlcli.generation.hf_sampler import HfSampler
     from rlcli.generation.sampler import sampling_config

@@ -159,7 +159,7 @@ def run_rlcli(args, engine: str, max_staleness: int = 0) -> dict:
     from rich.console import Console
 
     from rlcli.engine.context import RunContext
-    from rlcli.engine.train import run_grpo
+    from rlcli.engine.grpo.loop import run_grpo
     from rlcli.recipe import load_recipe
     from rlcli.store.checkpoints import train_checkpoints
     from rlcli.store.db import RunDB

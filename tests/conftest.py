@@ -1,4 +1,6 @@
+import json
 import os
+from pathlib import Path
 
 # No test may reach a model hub: fail at once instead of retrying.
 for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HUB_DISABLE_TELEMETRY"):
@@ -68,64 +70,36 @@ def smollm2_cache(session_models):
 # test file at a time, so that module fixtures are made once, in the order the workers collected
 # them: the longest first, so that no long file starts near the end while the other worker has
 # nothing left. (--dist loadgroup would let one long test go alone, but xdist 3.8 cannot mark groups
-# under pytest 9.) The seconds: each file alone (`pytest tests/FILE`) on the 2-core machine beside
-# other work, 2026-11-25; an unlisted file (under 5 s) goes after these. A serial run keeps pytest's order.
-SECONDS: dict[str, float] = {
-    "test_kill_fuzz": 337,  # the 20-kill fuzz alone takes 4 minutes: a worker starts with it
-    "test_sft": 151,
-    "test_async_grpo": 92,
-    "test_rollout": 76,
-    "test_env_workers": 71,
-    "test_miniwob": 62,  # a real Chromium: experts, workers, Ray actors, kill -9
-    "test_ray_workers": 58,
-    "test_models": 45,
-    "test_eval_during_training": 43,
-    "test_concurrency": 40,
-    "test_train": 39,
-    "test_vllm_rollout": 38,
-    "test_stage_memory": 36,  # two `rlcli run`s (HF sampler, vLLM) and three failing pipelines
-    "test_trackers": 38,
-    "test_engine_parity": 35,
-    "test_gpu_paths": 33,
-    "test_vllm_vlm": 30,
-    "test_dpo_loop": 30,
-    "test_vllm_sync": 30,
-    "test_recipes_smoke": 27,
-    "test_dpo": 24,
-    "test_vlm_sft": 24,
-    "test_report_page": 18,
-    "test_vlm_quantized": 15,
-    "test_hub": 14,
-    "test_vllm_engine": 14,
-    "test_dynamic_sampling": 25,
-    "test_vlm_grpo": 14,
-    "test_curriculum": 14,
-    "test_cli": 14,
-    "test_qwen2_vl": 13,
-    "test_kill_resume": 13,
-    "test_vlm_resume": 12,
-    "test_adapters": 9,
-    "test_stage_identity": 9,
-    "test_vlm": 9,
-    "test_report": 8,
-    "test_gui_click_app": 8,
-    "test_envs_try": 8,
-    "test_reference": 8,
-    "test_eval": 8,
-    "test_horizon": 7,
-    "test_stage_names": 7,
-    "test_rundb": 7,
-    "test_replay": 7,
-    "test_group_size_hard": 6,
-    "test_judge_engine": 6,
-    "test_rewards": 6,
-    "test_guardrails": 6,
-    "test_visual_envs": 6,
-    "test_sampling": 6,
-    "test_export": 6,
-}
+# under pytest 9.) How long each file takes is measured, not kept by hand: `make test-durations` runs
+# the suite with --store-durations, which writes each file's seconds (setup, call and teardown of
+# its tests, summed) to tests/durations.json; a file not in it (a new one) goes after those listed.
+DURATIONS = Path(__file__).parent / "durations.json"
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--store-durations",
+        action="store_true",
+        help=f"Write each test file's seconds to {DURATIONS.name}, which orders the files under xdist.",
+    )
 
 
 def pytest_collection_modifyitems(config, items):
-    if "PYTEST_XDIST_WORKER" in os.environ:
-        items.sort(key=lambda item: -SECONDS.get(item.path.stem, 0.0))  # stable: a file's tests keep their order
+    if "PYTEST_XDIST_WORKER" in os.environ and DURATIONS.is_file():
+        seconds = json.loads(DURATIONS.read_text())
+        items.sort(key=lambda item: -seconds.get(item.path.stem, 0.0))  # stable: a file's tests keep their order
+
+
+_measured: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    """Each test's phases, as the controller receives them (xdist forwards its workers' reports)."""
+    stem = Path(report.nodeid.split("::")[0]).stem
+    _measured[stem] = _measured.get(stem, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session):
+    if session.config.getoption("--store-durations") and not hasattr(session.config, "workerinput"):
+        ordered = dict(sorted(((stem, round(s, 1)) for stem, s in _measured.items()), key=lambda kv: -kv[1]))
+        DURATIONS.write_text(json.dumps(ordered, indent=1) + "\n")

@@ -58,7 +58,7 @@ def install(event: dict) -> None:
 # visible: these imports initialise CUDA, and a child forked from a process that did cannot use it
 # ("Cannot re-initialize CUDA in forked subprocess", every killed command on an H100). There the
 # forkserver imports nothing and each command imports its own, as a real one does.
-PRELOAD = ["rlcli.cli.app", "rlcli.engine.pipeline", "rlcli.engine.train", "rlcli.engine.sft", "rlcli.engine.dpo"]
+PRELOAD = ["rlcli.cli.app", "rlcli.engine.pipeline", "rlcli.engine.grpo.loop", "rlcli.engine.sft", "rlcli.engine.dpo"]
 
 
 def start(args: list[str], env: dict[str, str], cwd: str, event: dict, log: str) -> multiprocessing.Process:

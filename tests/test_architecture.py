@@ -26,6 +26,18 @@ LAYERS: list[set[str]] = [
     {"errors", "console", "rlcli"},  # the error types; the stderr console; rlcli/__init__: import nothing from rlcli
 ]
 
+# Inside rlcli.engine.grpo, one module per step of an iteration (its __init__ says which is which),
+# highest first: a module may import modules of lower layers only. The rollout side (sources, worker,
+# staleness, selection) thus never reaches the learner, and the pure maths import no other step.
+GRPO_LAYERS: list[set[str]] = [
+    {"loop"},  # the iteration, and GRPO's phases
+    {"evals", "metrics"},  # held-out evals during training; an iteration's metrics and live view
+    {"learner", "sources"},  # torch state (setup, update, save); where rollouts come from
+    {"batch", "worker", "resume"},  # advantages and sequences; the asynchronous worker; where a phase goes on
+    {"selection", "update", "schedule"},  # which groups train; the clipped steps; the learning rate
+    {"advantages", "loss", "staleness", "checkpoints"},  # pure maths; policy versions; where checkpoints go
+]
+
 # Packages that must never reach the stages, even through an import that ruff or the layers would miss.
 BELOW_ENGINE = {"generation", "rewards", "store", "envs", "models"}
 
@@ -165,6 +177,29 @@ def test_packages_import_only_downhill():
 def test_nothing_below_engine_imports_engine():
     found = into_engine(rlcli_imports())
     assert not found, "imports of rlcli.engine from below it:\n" + "\n".join(f"  {imp}" for imp in found)
+
+
+def grpo_uphill(imports: list[Import]) -> list[Import]:
+    """Imports between modules of rlcli.engine.grpo into one of the same or a higher GRPO_LAYERS layer."""
+    prefix = "rlcli.engine.grpo."
+
+    def layer(module: str) -> int:
+        step = module.removeprefix(prefix)
+        found = [depth for depth, names in enumerate(GRPO_LAYERS) if step in names]
+        assert found, f"{module} is in no layer of GRPO_LAYERS (tests/test_architecture.py): add it"
+        return found[0]
+
+    inside = [imp for imp in imports if imp.source.startswith(prefix) and imp.target.startswith(prefix)]
+    return [imp for imp in inside if layer(imp.target) <= layer(imp.source)]
+
+
+def test_grpo_steps_import_only_downhill():
+    found = grpo_uphill(rlcli_imports())
+    assert not found, "GRPO modules importing a step of their own or a higher layer:\n" + "\n".join(
+        f"  {imp}" for imp in found
+    )
+    steps = {path.stem for path in (SRC / "rlcli" / "engine" / "grpo").glob("*.py")} - {"__init__"}
+    assert steps == set().union(*GRPO_LAYERS), "GRPO_LAYERS must list exactly the modules of rlcli/engine/grpo"
 
 
 def test_every_package_has_a_layer():

@@ -1,4 +1,4 @@
-"""Asynchronous GRPO (grpo.max_staleness, engine/async_rollout.py): the synchronous loop unchanged at 0,
+"""Asynchronous GRPO (grpo.max_staleness, engine/grpo/worker.py): the synchronous loop unchanged at 0,
 a rollout worker process sampling ahead at k > 0 with versions, staleness and decoupled-PPO weights,
 and kill -9 of either process followed by a rerun."""
 
@@ -17,11 +17,12 @@ import pytest
 import torch
 
 from helpers import RLCLI, cli_env, kill_when, make_ctx, run_in_process, sequence_logprobs, write_recipe
-from rlcli.engine import async_rollout, rollout_sources
-from rlcli.engine.async_rollout import policy_version, staleness, thread_split
-from rlcli.engine.train import run_grpo
-from rlcli.engine.trainer import GrpoTrainer
-from rlcli.engine.update import TrainSequence, update
+from rlcli.engine.grpo import sources, worker
+from rlcli.engine.grpo.learner import GrpoTrainer
+from rlcli.engine.grpo.loop import run_grpo
+from rlcli.engine.grpo.staleness import STALE_EVENT, policy_version, staleness
+from rlcli.engine.grpo.update import TrainSequence, update
+from rlcli.engine.grpo.worker import thread_split
 from rlcli.recipe import load_recipe
 from rlcli.store.blobs import unpack_floats, unpack_ids
 from rlcli.store.checkpoints import train_checkpoints
@@ -83,7 +84,7 @@ def test_max_staleness_0_gives_the_synchronous_results(tmp_path, monkeypatch):
     def no_worker(*args, **kwargs):
         raise AssertionError("max_staleness 0 must not start a rollout worker")
 
-    monkeypatch.setattr(rollout_sources, "RolloutWorker", no_worker)
+    monkeypatch.setattr(sources, "RolloutWorker", no_worker)
     ctx = make_ctx(_recipe(tmp_path, max_staleness=0), tmp_path / "runs")
     run_grpo(ctx)
     # If this fails after a change to sampling, the tiny model or the update, that change altered
@@ -204,7 +205,7 @@ def test_the_worker_takes_each_new_adapter_in_place_and_samples_as_a_fresh_load(
         return load_policy(recipe.model, recipe.lora, recipe.quantization, adapter=folder, trainable=False)[0]
 
     assert not torch.equal(logits(fresh(folders[0])), logits(fresh(folders[1])))
-    loaded = async_rollout.WorkerPolicy(recipe)
+    loaded = worker.WorkerPolicy(recipe)
     loaded.load(None)
     base_model = loaded.model
     assert torch.equal(logits(base_model), logits(fresh(None)))
@@ -225,17 +226,17 @@ def test_weights_between_checkpoints_reach_the_worker(tmp_path):
 def test_lowering_max_staleness_on_resume_sets_stale_rollouts_aside(tmp_path, monkeypatch):
     recipe = _recipe(tmp_path, max_staleness=1)
     runs = tmp_path / "runs"
-    real = GrpoTrainer.iteration
+    real = GrpoTrainer.update
 
     def stop_at_2(trainer, batch):
         if batch.iteration == 2:  # rollout/2, sampled ahead with train/0's weights, is stored and not trained on
             raise RuntimeError("stopped")
         return real(trainer, batch)
 
-    monkeypatch.setattr(GrpoTrainer, "iteration", stop_at_2)
+    monkeypatch.setattr(GrpoTrainer, "update", stop_at_2)
     with pytest.raises(RuntimeError, match="stopped"):
         run_grpo(make_ctx(recipe, runs))
-    monkeypatch.setattr(GrpoTrainer, "iteration", real)
+    monkeypatch.setattr(GrpoTrainer, "update", real)
 
     ctx = make_ctx(recipe, runs, ["grpo.max_staleness=0"])  # resume-safe: no --force needed
     before = {e.id for e in stage_episodes(ctx.rundb, ctx.run, "rollout/2")}
@@ -246,7 +247,7 @@ def test_lowering_max_staleness_on_resume_sets_stale_rollouts_aside(tmp_path, mo
     assert len(replayed) == 8 and {e.policy for e in replayed} == {"train/1"}
     assert _metric(ctx, "train/discarded_episodes") == {2: 8.0}
     assert _metric(ctx, "train/sequences")[2] == 8  # the replayed episodes were labelled and trained on
-    [event] = list_events(ctx.rundb, ctx.run, async_rollout.STALE_EVENT)
+    [event] = list_events(ctx.rundb, ctx.run, STALE_EVENT)
     assert event.iteration == 2 and event.details["episodes"] == 8
 
 

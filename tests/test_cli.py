@@ -1,6 +1,6 @@
 """The command line: exit codes, one-line errors, --json output, fast startup (no torch).
 
-Stage modules (rlcli.engine.rollout, rlcli.engine.train, ...) are not exercised here: every stage command below
+Stage modules (rlcli.engine.rollout, rlcli.engine.grpo.loop, ...) are not exercised here: every stage command below
 fails in `open_run` before it imports one, and runs are started through `open_run` directly.
 """
 

@@ -156,7 +156,7 @@ def test_sequential_is_the_fixed_order_and_cycles_through_a_pool(tmp_path):
 
 
 def test_sequential_grpo_records_the_tasks_it_played(tmp_path):
-    from rlcli.engine.train import run_grpo
+    from rlcli.engine.grpo.loop import run_grpo
 
     ctx = make_ctx(write_recipe(tmp_path / "r.yaml", grpo={"iterations": 2}), tmp_path / "runs")
     run_grpo(ctx)

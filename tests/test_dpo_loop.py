@@ -38,13 +38,13 @@ def _adapter(path) -> dict[str, torch.Tensor]:
 
 
 def test_second_grpo_phase_starts_from_the_dpo_checkpoint_and_numbers_on(tmp_path, monkeypatch):
-    import rlcli.engine.trainer as trainer
+    import rlcli.engine.grpo.learner as learner
     from rlcli.engine.pipeline import run_all
     from rlcli.store.checkpoints import checkpoints
 
     # The trainable weights each iteration's first update starts from, as the checkpoint files name them.
     at_update: dict[int, dict[str, torch.Tensor]] = {}
-    real_update = trainer.update
+    real_update = learner.update_policy
 
     def spying_update(ctx, model, optimizer, scheduler, sequences, it):
         at_update[it] = {
@@ -52,7 +52,7 @@ def test_second_grpo_phase_starts_from_the_dpo_checkpoint_and_numbers_on(tmp_pat
         }
         return real_update(ctx, model, optimizer, scheduler, sequences, it)
 
-    monkeypatch.setattr(trainer, "update", spying_update)
+    monkeypatch.setattr(learner, "update_policy", spying_update)
     ctx = make_ctx(_loop_recipe(tmp_path), tmp_path / "runs")
     run_all(ctx)
 
@@ -82,7 +82,7 @@ def test_second_grpo_phase_starts_from_the_dpo_checkpoint_and_numbers_on(tmp_pat
 
     # Run again: every stage is done, nothing is played or trained again.
     episodes = ctx.rundb.db["episodes"].count
-    monkeypatch.setattr(trainer, "update", None)  # an update now would fail
+    monkeypatch.setattr(learner, "update_policy", None)  # an update now would fail
     run_all(ctx)
     assert ctx.rundb.db["episodes"].count == episodes
     assert len(ctx.rundb.stages(ctx.run)) == len(rows)

@@ -12,7 +12,7 @@ import pytest
 
 from helpers import kill_when, make_ctx, run_in_process, write_env_file, write_recipe
 from rlcli.engine.curriculum import extra_tasks
-from rlcli.engine.trainer import training_batch
+from rlcli.engine.grpo.selection import training_batch
 from rlcli.errors import UsageError
 from rlcli.recipe import load_recipe
 from rlcli.store.records import Episode, LabelledEpisode
@@ -156,7 +156,7 @@ def test_dynamic_sampling_refills_to_the_target_and_resumes_the_same_after_kill(
 
 
 def test_groups_carried_from_another_iteration_are_groups_of_their_own():
-    from rlcli.engine.trainer import role_groups
+    from rlcli.engine.grpo.batch import role_groups
 
     episodes = [_labelled(7, s, r) for s, r in enumerate([0, 1, 0, 1])]
     assert role_groups(episodes).tolist() == [0, 0, 0, 0]
@@ -177,7 +177,8 @@ def _trained(runs, recipe):
 
 
 def test_over_sampling_trains_informative_groups_and_carries_the_rest_once(tmp_path):
-    from rlcli.engine.trainer import GrpoTrainer
+    from rlcli.engine.grpo.batch import build_batch
+    from rlcli.engine.grpo.selection import choose_groups
 
     env_file = write_env_file(tmp_path / "some_flat.py", SOME_FLAT_ENV)
     recipe = write_recipe(
@@ -217,7 +218,7 @@ def test_over_sampling_trains_informative_groups_and_carries_the_rest_once(tmp_p
 
     # A carried group's sequences are weighed against their recorded logprobs (stale), the others are on-policy.
     it = next(it for it, (_, groups, _) in trained.items() if any(j != it for j, _ in groups))
-    batch = GrpoTrainer(ctx, 0, None).batch(it)
+    batch = build_batch(ctx, choose_groups(ctx, it, 0), {})
     assert sorted(batch.trained_groups) == sorted(trained[it][1])
     played_in = {
         row["id"]: row["iteration"]

@@ -250,7 +250,7 @@ def test_timeout_retries_plays_a_timed_out_episode_again_in_the_stage(tmp_path):
 
 @pytest.mark.slow
 def test_a_grpo_iteration_with_a_hanging_task_trains_on_every_other_episode(tmp_path):
-    from rlcli.engine.train import run_grpo
+    from rlcli.engine.grpo.loop import run_grpo
 
     recipe = stuck_recipe(tmp_path, workers=2)
     # Every non-hanging episode trains, whatever its group's rewards.

@@ -110,7 +110,7 @@ def test_eval_several_checkpoints_in_one_call_and_resume(tmp_path):
         eval={"tasks": 3, "k": 2},
     )
     ctx = make_ctx(recipe, tmp_path / "runs")
-    from rlcli.engine.train import run_grpo
+    from rlcli.engine.grpo.loop import run_grpo
 
     run_grpo(ctx)
     rows = run_eval(ctx, ["base", "latest", "expert"])

@@ -29,7 +29,7 @@ def query(runs, sql: str) -> list[tuple]:
 
 
 def test_eval_stages_follow_eval_every_and_the_last_iteration(tmp_path):
-    from rlcli.engine.train import run_grpo
+    from rlcli.engine.grpo.loop import run_grpo
 
     recipe = write_recipe(
         tmp_path / "r.yaml", grpo={"iterations": 5, "eval_every": 2, "eval_tasks": 3}, eval={"tasks": 4}
@@ -57,7 +57,7 @@ def test_eval_stages_follow_eval_every_and_the_last_iteration(tmp_path):
 
 
 def test_evals_only_at_saved_checkpoints_and_the_sft_checkpoint_is_the_starting_point(tmp_path):
-    from rlcli.engine.train import run_grpo
+    from rlcli.engine.grpo.loop import run_grpo
 
     recipe = write_recipe(
         tmp_path / "r.yaml", grpo={"iterations": 3, "eval_every": 1, "checkpoint_every": 2}, eval={"tasks": 2}
@@ -87,7 +87,7 @@ EVAL_TURNS = (
 def test_evals_with_the_model_in_memory_equal_evals_from_disk(tmp_path, engine, request):
     """The trainer's model (and, with vllm, the engine synced to it) plays exactly the episodes that
     `rlcli eval` plays after loading each checkpoint from disk."""
-    from rlcli.engine.train import run_grpo
+    from rlcli.engine.grpo.loop import run_grpo
 
     # A dense reward and a large step, so that the checkpoints' greedy replies differ from the base model's.
     (tmp_path / "digits.py").write_text(DIGITS)

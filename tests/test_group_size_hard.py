@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from helpers import make_ctx, write_env_file, write_recipe
-from rlcli.engine import grpo
+from rlcli.engine.grpo import advantages
 from rlcli.errors import UsageError
 from rlcli.recipe import load_recipe
 
@@ -31,7 +31,7 @@ def test_advantages_are_per_group_when_groups_are_unequal():
     rewards = [1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 3.0, 3.0, 3.0]
     groups = [7, 7, 2, 2, 2, 2, 5, 5, 5]  # sizes 2, 4 and 3 (the last with equal rewards)
     for method in ("grpo", "dr_grpo", "rloo"):
-        got = grpo.compute_advantages(rewards, groups, method)
+        got = advantages.compute_advantages(rewards, groups, method)
         for g in set(groups):
             r = torch.tensor([x for x, y in zip(rewards, groups) if y == g], dtype=torch.float64)
             mean = r.mean()
@@ -48,7 +48,7 @@ def test_advantages_are_per_group_when_groups_are_unequal():
 
 def test_hard_tasks_get_more_samples_recorded_and_trained(tmp_path):
     from rlcli.engine.curriculum import group_sizes
-    from rlcli.engine.train import run_grpo
+    from rlcli.engine.grpo.loop import run_grpo
 
     env_file = write_env_file(tmp_path / "parity.py", PARITY_ENV)
     recipe = write_recipe(

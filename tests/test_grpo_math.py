@@ -1,4 +1,4 @@
-"""GRPO maths (rlcli.engine.grpo) against values worked out by hand in the comments next to each case."""
+"""GRPO maths (rlcli.engine.grpo.advantages and .loss) against values worked out by hand in the comments next to each case."""
 
 from __future__ import annotations
 
@@ -7,15 +7,13 @@ import math
 import pytest
 import torch
 
-from rlcli.engine.grpo import (
-    check_finite,
-    chunked_token_logprobs,
+from rlcli.engine.grpo.advantages import (
     compute_advantages,
     discounted_turn_returns,
-    policy_loss,
     turn_advantages,
     zero_variance_groups,
 )
+from rlcli.engine.grpo.loss import check_finite, chunked_token_logprobs, policy_loss
 from rlcli.errors import RlcliError
 
 D = torch.float64

@@ -215,7 +215,7 @@ def test_runs_show_lists_the_events(tmp_path, capsys, monkeypatch):
 def test_train_grpo_stores_and_prints_the_warnings_it_raises(tmp_path):
     from rich.console import Console
 
-    from rlcli.engine.train import run_grpo
+    from rlcli.engine.grpo.loop import run_grpo
 
     # The tiny random model never answers the arithmetic tasks: every group is all zeros.
     recipe = write_recipe(tmp_path / "r.yaml", grpo={"iterations": 2, "zero_signal_patience": 2})

@@ -4,7 +4,7 @@ weights as a run that was never interrupted. The recipe meets what makes a resum
 that outlast env.step_timeout_s and env steps that raise (both fixed by the task's seed, so every
 run meets the same ones: the episodes fail, and must stay failed and out of training after a
 resume), and grpo.checkpoint_every 2, so that a kill in iteration 1 resumes from before iteration 0's
-update and redoes it (engine/trainer.py, supersede_lost_rollouts).
+update and redoes it (engine/grpo/resume.py, supersede_lost_rollouts).
 
 The delays are drawn, seeded, uniformly over the duration of one uninterrupted invocation measured
 at the start of the test, so kills land anywhere in an invocation: during imports and start-up,
@@ -424,19 +424,19 @@ def nudge_every_update(monkeypatch) -> None:
     every run that has it, and not in a process without it. A stand-in for a GPU, where an update
     redone after a kill computes other weights than the killed process had (its reductions are not
     bit-reproducible), which a CPU never does."""
-    from rlcli.engine.trainer import GrpoTrainer
+    from rlcli.engine.grpo.learner import GrpoTrainer
 
-    iteration = GrpoTrainer.iteration
+    update = GrpoTrainer.update
 
     def nudged(self, batch):
-        stats = iteration(self, batch)
+        stats = update(self, batch)
         with torch.no_grad():
             for p in self.model.parameters():
                 if p.requires_grad:
                     p.add_(1e-3)
         return stats
 
-    monkeypatch.setattr(GrpoTrainer, "iteration", nudged)
+    monkeypatch.setattr(GrpoTrainer, "update", nudged)
 
 
 def test_a_resume_redoes_the_work_after_the_last_checkpoint_as_an_uninterrupted_run_does(tmp_path, monkeypatch):

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from helpers import make_ctx, write_recipe
-from rlcli.engine import update as update_module
+from rlcli.engine.grpo import update as update_module
+from rlcli.engine.grpo.batch import episode_sequences
 from rlcli.engine.rollout import run_rollout_stage
-from rlcli.engine.trainer import episode_sequences
 from rlcli.store.episodes import stage_episodes
 from test_vlm import recomputed_gap, stored_turns
 
@@ -176,7 +176,7 @@ def test_a_checkpoint_folder_loads_its_processor_without_torchvision(tmp_path):
 # Qwen2.5-VL too: full fine-tuning backpropagates through its windowed vision attention.
 @pytest.mark.parametrize("name", [QWEN2_VL, QWEN2_5_VL])
 def test_grpo_on_gui_click_trains_the_tiny_qwen2_vl(tmp_path, name):
-    from rlcli.engine.train import run_grpo
+    from rlcli.engine.grpo.loop import run_grpo
 
     recipe = qwen_recipe(
         tmp_path,

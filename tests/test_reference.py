@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from helpers import make_ctx, write_recipe
-from rlcli.engine import grpo
-from rlcli.engine.train import run_grpo
-from rlcli.engine.trainer import reference_checkpoint, resume_point
+from rlcli.engine.grpo import loss, update
+from rlcli.engine.grpo.loop import run_grpo
+from rlcli.engine.grpo.resume import reference_checkpoint, resume_point
 from rlcli.errors import UsageError
 from rlcli.models import loading
 from rlcli.recipe import LoraSection, ModelSection, QuantizationSection, load_recipe
@@ -90,13 +90,13 @@ def grpo_recipe(tmp_path, **grpo_options):
 def first_update_logprobs(monkeypatch):
     """The policy's and the reference's logprobs that the first loss of the run receives."""
     seen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-    policy_loss = grpo.policy_loss
+    policy_loss = loss.policy_loss
 
     def spy(logprobs, old, advantages, mask, **kwargs):
         seen.append((logprobs.detach().clone(), kwargs["ref_logprobs"].clone(), mask.clone()))
         return policy_loss(logprobs, old, advantages, mask, **kwargs)
 
-    monkeypatch.setattr(grpo, "policy_loss", spy)
+    monkeypatch.setattr(update, "policy_loss", spy)  # as grpo/update.py calls it
     return seen
 
 

@@ -8,7 +8,7 @@ from collections import defaultdict
 import pytest
 
 from helpers import make_ctx, run_in_process, write_env_file, write_recipe
-from rlcli.engine.update import _behaviour_logprobs
+from rlcli.engine.grpo.update import _behaviour_logprobs
 from rlcli.recipe import load_recipe
 from rlcli.store.replays import replays
 
@@ -29,7 +29,7 @@ def make_env():
 def test_replays_are_weighed_against_their_recorded_logprobs():
     import torch
 
-    from rlcli.engine.update import TrainSequence
+    from rlcli.engine.grpo.update import TrainSequence
 
     cfg = load_recipe(None, ["grpo.replay={max_per_group: 1}"]).grpo
     fresh, replay = (TrainSequence(i, 0, [1], [1.0], [0.0], [0], stale=s) for i, s in ((0, False), (1, True)))

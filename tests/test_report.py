@@ -686,7 +686,7 @@ def test_numbers_people_read_are_not_in_e_notation():
 
     from rich.console import Console
 
-    from rlcli.engine.train import MetricsView
+    from rlcli.engine.grpo.metrics import MetricsView
     from rlcli.report.tables import fmt
 
     assert fmt(1570.3) == "1,570" and fmt(123456.0) == "123,456"

@@ -372,7 +372,7 @@ def test_timeout_retries_plays_a_timed_out_episode_again_within_the_stage(tmp_pa
 
 
 def test_a_grpo_iteration_whose_episodes_all_timed_out_is_not_replayed_on_resume(tmp_path):
-    from rlcli.engine.train import run_grpo
+    from rlcli.engine.grpo.loop import run_grpo
     from rlcli.errors import RlcliError
 
     env_file = write_env_file(

@@ -94,7 +94,7 @@ def test_self_play_records_both_seats_each_on_its_own_tokens(tmp_path):
 
 
 def test_self_play_grpo_trains_both_seats_in_groups_split_by_seat(tmp_path):
-    from rlcli.engine.train import run_grpo
+    from rlcli.engine.grpo.loop import run_grpo
     from rlcli.store.episodes import episodes_for_training, stage_episodes
 
     ctx = make_ctx(_recipe(tmp_path, grpo={"iterations": 1}), tmp_path / "runs")
@@ -103,7 +103,7 @@ def test_self_play_grpo_trains_both_seats_in_groups_split_by_seat(tmp_path):
     assert len(played) == 2 * 2 * 2 and {e.task["seat"] for e in played} == {0, 1}
     trained = episodes_for_training(ctx.rundb, ctx.run, "rollout/0", "grpo")
     assert len(trained) == len(played), "both seats' episodes are trained on"
-    from rlcli.engine.trainer import role_groups
+    from rlcli.engine.grpo.batch import role_groups
 
     groups = role_groups(trained).tolist()
     keys = {(e.episode.task_index, e.episode.task["seat"]) for e in trained}
@@ -128,7 +128,7 @@ def test_a_fixed_opponent_plays_beside_the_policy_and_is_never_stored(tmp_path):
 
 def test_pool_plays_self_until_a_checkpoint_exists_then_draws_one_reproducibly(tmp_path):
     from rlcli.engine.games import POOL_EVENT, draw_from_pool
-    from rlcli.engine.train import run_grpo
+    from rlcli.engine.grpo.loop import run_grpo
     from rlcli.store.episodes import stage_episodes
     from rlcli.store.events import list_events
 

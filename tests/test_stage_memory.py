@@ -22,7 +22,7 @@ from test_vllm_engine import KV_CACHE_BYTES, needs_vllm, tiny64  # noqa: F401 (t
 STAGES = ["sft", "grpo", "eval", "dpo", "eval"]
 ENTRIES = {  # module, function: what the pipeline calls for each stage
     "sft": ("rlcli.engine.sft", "run_sft"),
-    "grpo": ("rlcli.engine.train", "run_grpo"),
+    "grpo": ("rlcli.engine.grpo.loop", "run_grpo"),
     "dpo": ("rlcli.engine.dpo", "run_dpo"),
     "eval": ("rlcli.engine.evaluate", "run_eval"),
 }
@@ -56,10 +56,10 @@ def built(monkeypatch) -> Built:
 
     import transformers
 
-    import rlcli.engine.trainer
+    import rlcli.engine.grpo.learner
     import rlcli.generation.vllm_engine as vllm_engine
     import rlcli.models.loading
-    from rlcli.engine.trainer import GrpoTrainer
+    from rlcli.engine.grpo.learner import GrpoTrainer
 
     built = Built()
 
@@ -85,7 +85,7 @@ def built(monkeypatch) -> Built:
         return model, tokenizer
 
     monkeypatch.setattr(rlcli.models.loading, "load_policy", load_policy)
-    monkeypatch.setattr(rlcli.engine.trainer, "load_policy", load_policy)
+    monkeypatch.setattr(rlcli.engine.grpo.learner, "load_policy", load_policy)
     real_engine = vllm_engine.policy_engine  # the module imports vllm only when an engine starts
 
     def policy_engine(*args, **kwargs):
@@ -184,7 +184,7 @@ def test_the_vllm_engine_stays_for_eval_and_goes_before_dpo(tmp_path, tiny64, bu
 def test_a_failing_stage_frees_what_it_built_though_its_exception_is_held(tmp_path, built, monkeypatch, failing):
     """In-process callers of the pipeline (bench/, the tests) catch a stage's error and go on: the error's
     traceback must not keep the stage's model, trainer and optimizer (the frames it went through hold them)."""
-    import rlcli.engine.trainer
+    import rlcli.engine.grpo.learner
     from rlcli.engine.dpo import DpoProgress
     from rlcli.engine.pipeline import run_all
     from rlcli.engine.sft import RichProgress
@@ -195,7 +195,7 @@ def test_a_failing_stage_frees_what_it_built_though_its_exception_is_held(tmp_pa
     if failing == "sft":
         monkeypatch.setattr(RichProgress, "on_step_end", boom)  # inside the Trainer's loop
     elif failing == "grpo":
-        monkeypatch.setattr(rlcli.engine.trainer, "update", boom)  # inside an update
+        monkeypatch.setattr(rlcli.engine.grpo.learner, "update_policy", boom)  # inside an update
     else:
         monkeypatch.setattr(DpoProgress, "on_step_end", boom)
     stages = STAGES[: STAGES.index(failing) + 1]
@@ -205,7 +205,7 @@ def test_a_failing_stage_frees_what_it_built_though_its_exception_is_held(tmp_pa
     assert failure.value.__traceback__ is not None  # held here, as a caller that reports it later would
     kinds = {kind for _, stage, kind, _ in built.refs if stage == failing}
     assert {"model", "optimizer"} <= kinds
-    # GRPO's learner object may outlive it in a closure the traceback holds (engine/train.py, _train), emptied.
+    # GRPO's learner object may outlive it in a closure the traceback holds (grpo/loop.py, _train), emptied.
     for _, _, kind, ref in built.refs:
         if kind == "grpo learner" and ref() is not None:
             assert not {"model", "optimizer", "scheduler"} & vars(ref()).keys()

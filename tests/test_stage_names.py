@@ -215,9 +215,9 @@ def test_every_name_a_short_run_writes_parses(tmp_path, monkeypatch):
     """A user rollout, `rlcli label`, GRPO (dynamic sampling, held-out evals sampled k=2) and an eval:
     every stage name in every table, and every episode's policy, parses."""
     from rlcli.engine.evaluate import run_eval
+    from rlcli.engine.grpo.loop import run_grpo
     from rlcli.engine.labelling import run_label_stage
     from rlcli.engine.rollout import run_rollout_stage
-    from rlcli.engine.train import run_grpo
 
     monkeypatch.chdir(tmp_path)
     recipe = write_recipe(

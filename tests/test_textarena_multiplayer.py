@@ -14,7 +14,7 @@ from rlcli.errors import UsageError
 
 pytest.importorskip("textarena")
 
-from rlcli.engine import grpo  # noqa: E402
+from rlcli.engine.grpo import advantages  # noqa: E402
 from rlcli.envs.adapters.textarena_opponents import GAMES, opponent_move  # noqa: E402
 from rlcli.envs.loading import load_env  # noqa: E402
 
@@ -142,16 +142,18 @@ def test_rollout_against_random_and_bot_on_the_tiny_model(tmp_path):
 
 def test_rae_baselines_by_hand():
     # Batch 1, decay 0.9, from b = 0: role A returns 1, -1, 1 (mean 1/3); role B -1.
-    b1 = grpo.rae_baselines([1.0, -1.0, 1.0, -1.0], ["A", "A", "A", "B"], {}, 0.9)
+    b1 = advantages.rae_baselines([1.0, -1.0, 1.0, -1.0], ["A", "A", "A", "B"], {}, 0.9)
     assert b1 == pytest.approx({"A": 0.1 / 3, "B": -0.1})
     # Batch 2: only A played (mean 0); B keeps its baseline; a new role C starts from 0.
-    b2 = grpo.rae_baselines([1.0, -1.0, 0.5], ["A", "A", "C"], b1, 0.9)
+    b2 = advantages.rae_baselines([1.0, -1.0, 0.5], ["A", "A", "C"], b1, 0.9)
     assert b2 == pytest.approx({"A": 0.9 * 0.1 / 3, "B": -0.1, "C": 0.05})
 
 
 def test_rae_in_grpo_by_hand_and_its_baselines_survive_a_resume(tmp_path):
-    from rlcli.engine.train import run_grpo
-    from rlcli.engine.trainer import TRAINER_STATE, GrpoTrainer, checkpoint_folder, role_of
+    from rlcli.engine.grpo.batch import build_batch, role_of
+    from rlcli.engine.grpo.checkpoints import TRAINER_STATE, checkpoint_folder
+    from rlcli.engine.grpo.loop import run_grpo
+    from rlcli.engine.grpo.selection import choose_groups
     from rlcli.store.episodes import stage_episodes
     from rlcli.store.names import rollout_stage
     from rlcli.store.records import LabelledEpisode
@@ -191,9 +193,7 @@ def test_rae_in_grpo_by_hand_and_its_baselines_survive_a_resume(tmp_path):
             assert state0["rae_baselines"] == pytest.approx(expected)
 
     # The advantages: reward - baseline[role], every episode kept (no zero-variance dropping).
-    trainer = GrpoTrainer(whole, 0, None)
-    trainer.rae_baselines = dict(state0["rae_baselines"])
-    batch = trainer.batch(1)
+    batch = build_batch(whole, choose_groups(whole, 1, 0), dict(state0["rae_baselines"]))
     assert batch.rae_baselines == pytest.approx(expected)
     episodes = {ep.id: ep for ep in stage_episodes(whole.rundb, whole.run, rollout_stage(1))}
     assert len(batch.sequences) == len(episodes)
@@ -205,7 +205,7 @@ def test_rae_in_grpo_by_hand_and_its_baselines_survive_a_resume(tmp_path):
 
 
 def test_group_relative_advantages_are_computed_within_a_role(tmp_path):
-    from rlcli.engine.trainer import role_groups
+    from rlcli.engine.grpo.batch import role_groups
     from rlcli.store.records import LabelledEpisode
 
     class Ep:
@@ -220,7 +220,7 @@ def test_group_relative_advantages_are_computed_within_a_role(tmp_path):
     ]
     groups = role_groups(episodes)
     assert groups.tolist() == [0, 1, 0]
-    adv = grpo.compute_advantages([1.0, -1.0, 0.0], groups, "dr_grpo")
+    adv = advantages.compute_advantages([1.0, -1.0, 0.0], groups, "dr_grpo")
     assert adv.tolist() == pytest.approx([0.5, 0.0, -0.5])
 
 

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from helpers import cli, kill_when, make_ctx, run_in_process, write_recipe
-from rlcli.engine import rollout_sources, train, update
+from rlcli.engine.grpo import learner, sources, update
+from rlcli.engine.grpo.loop import run_grpo
+from rlcli.engine.grpo.loss import policy_loss
 from rlcli.engine.labelling import GRPO_LABEL_SET
-from rlcli.engine.train import run_grpo
 from rlcli.store.checkpoints import checkpoints
 from rlcli.store.db import RunDB
 from rlcli.store.records import EndReason, Episode, Turn
@@ -216,12 +217,8 @@ def _reference_logprobs(model, batch, temperature):
 
 
 def _loss_and_grads(model, batch, logprobs):
-    from rlcli.engine import grpo
-
     model.zero_grad(set_to_none=True)
-    loss, _ = grpo.policy_loss(
-        logprobs, logprobs.detach() - 0.1, batch.advantages, batch.mask, clip_low=0.2, clip_high=0.2
-    )
+    loss, _ = policy_loss(logprobs, logprobs.detach() - 0.1, batch.advantages, batch.mask, clip_low=0.2, clip_high=0.2)
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
@@ -313,8 +310,6 @@ def test_bfloat16_weights_train_a_float32_adapter_within_stated_tolerances():
     within 1e-2 (measured 1.8e-3), the loss within 1e-2 relative (1e-3), the adapter's gradients within
     5e-2 relative (1.2e-2). The error is bf16's rounding of hidden states and logits (8 mantissa bits);
     models with larger logits than this random one round more coarsely."""
-    from rlcli.engine import grpo
-
     results = {}
     old = None
     for dtype in ("float32", "bfloat16"):
@@ -328,7 +323,7 @@ def test_bfloat16_weights_train_a_float32_adapter_within_stated_tolerances():
             old = logprobs.detach() + 0.05 * torch.randn(logprobs.shape, generator=torch.Generator().manual_seed(0)).to(
                 logprobs.device
             )
-        loss, _ = grpo.policy_loss(logprobs, old, batch.advantages, batch.mask, clip_low=0.2, clip_high=0.2)
+        loss, _ = policy_loss(logprobs, old, batch.advantages, batch.mask, clip_low=0.2, clip_high=0.2)
         loss.backward()
         grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
         results[dtype] = logprobs.detach()[batch.mask > 0], loss.detach(), grads
@@ -492,14 +487,14 @@ def _resume(recipe, runs_dir, *overrides: str):
 
 def _interrupt_at(monkeypatch, stage: str) -> None:
     """Stop run_grpo like Ctrl-C as the rollout of `stage` begins."""
-    collect = rollout_sources.collect
+    collect = sources.collect
 
     def interrupted(ctx, **kwargs):
         if kwargs["stage"] == stage:
             raise KeyboardInterrupt
         return collect(ctx, **kwargs)
 
-    monkeypatch.setattr(rollout_sources, "collect", interrupted)
+    monkeypatch.setattr(sources, "collect", interrupted)
 
 
 def test_resume_from_another_directory_continues_from_the_checkpoint(tmp_path, capsys, monkeypatch):
@@ -560,7 +555,7 @@ def test_an_iteration_commits_its_checkpoint_metrics_and_stage_together(tmp_path
     log_metrics = RunDB.log_metrics
 
     def killed_before_the_metrics(self, run, stage, step, values):
-        if stage == train.METRICS_STAGE and step == 1:
+        if stage == learner.METRICS_STAGE and step == 1:
             raise RuntimeError("killed")
         return log_metrics(self, run, stage, step, values)
 

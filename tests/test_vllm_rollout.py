@@ -90,7 +90,7 @@ def test_auto_picks_vllm_on_a_cpu_for_head_sizes_its_kernels_take(tmp_path, monk
 def test_sft_turns_activation_checkpointing_off_unless_asked_under_either_transformers_name():
     from trl import SFTConfig
 
-    from rlcli.engine.sft import checkpointing_options
+    from rlcli.engine.hf_trainer import checkpointing_options
 
     off = SFTConfig(
         output_dir="unused", report_to="none", use_cpu=True, bf16=False, **checkpointing_options(SFTConfig, False)
@@ -161,7 +161,7 @@ def metric(ctx, key):
 @pytest.mark.slow
 @needs_vllm
 def test_after_an_update_the_engine_samples_the_trained_adapter(tmp_path, tiny64):  # noqa: F811
-    from rlcli.engine.train import run_grpo
+    from rlcli.engine.grpo.loop import run_grpo
     from rlcli.store.checkpoints import checkpoints
 
     (tmp_path / "digits.py").write_text(DIGITS)  # a reward that varies within a group: a gradient
@@ -195,7 +195,7 @@ def test_after_an_update_the_engine_samples_the_trained_adapter(tmp_path, tiny64
 @pytest.mark.slow
 @needs_vllm
 def test_grpo_with_vllm_logs_the_sync_and_a_zero_logprob_gap(tmp_path, tiny64):  # noqa: F811
-    from rlcli.engine.train import run_grpo
+    from rlcli.engine.grpo.loop import run_grpo
 
     digits = _learnable_recipe(tmp_path)  # the reward file and sections of test_train's learning test
     recipe = vllm_recipe(
@@ -220,7 +220,7 @@ def test_full_fine_tuning_with_vllm_keeps_a_zero_logprob_gap(tmp_path, tiny64): 
     Before vllm_engine.load_weights repacked the tied head on vLLM's CPU build, the gap grew every
     iteration (0.27, 0.90, 3.0, ...): the engine kept the first head.
     """
-    from rlcli.engine.train import run_grpo
+    from rlcli.engine.grpo.loop import run_grpo
 
     digits = _learnable_recipe(tmp_path)  # full fine-tuning (lora: null), lr 3e-2
     sections = load_recipe(digits).to_dict()
@@ -243,7 +243,7 @@ def test_full_fine_tuning_with_vllm_keeps_a_zero_logprob_gap(tmp_path, tiny64): 
 @needs_vllm
 def test_grpo_with_vllm_learns_the_digits_task(tmp_path, tiny64):  # noqa: F811
     """test_train's test_reward_rises_over_iterations with the engine sampling: full fine-tuning, lr 3e-2."""
-    from rlcli.engine.train import run_grpo
+    from rlcli.engine.grpo.loop import run_grpo
 
     sections = load_recipe(_learnable_recipe(tmp_path)).to_dict()
     recipe = vllm_recipe(

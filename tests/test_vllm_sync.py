@@ -102,7 +102,7 @@ def test_adapter_sync_samples_the_trained_adapter(lora_engine, hf_model, prompts
 @pytest.mark.slow
 @needs_vllm
 def test_grpo_with_adapter_sync_logs_the_sync_and_a_zero_logprob_gap(tmp_path, tiny64):  # noqa: F811
-    from rlcli.engine.train import run_grpo
+    from rlcli.engine.grpo.loop import run_grpo
     from test_train import DIGITS
 
     (tmp_path / "digits.py").write_text(DIGITS)  # a reward that varies within a group: a gradient

@@ -113,7 +113,7 @@ def test_adapter_sync_with_a_trained_vision_tower_is_refused(tmp_path):
 def test_vllm_rollout_of_a_vlm_records_image_tokens_and_logprobs_the_trainer_recomputes(
     tmp_path, tiny_vlm64, keep_images
 ):
-    from rlcli.engine.trainer import episode_sequences
+    from rlcli.engine.grpo.batch import episode_sequences
     from rlcli.models.loading import load_policy
 
     recipe = vlm_vllm_recipe(tmp_path, tiny_vlm64, env={**GUI_CLICK, "keep_images": keep_images})
@@ -152,7 +152,7 @@ def test_grpo_on_a_vlm_with_vllm_syncs_the_vision_tower(tmp_path, tiny_vlm64):
     vLLM would serve that screen's image features from its encoder cache, computed by the first
     iteration's tower, unless a sync drops them. Without that reset (VllmEngine.load_weights), vLLM
     0.32 on the CPU failed at the second iteration with "Encoder cache miss"."""
-    from rlcli.engine.train import run_grpo
+    from rlcli.engine.grpo.loop import run_grpo
 
     recipe = vlm_vllm_recipe(
         tmp_path,

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from helpers import make_ctx, write_recipe
-from rlcli.engine import update as update_module
+from rlcli.engine.grpo import update as update_module
+from rlcli.engine.grpo.batch import episode_sequences
 from rlcli.engine.rollout import run_rollout_stage
-from rlcli.engine.trainer import episode_sequences
 from rlcli.store.episodes import stage_episodes
 
 GUI_CLICK = {"name": "gui_click", "kwargs": {"width": 112, "height": 112, "buttons": 2, "attempts": 2}, "max_turns": 2}
@@ -172,7 +172,7 @@ def test_a_checkpoint_holds_the_processor(tmp_path, name, lora):
 
 
 def test_grpo_on_gui_click_trains_the_tiny_vlm_end_to_end(tmp_path):
-    from rlcli.engine.train import run_grpo
+    from rlcli.engine.grpo.loop import run_grpo
     from rlcli.models.loading import load_policy
     from rlcli.store.checkpoints import resolve_checkpoint
 
@@ -221,7 +221,7 @@ def test_the_policy_never_writes_image_slots_even_when_they_are_likely(tmp_path,
     from pathlib import Path
 
     import rlcli.models.loading as loading
-    from rlcli.engine.train import run_grpo
+    from rlcli.engine.grpo.loop import run_grpo
     from rlcli.models.cache import resolve_model
     from rlcli.store.blobs import unpack_ids
 

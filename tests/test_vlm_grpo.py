@@ -30,8 +30,8 @@ def write_demos(folder, count: int):
 
 @pytest.mark.slow
 def test_grpo_raises_gui_click_reward_after_format_sft(tmp_path):
+    from rlcli.engine.grpo.loop import run_grpo
     from rlcli.engine.sft import run_sft
-    from rlcli.engine.train import run_grpo
 
     demos = write_demos(tmp_path, 32)
     recipe = write_recipe(

@@ -105,7 +105,7 @@ def train_grpo_cmd(
 ) -> None:
     """Online GRPO: per iteration rollout -> label -> advantages -> update -> checkpoint."""
     with stage_run(cli_ctx, recipe, run, overrides, force, ["grpo"]) as ctx:
-        from rlcli.engine.train import run_grpo
+        from rlcli.engine.grpo.loop import run_grpo
 
         run_grpo(ctx)
 

@@ -25,6 +25,7 @@ import numpy as np
 from rlcli.engine.context import RunContext
 from rlcli.engine.labelling import GRPO_LABEL_SET
 from rlcli.generation.seeds import derive_seed
+from rlcli.store.iterations import rollout_plan
 from rlcli.store.names import rollout_stage
 from rlcli.store.tasks import TaskStats, compute_task_stats
 
@@ -43,13 +44,12 @@ def tasks_played(recipe: Recipe) -> int:
 
 def iteration_tasks(ctx: RunContext, it: int) -> list[int]:
     """The tasks of iteration `it`: those its rollout stage recorded, else a fresh choice."""
-    row = ctx.rundb.stage(ctx.run, rollout_stage(it))
-    recorded = row.params.get("tasks") if row is not None else None
+    plan = rollout_plan(ctx.rundb, ctx.run, rollout_stage(it))
     # Before rlcli recorded the list, a rollout stage kept [first, last] of a sequential range. A list of
     # another length is the stage's own (played under another grpo.oversample): kept, as the episodes are.
-    legacy = isinstance(recorded, list) and len(recorded) == 2 != tasks_played(ctx.recipe)
-    if isinstance(recorded, list) and not legacy:
-        return [int(t) for t in recorded]
+    legacy = plan is not None and len(plan.tasks) == 2 != tasks_played(ctx.recipe)
+    if plan is not None and not legacy:
+        return plan.tasks
     return choose_tasks(ctx, it)
 
 
@@ -81,10 +81,9 @@ def extra_tasks(ctx: RunContext, it: int, round_: int, played: list[int], count:
     of them (fewer when the pool runs out) that the iteration has not played yet, so that every group
     stays one task: those the round's stage recorded, else the sequence's next ones (sequential) or a
     draw seeded by (run seed, iteration, round) among the pool's unplayed tasks."""
-    row = ctx.rundb.stage(ctx.run, rollout_stage(it, round_))
-    recorded = row.params.get("tasks") if row is not None else None
-    if isinstance(recorded, list):
-        return [int(t) for t in recorded]
+    plan = rollout_plan(ctx.rundb, ctx.run, rollout_stage(it, round_))
+    if plan is not None:
+        return plan.tasks
     recipe = ctx.recipe
     n, pool, seen = tasks_played(recipe), recipe.env.tasks, set(played)
     if recipe.grpo.sampling == "sequential":
@@ -113,10 +112,9 @@ def group_sizes(ctx: RunContext, it: int, stage: str, tasks: list[int]) -> dict[
     least rollout.hard_min_attempts attempts, success rate below rollout.hard_below). The stage
     records the sizes (params group_sizes, in task order); a resumed stage reuses them."""
     rollout = ctx.recipe.rollout
-    row = ctx.rundb.stage(ctx.run, stage)
-    recorded = row.params.get("group_sizes") if row is not None else None
-    if isinstance(recorded, list) and len(recorded) == len(tasks):
-        return {t: int(n) for t, n in zip(tasks, recorded, strict=True)}
+    plan = rollout_plan(ctx.rundb, ctx.run, stage)
+    if plan is not None and plan.group_sizes is not None and len(plan.group_sizes) == len(tasks):
+        return dict(zip(tasks, plan.group_sizes, strict=True))
     sizes = dict.fromkeys(tasks, rollout.group_size)
     if rollout.group_size_hard is None:
         return sizes

@@ -1,7 +1,7 @@
 """`rlcli run`: every stage a recipe asks for, in order; each one skips what is already done.
 
 run.stages may repeat grpo, dpo and eval (the VerIPO loop sft -> grpo -> dpo -> grpo -> eval): the k-th
-grpo is GRPO phase k (engine/train.py: iterations k*grpo.iterations onwards, from the newest checkpoint),
+grpo is GRPO phase k (engine/grpo/loop.py: iterations k*grpo.iterations onwards, from the newest checkpoint),
 the k-th dpo is stage dpo (k = 0) or dpo/<k+1>, mining the groups stored so far, and an eval evaluates
 eval.checkpoints as they are when it runs (its stages are named by checkpoint, so repeats never collide).
 """
@@ -66,7 +66,7 @@ def _run_stage(ctx: RunContext, stage: str, repeat: int, show: Callable[[StageSu
 
         show(run_sft(ctx))
     elif stage == "grpo":
-        from rlcli.engine.train import run_grpo
+        from rlcli.engine.grpo.loop import run_grpo
 
         run_grpo(ctx, phase=repeat)
     elif stage == "dpo":

@@ -77,7 +77,7 @@ def set_aside_episodes(rundb: RunDB, run: str, stage: str, episode_ids: list[int
 
 
 def supersede_stage(rundb: RunDB, run: str, stage: str, stage_rows: list[str]) -> tuple[str, int]:
-    """A GRPO resume redoes rollout `stage` from scratch (engine/trainer.py, supersede_lost_rollouts), in one
+    """A GRPO resume redoes rollout `stage` from scratch (engine/grpo/resume.py, supersede_lost_rollouts), in one
     transaction: its episodes move, with their turns and labels, into superseded/<stage>/<n>, where nothing
     that trains or draws tasks reads them (ANY_SUPERSEDED_LIKE), and the rows of `stage_rows` (the stage and
     its label stages) are removed, so that each runs again as the first time, its tasks drawn again. Return

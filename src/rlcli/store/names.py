@@ -15,7 +15,7 @@ typed record. The forms (docs/database.md):
                                      opponent in a two-player game (random, bot, base, ckpt-<id>; eval.opponents)
   stale/<stage>/<n>                  episodes of <stage> that asynchronous GRPO set aside (episodes only)
   superseded/<stage>/<n>             episodes of <stage> played with weights a GRPO resume recomputes, set
-                                     aside (episodes only; engine/trainer.py, supersede_lost_rollouts)
+                                     aside (episodes only; engine/grpo/resume.py, supersede_lost_rollouts)
   <name>                             a user's stage (`rlcli rollout --stage`): no '/', not a reserved name
 
 A policy reference (PolicyRef) names the weights that play or are evaluated. Its stored form (the

@@ -161,6 +161,11 @@ class EpisodeSummary:
     tokens: int
     replayed_lost: int = 0  # plays again of episodes whose env was lost with a killed worker
 
+    @classmethod
+    def from_dict(cls, stored: dict[str, Any]) -> EpisodeSummary:
+        """A rollout stage's stored result (one from before rlcli counted replayed_lost has none)."""
+        return cls(**{name: stored[name] for name in cls.__dataclass_fields__ if name in stored})
+
 
 # Metrics each stage records on CUDA (engine/context.py), under the stage's own name: the peak of
 # torch's allocator in this process (the trainer's tensors, and an in-process vLLM engine's, which

@@ -3,11 +3,11 @@
 SyncRollouts (grpo.max_staleness 0) plays rollout/i here, with the weights of the update before
 (grpo.dynamic_sampling: grpo.oversample times rollout.tasks tasks); with grpo.max_rollout_rounds > 1
 it also plays the extra rounds rollout/i+r, label/i+r once label/i is done. AsyncRollouts (k > 0)
-has a worker process (engine/async_rollout.py) play rollout/i+1..i+k while this process labels and
+has a worker process (grpo/worker.py) play rollout/i+1..i+k while this process labels and
 trains iteration i, and pushes it the new weights after each update.
 
-The loop (engine/train.py) runs, inside `with source.running():`, per iteration i:
-play(i) -> label/i -> before_update(i) -> train/i -> after_update(i).
+The loop (grpo/loop.py) runs, inside `with source.running():`, per iteration i:
+play(i) -> label/i -> refill(i) -> before_update(i) -> train/i -> after_update(i).
 The recipe refuses what the worker cannot play (grpo.dynamic_sampling, rollout.group_size_hard,
 rollout.vllm_sleep true, GRPO phases) when it is loaded, with a sentence saying what to change.
 """
@@ -24,31 +24,36 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 
-from rlcli.engine import grpo
-from rlcli.engine.async_rollout import START_VERSION, RolloutWorker, push_folder, set_aside_stale, thread_split
 from rlcli.engine.context import RunContext
 from rlcli.engine.curriculum import extra_tasks, group_sizes, iteration_tasks
 from rlcli.engine.games import recipe_opponent
+from rlcli.engine.grpo.checkpoints import checkpoint_folder, saves_checkpoint
+from rlcli.engine.grpo.selection import carried_groups, group_keys, informative_groups
+from rlcli.engine.grpo.staleness import START_VERSION, set_aside_stale
+from rlcli.engine.grpo.worker import RolloutWorker, push_folder, thread_split
 from rlcli.engine.labelling import GRPO_LABEL_SET, label_stage_episodes
 from rlcli.engine.rollout import collect
-from rlcli.engine.trainer import GrpoTrainer, carried_groups, checkpoint_folder, group_keys, saves_checkpoint
 from rlcli.generation.engines import generation_engine, make_sampler
 from rlcli.generation.sampler import Sampler, sampling_config
 from rlcli.models.loading import save_checkpoint
-from rlcli.store.episodes import episodes_for_training
+from rlcli.store.iterations import RolloutPlan
 from rlcli.store.names import PolicyRef, grpo_label_stage, rollout_stage
+from rlcli.store.records import EpisodeSummary
 from rlcli.store.stages import stage_done
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
     from rlcli.generation.vllm_engine import VllmEngine, VllmSampler
     from rlcli.rewards.scoring import RewardFn
+    from rlcli.store.records import Checkpoint
 
 
 @dataclass
 class Rollout:
     """rollout/i as a source hands it over, with the seconds this process spent on its iteration."""
 
-    summary: dict[str, Any]  # the rollout stage's result (EpisodeSummary's fields)
+    summary: EpisodeSummary  # the rollout stage's result
     fresh: bool  # played now, not before a resume: only then do its timings describe the work
     timings: dict[str, float]  # perf/time_*_s: its rollout (or the wait for it), labelling, refill rounds
     sync_s: float | None = None  # the weight sync into the vLLM engine before it, done on resume too
@@ -64,13 +69,32 @@ class Rollout:
         """The iteration's perf/ metrics."""
         out: dict[str, float] = {}
         if self.fresh:
-            tokens_per_s = self.summary.get("tokens", 0) / max(self.timings["perf/time_rollout_s"], 1e-9)
+            tokens_per_s = self.summary.tokens / max(self.timings["perf/time_rollout_s"], 1e-9)
             out = {**self.timings, "perf/tokens_per_s": tokens_per_s}
         if self.sync_s is not None:
             out["perf/time_sync_s"] = self.sync_s
         if self.fresh and self.train_s is not None:
             out["perf/time_train_s"] = self.train_s
         return out
+
+
+class Learner(Protocol):
+    """What the rollouts read of the learner (grpo/learner.py's GrpoTrainer): the policy in memory, the
+    phase's iterations and the weights each iteration plays. A protocol, so that the rollout side
+    never imports the learner."""
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    first: int  # the phase's first iteration
+    end: int  # one past its last
+    next_iteration: int  # the first iteration left to run (after resume())
+    resumed: Checkpoint | None  # the checkpoint the phase goes on from
+    origin: Checkpoint | None  # the weights the phase starts from (None: the base model)
+    start_policy: PolicyRef  # those weights as the first rollout's episodes record them
+
+    def policy(self, it: int) -> PolicyRef:
+        """The weights iteration it's rollouts play."""
+        ...
 
 
 class RolloutSource(Protocol):
@@ -84,8 +108,12 @@ class RolloutSource(Protocol):
         """rollout/it, stored (played now, or before a resume)."""
         ...
 
-    def before_update(self, it: int, rollout: Rollout, reward_fns: list[RewardFn]) -> None:
-        """After label/it, before train/it."""
+    def refill(self, it: int, rollout: Rollout, reward_fns: list[RewardFn]) -> None:
+        """After label/it: more rounds of rollouts while the iteration is short of informative groups."""
+        ...
+
+    def before_update(self, it: int) -> None:
+        """Before train/it."""
         ...
 
     def after_update(self, it: int) -> None:
@@ -93,7 +121,7 @@ class RolloutSource(Protocol):
         ...
 
 
-def rollout_source(ctx: RunContext, trainer: GrpoTrainer) -> RolloutSource:
+def rollout_source(ctx: RunContext, trainer: Learner) -> RolloutSource:
     """grpo.max_staleness 0: SyncRollouts; k > 0: AsyncRollouts. Either refuses what it cannot play
     here, before the trainer loads anything."""
     if ctx.recipe.grpo.max_staleness:
@@ -106,7 +134,7 @@ class SyncRollouts:
 
     sampler: Sampler
 
-    def __init__(self, ctx: RunContext, trainer: GrpoTrainer) -> None:
+    def __init__(self, ctx: RunContext, trainer: Learner) -> None:
         self.ctx, self.trainer = ctx, trainer
         self.uses_vllm = generation_engine(ctx.recipe) == "vllm"
         self.engine: VllmEngine | None = None  # the vLLM sampler's engine
@@ -130,15 +158,18 @@ class SyncRollouts:
         fresh = not stage_done(ctx.rundb, ctx.run, rollout_stage(it))
         sync_s = self._sync_engine(it) if self.engine is not None else None
         start = time.perf_counter()
-        summary = self._collect(it, rollout_stage(it), tasks, sizes, f"rollout {it}")
+        summary = EpisodeSummary.from_dict(self._collect(it, rollout_stage(it), tasks, sizes, f"rollout {it}"))
         return Rollout(summary, fresh, {"perf/time_rollout_s": time.perf_counter() - start}, sync_s)
 
-    def before_update(self, it: int, rollout: Rollout, reward_fns: list[RewardFn]) -> None:
-        """grpo.dynamic_sampling's extra rounds (_refill); then the vLLM engine sleeps through the
-        update (rollout.vllm_sleep: the update gets its GPU memory; the next sync wakes it)."""
+    def refill(self, it: int, rollout: Rollout, reward_fns: list[RewardFn]) -> None:
+        """grpo.dynamic_sampling's extra rounds (_refill), timed as perf/time_refill_s."""
         if self.ctx.recipe.grpo.dynamic_sampling:
             with rollout.timed("perf/time_refill_s"):
                 self._refill(it, reward_fns)
+
+    def before_update(self, it: int) -> None:
+        """The vLLM engine sleeps through the update (rollout.vllm_sleep: the update gets its GPU
+        memory; the next sync wakes it)."""
         if self.engine is not None:
             self.engine.sleep()
 
@@ -172,7 +203,7 @@ class SyncRollouts:
         played = list(iteration_tasks(ctx, it))
         carried = len(group_keys(carried_groups(ctx, it, self.trainer.first)))
         for r in range(1, recipe.grpo.max_rollout_rounds):
-            short = recipe.rollout.tasks - carried - _informative_groups(ctx, stages)
+            short = recipe.rollout.tasks - carried - informative_groups(ctx, stages)
             if short <= 0:
                 break
             stage = rollout_stage(it, r)
@@ -180,13 +211,13 @@ class SyncRollouts:
             if not tasks:  # the pool holds no task this iteration has not played
                 break
             sizes = group_sizes(ctx, it, stage, tasks)
-            self._collect(it, stage, tasks, sizes, f"rollout {it}+{r}", round=r)
+            self._collect(it, stage, tasks, sizes, f"rollout {it}+{r}", round_=r)
             ctx.stage(grpo_label_stage(it, r), partial(label_stage_episodes, ctx, stage, GRPO_LABEL_SET, reward_fns))
             stages.append(stage)
             played += tasks
 
     def _collect(
-        self, it: int, stage: str, tasks: list[int], sizes: dict[int, int], progress: str, **params: int
+        self, it: int, stage: str, tasks: list[int], sizes: dict[int, int], progress: str, round_: int = 0
     ) -> dict[str, Any]:
         """Play rollout `stage` of iteration it with the policy in memory, as a stage that records its tasks."""
         ctx = self.ctx
@@ -206,35 +237,17 @@ class SyncRollouts:
                 # env.opponent pool draws its checkpoint per iteration, the same one again on resume
                 opponent=recipe_opponent(ctx, self.sampler, stage=stage, iteration=it),
             ),
-            params={
-                "iteration": it,
-                **params,
-                "tasks": tasks,
-                "group_sizes": list(sizes.values()),
-                "max_turns": ctx.recipe.env.horizon(it),
-            },
+            params=RolloutPlan(it, tasks, ctx.recipe.env.horizon(it), round_, list(sizes.values())).to_params(),
         )
-
-
-def _informative_groups(ctx: RunContext, stages: list[str]) -> int:
-    """How many groups of these rollout stages have unequal rewards under the GRPO labels."""
-    episodes = [e for stage in stages for e in episodes_for_training(ctx.rundb, ctx.run, stage, GRPO_LABEL_SET)]
-    if not episodes:
-        return 0
-    groups = [e.episode.task_index for e in episodes]
-    rewards = [e.reward for e in episodes if e.reward is not None]
-    assert len(rewards) == len(episodes)  # episodes_for_training reads only episodes with a total
-    zero_var = grpo.zero_variance_groups(rewards, groups)
-    return len({g for g, flat in zip(groups, zero_var.tolist(), strict=True) if not flat})
 
 
 class AsyncRollouts:
     """grpo.max_staleness k > 0: a worker process plays rollout/i+1..i+k while this process labels
-    and trains iteration i, and gets the new weights after each update (engine/async_rollout.py)."""
+    and trains iteration i, and gets the new weights after each update (grpo/worker.py)."""
 
     worker: RolloutWorker
 
-    def __init__(self, ctx: RunContext, trainer: GrpoTrainer) -> None:
+    def __init__(self, ctx: RunContext, trainer: Learner) -> None:
         self.ctx, self.trainer = ctx, trainer
         # The worker's sampler would refuse the recipe's engine only once it has started.
         generation_engine(ctx.recipe)
@@ -266,7 +279,10 @@ class AsyncRollouts:
         summary, timings, fresh = self.worker.wait(it)
         return Rollout(summary, fresh, timings)
 
-    def before_update(self, it: int, rollout: Rollout, reward_fns: list[RewardFn]) -> None:
+    def refill(self, it: int, rollout: Rollout, reward_fns: list[RewardFn]) -> None:
+        """Nothing: the recipe refuses grpo.dynamic_sampling with asynchronous rollouts."""
+
+    def before_update(self, it: int) -> None:
         """Nothing: the worker plays on during the update."""
 
     def after_update(self, it: int) -> None:
@@ -276,7 +292,7 @@ class AsyncRollouts:
 
     def _weights_folder(self, it: int) -> Path:
         """The folder holding iteration it's weights: its checkpoint's, else a weights-only folder
-        (engine/async_rollout.py removes those once the worker has moved on)."""
+        (grpo/worker.py removes those once the worker has moved on)."""
         if saves_checkpoint(self.ctx.recipe.grpo, it):
             return checkpoint_folder(self.ctx, it)
         return save_checkpoint(self.trainer.model, self.trainer.tokenizer, push_folder(self.ctx, it))

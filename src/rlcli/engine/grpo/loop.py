@@ -6,8 +6,9 @@ Per iteration i, three stages of the run:
   train/i    advantages -> K epochs of clipped-ratio updates -> checkpoint -> metrics
 
 _run_phase is that loop. The learner (policy, optimizer, learning-rate schedule, KL reference; its
-setup, resume, one update per iteration, checkpoints) is engine/trainer.py's GrpoTrainer; the
-rollouts come from a source (engine/rollout_sources.py) that plays them here or in a worker process.
+setup, resume, one update per iteration, checkpoints) is grpo/learner.py's GrpoTrainer; the
+rollouts come from a source (grpo/sources.py) that plays them here or in a worker process; what
+an iteration trains on is chosen by grpo/selection.py and batched by grpo/batch.py.
 
 Exact resume: the tasks of iteration i are fixed by i (engine/curriculum.py) and recorded with rollout/i,
 every episode's sampling seed is derived from (run seed, stage, task, sample), the shuffling and
@@ -15,7 +16,7 @@ dropout seeds from (run seed, iteration), and a checkpoint holds the adapter, th
 schedule. A resumed run reloads the newest readable checkpoint and redoes any later `train/i` from
 stored rollouts, so it ends with the same weights and metrics as a run that was never interrupted.
 The rollouts that a redone iteration's lost weights played (grpo.checkpoint_every > 1) are superseded:
-set aside and played again by the recomputed weights (engine/trainer.py, supersede_lost_rollouts).
+set aside and played again by the recomputed weights (grpo/resume.py, supersede_lost_rollouts).
 An iteration's checkpoint row, metrics and `done` mark are committed together, once its checkpoint
 folder is on disk (fsynced).
 
@@ -23,8 +24,8 @@ grpo.dynamic_sampling (DAPO) over-samples: rollout/i plays grpo.oversample x rol
 one batched generation (engine/curriculum.py, tasks_played), and train/i trains on rollout.tasks
 groups, informative ones first: its own (training_batch), then, where they leave it short, those
 carried from the iterations before (at most grpo.carry_staleness updates old, each trained once;
-engine/trainer.py, carried_groups). With grpo.max_rollout_rounds > 1, rounds rollout/i+r, label/i+r after label/i
-refill a batch still short of informative groups (engine/rollout_sources.py, SyncRollouts), each
+grpo/selection.py, carried_groups). With grpo.max_rollout_rounds > 1, rounds rollout/i+r, label/i+r after label/i
+refill a batch still short of informative groups (grpo/sources.py, SyncRollouts), each
 round's tasks recorded with its stage.
 
 rollout.group_size_hard gives a task that the statistics of the iterations before rate as hard
@@ -49,7 +50,7 @@ it began (the DPO stage's; the phase before's last when DPO mined no pairs), wit
 and learning-rate schedule. Its KL anchor stays what grpo.reference names (the SFT checkpoint or
 the base model), never the DPO checkpoint. Once phase 1 has begun, grpo.iterations is fixed.
 
-grpo.max_staleness k > 0 (engine/async_rollout.py): a rollout worker process plays rollout/i+1..i+k
+grpo.max_staleness k > 0 (grpo/worker.py): a rollout worker process plays rollout/i+1..i+k
 while this process labels and trains iteration i, and gets the new weights after each update; the
 update weighs stale episodes against their recorded logprobs (decoupled PPO). k = 0 is the loop
 above, unchanged.
@@ -63,36 +64,24 @@ learning rate never jumps.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from rlcli.console import number
 from rlcli.engine import guardrails
 from rlcli.engine.context import RunContext
-from rlcli.engine.evaluate import TrainingEvals
+from rlcli.engine.grpo.batch import build_batch
+from rlcli.engine.grpo.checkpoints import saves_checkpoint
+from rlcli.engine.grpo.evals import HeldOutEvals
+from rlcli.engine.grpo.learner import METRICS_STAGE, GrpoTrainer
+from rlcli.engine.grpo.metrics import MetricsView, iteration_metrics
+from rlcli.engine.grpo.selection import choose_groups
+from rlcli.engine.grpo.sources import Rollout, rollout_source
 from rlcli.engine.labelling import GRPO_LABEL_SET, label_stage_episodes
 from rlcli.engine.memory import frees_on_failure
-from rlcli.engine.rollout_sources import Rollout, rollout_source
-from rlcli.engine.trainer import METRICS_STAGE, GrpoTrainer, IterationStats, saves_checkpoint
 from rlcli.errors import UsageError
-from rlcli.store.checkpoints import checkpoints, train_checkpoints
-from rlcli.store.names import (
-    GrpoStage,
-    grpo_label_stage,
-    grpo_phase_stage,
-    rollout_stage,
-    train_stage,
-    try_parse_stage,
-)
+from rlcli.store.checkpoints import checkpoints
+from rlcli.store.iterations import IterationStats
+from rlcli.store.names import GrpoStage, grpo_label_stage, grpo_phase_stage, rollout_stage, train_stage, try_parse_stage
 from rlcli.store.records import Checkpoint, Stage
-
-if TYPE_CHECKING:
-    from rich.console import Console
-    from transformers import PreTrainedModel, PreTrainedTokenizerBase
-
-    from rlcli.recipe import GrpoSection
-
-
-# --- the loop ---------------------------------------------------------------------------------
 
 
 def run_grpo(ctx: RunContext, phase: int = 0) -> None:
@@ -182,17 +171,20 @@ def _run_phase(ctx: RunContext, phase: int, start: Checkpoint | None) -> dict[st
         ):
             evals.before(trainer)
             for it in iterations:
-                rollout = rollouts.play(it)  # rollout/i: the policy's episodes, stored token by token
+                # plan and play: rollout/i, the iteration's tasks drawn and recorded, its episodes stored
+                rollout = rollouts.play(it)
                 with rollout.timed("perf/time_label_s"):  # label/i: the recipe's rewards for them
                     ctx.stage(
                         grpo_label_stage(it),
                         lambda: label_stage_episodes(ctx, rollout_stage(it), GRPO_LABEL_SET, reward_fns),
                     )
-                rollouts.before_update(it, rollout, reward_fns)  # grpo.dynamic_sampling's extra rounds
-                metrics = _train(ctx, trainer, it, rollout)  # train/i: batch -> update -> checkpoint -> commit
+                rollouts.refill(it, rollout, reward_fns)  # grpo.dynamic_sampling: rounds while short of signal
+                rollouts.before_update(it)  # a vLLM engine sleeps through the update
+                # train/i: choose groups -> batch -> update -> save -> commit
+                metrics = _train(ctx, trainer, it, rollout)
                 rollouts.after_update(it)  # the rollout worker gets the new weights
                 metrics |= evals.after(it)  # grpo.eval_every: the new checkpoint's held-out success
-                tracker.log(metrics, step=it)
+                tracker.log(metrics, step=it)  # log
                 view.show(it, metrics)
                 for warning in guardrails.check(ctx, it):  # once its metrics and held-out eval are stored
                     ctx.console.print(f"warning: {warning.message}", style="yellow", highlight=False)
@@ -204,116 +196,23 @@ def _run_phase(ctx: RunContext, phase: int, start: Checkpoint | None) -> dict[st
 
 
 def _train(ctx: RunContext, trainer: GrpoTrainer, it: int, rollout: Rollout) -> dict[str, Any]:
-    """Stage train/it: the iteration's batch, one update on it, and its checkpoint when one is due;
-    committed, once that checkpoint folder is durable, with the checkpoint's row, the replays trained
-    on and the iteration's metrics, which it returns."""
+    """Stage train/it: the groups it trains on, their batch, one update on it, and its checkpoint when
+    one is due; committed, once that checkpoint folder is durable, with the checkpoint's row, the
+    replays trained on and the iteration's metrics, which it returns."""
     started = time.perf_counter()
 
-    def work() -> IterationStats:
-        stats = trainer.iteration(trainer.batch(it))
+    def update_and_save() -> IterationStats:
+        chosen = choose_groups(ctx, it, trainer.first)  # dynamic sampling, carried groups, replays
+        stats = trainer.update(build_batch(ctx, chosen, trainer.rae_baselines))
         if saves_checkpoint(trainer.cfg, it):
             trainer.save(it)
         return stats
 
-    def commit(stats: IterationStats) -> None:
+    def commit_iteration(stats: IterationStats) -> None:
         rollout.train_s = time.perf_counter() - started
         trainer.commit(it, stats, iteration_metrics(rollout, stats))
 
-    stats = ctx.stage(train_stage(it), work, params={"iteration": it}, result=IterationStats, commit=commit)
-    return iteration_metrics(rollout, stats)
-
-
-def iteration_metrics(rollout: Rollout, stats: IterationStats) -> dict[str, Any]:
-    """An iteration's metrics, from its rollout stage's summary, its train stage's stats and its timings."""
-    summary = rollout.summary
-    return {
-        "rollout/reward_mean": stats.reward_mean,
-        "rollout/reward_std": stats.reward_std,
-        "rollout/success_rate": summary.get("success_rate"),
-        "rollout/return_mean": summary.get("return_mean"),
-        "rollout/turns_mean": summary.get("turns_mean"),
-        "rollout/failed": summary.get("failed"),
-        "rollout/replayed_lost": summary.get("replayed_lost"),
-        **stats.metrics,
-        **rollout.perf(),
-    }
-
-
-# --- held-out evals ---------------------------------------------------------------------
-
-
-class HeldOutEvals:
-    """grpo.eval_every's held-out evals during a GRPO phase (engine/evaluate.py, TrainingEvals), with
-    the trainer's model where it holds the weights evaluated; none when eval_every is 0."""
-
-    def __init__(
-        self, ctx: RunContext, model: PreTrainedModel | None, tokenizer: PreTrainedTokenizerBase | None
-    ) -> None:
-        self.ctx = ctx
-        self.evals = TrainingEvals(ctx, model, tokenizer, METRICS_STAGE) if ctx.recipe.grpo.eval_every else None
-
-    def before(self, trainer: GrpoTrainer) -> None:
-        """In phase 0 the starting point's eval (SFT, else base), then those of the phase's checkpoints
-        before the iteration it goes on from, which a kill cut off or that predate eval_every. The
-        model in memory holds the weights resumed from, else the starting point's; every other one is
-        loaded from disk. A later phase's start (the DPO checkpoint) gets no eval here: its step would
-        be the phase before's last; an eval stage after dpo in run.stages measures it."""
-        if self.evals is None:
-            return
-        resumed, cfg = trainer.resumed, self.ctx.recipe.grpo
-        if trainer.first == 0:
-            self.evals.evaluate(trainer.origin, -1, in_memory=resumed is None)
-        for ckpt in train_checkpoints(self.ctx.rundb, self.ctx.run):
-            done = trainer.first <= ckpt.iteration < min(trainer.next_iteration, trainer.end)
-            if done and evaluates_after(cfg, ckpt.iteration):
-                self.evals.evaluate(ckpt, ckpt.iteration, in_memory=resumed is not None and ckpt.id == resumed.id)
-
-    def after(self, it: int) -> dict[str, float]:
-        """The held-out metrics of iteration it's checkpoint, when its eval is due (with the model in memory)."""
-        if self.evals is None or not evaluates_after(self.ctx.recipe.grpo, it):
-            return {}
-        saved = [c for c in train_checkpoints(self.ctx.rundb, self.ctx.run) if c.stage == train_stage(it)]
-        return self.evals.evaluate(saved[-1], it, in_memory=True)
-
-
-def evaluates_after(cfg: GrpoSection, it: int) -> bool:
-    """grpo.eval_every: iteration it's checkpoint gets a held-out eval (every n iterations, and the last)."""
-    due = (it + 1) % cfg.eval_every == 0 or (it + 1) % cfg.iterations == 0 if cfg.eval_every else False
-    return due and saves_checkpoint(cfg, it)
-
-
-# --- live view -----------------------------------------------------------------------
-
-
-class MetricsView:
-    """One line per iteration with the numbers a researcher watches."""
-
-    COLUMNS = (
-        ("iter", None),
-        ("reward", "rollout/reward_mean"),
-        ("success", "rollout/success_rate"),
-        ("held-out", "eval/success_rate"),
-        ("loss", "train/loss"),
-        ("kl", "train/kl"),
-        ("entropy", "train/entropy"),
-        ("clip", "train/clip_frac_high"),
-        ("|g|", "train/grad_norm"),
-        ("0-var", "train/zero_var_groups"),
-        ("tok/s", "perf/tokens_per_s"),
-        ("t_roll", "perf/time_rollout_s"),
-        ("t_train", "perf/time_train_s"),
+    stats = ctx.stage(
+        train_stage(it), update_and_save, params={"iteration": it}, result=IterationStats, commit=commit_iteration
     )
-
-    def __init__(self, console: Console) -> None:
-        self.console = console
-        self.header_shown = False
-
-    def show(self, it: int, metrics: dict[str, Any]) -> None:
-        if not self.header_shown:
-            self.console.print(" ".join(f"{name:>8}" for name, _ in self.COLUMNS), style="bold")
-            self.header_shown = True
-        cells = [f"{it:>8}"]
-        for _, key in self.COLUMNS[1:]:
-            value = metrics.get(key)
-            cells.append(f"{number(float(value), 3):>8}" if isinstance(value, (int, float)) else f"{'–':>8}")
-        self.console.print(" ".join(cells), highlight=False)
+    return iteration_metrics(rollout, stats)

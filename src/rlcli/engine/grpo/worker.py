@@ -1,6 +1,6 @@
 """Asynchronous GRPO (grpo.max_staleness: k > 0): a worker process samples rollouts ahead while the trainer updates.
 
-The trainer (engine/train.py's run_grpo) runs label/i and train/i as the synchronous loop does; the
+The trainer (grpo/loop.py's run_grpo) runs label/i and train/i as the synchronous loop does; the
 rollout stages are played by a rollout worker, a process of its own (spawned) that loads its own copy
 of the policy (load_policy) on rollout.device once, with its own sampler (make_sampler: hf or vllm),
 takes each new version's LoRA adapter into it in place (WorkerPolicy), and
@@ -62,81 +62,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlcli.engine.context import RunContext
+from rlcli.engine.grpo.staleness import START_VERSION, set_aside_stale
 from rlcli.errors import RlcliError, UsageError
 from rlcli.generation.sampler import Sampler
+from rlcli.store.iterations import RolloutPlan
 from rlcli.store.names import (
-    BASE,
-    SFT,
-    LabelStage,
     PolicyRef,
-    StageNameError,
-    grpo_label_stage,
     rollout_stage,
-    try_parse_stage,
 )
+from rlcli.store.records import EpisodeSummary
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from rlcli.recipe import Recipe
-
-# The truncation of the staleness correction's importance weights when grpo.tis_cap is null: a token
-# whose probability rose more than 2x since it was sampled counts at most twice.
-ASYNC_TIS_CAP = 2.0
-START_VERSION = -1
-STALE_EVENT = "stale_rollouts"
-
-
-def policy_version(policy: str) -> int | None:
-    """The iteration whose weights an episode of GRPO's loop was sampled with, from its stored policy:
-    train/<v> -> v, base or sft (the starting point) -> -1; None for any other policy (an older rlcli's)."""
-    try:
-        ref = PolicyRef.parse(policy)
-    except StageNameError:
-        return None
-    if ref.kind == "train":
-        return ref.number
-    return START_VERSION if ref in (BASE, SFT) else None
-
-
-def staleness(it: int, policy: str) -> int:
-    """Updates between the weights that sampled an episode (its stored policy) and those iteration `it`
-    updates; 0 when unknown."""
-    version = policy_version(policy)
-    return 0 if version is None else it - 1 - version
-
-
-def set_aside_stale(ctx: RunContext, it: int, bound: int) -> int:
-    """Set aside rollout/it's episodes staler than `bound` (see the module docstring); return how many."""
-    from rlcli.store.episodes import set_aside_episodes, stage_episodes
-    from rlcli.store.events import add_event
-
-    stage = rollout_stage(it)
-    stale = [e for e in stage_episodes(ctx.rundb, ctx.run, stage) if staleness(it, e.policy) > bound]
-    if not stale:
-        return 0
-    ids = [e.id for e in stale if e.id is not None]
-    assert len(ids) == len(stale)  # read from the database: every stored episode has its id
-    aside = set_aside_episodes(ctx.rundb, ctx.run, stage, ids)
-    # The stage plays them again; its labels (GRPO's, and any `rlcli label` set's) must cover the new ones.
-    for row in ctx.rundb.stages(ctx.run):
-        if row.done and _labels_or_plays(row.name, it):
-            ctx.rundb.mark_stage(ctx.run, row.name, "pending")
-    worst = max(staleness(it, e.policy) for e in stale)
-    message = (
-        f"{len(stale)} episodes of {stage} were sampled up to {worst} updates before iteration {it} and "
-        f"grpo.max_staleness is {bound}: set aside as {aside} and played again"
-    )
-    add_event(ctx.rundb, ctx.run, stage, it, STALE_EVENT, message, {"episodes": len(stale), "moved_to": aside})
-    ctx.console.print(f"train grpo: {message}.", highlight=False)
-    return len(stale)
-
-
-def _labels_or_plays(name: str, it: int) -> bool:
-    """Whether stage `name` is rollout/it, its GRPO labels label/it, or an `rlcli label` set's labels of it."""
-    parsed = try_parse_stage(name)
-    labelled = isinstance(parsed, LabelStage) and parsed.stage == rollout_stage(it)
-    return labelled or name in (rollout_stage(it), grpo_label_stage(it))
 
 
 def thread_split(threads: int | None) -> tuple[int, int]:
@@ -246,7 +185,7 @@ class RolloutWorker:
             self._send(("rollout", j, iteration_tasks(self.ctx, j)))
             self.asked.add(j)
 
-    def wait(self, it: int) -> tuple[dict[str, Any], dict[str, float], bool]:
+    def wait(self, it: int) -> tuple[EpisodeSummary, dict[str, float], bool]:
         """Wait for rollout/it; return its stage result, the timings of a fresh one, and whether it was."""
         start = time.perf_counter()
         while it not in self.finished:
@@ -257,9 +196,9 @@ class RolloutWorker:
         self.used_version = max(self.used_version, version)
         prune_pushes(self.ctx, self.used_version)
         row = self.ctx.rundb.stage(self.ctx.run, rollout_stage(it))
-        assert row is not None  # the worker reports a rollout done only once its stage is stored
+        assert row is not None and row.result  # the worker reports a rollout done once its stage is stored
         timings = {"perf/time_rollout_s": seconds, "perf/time_wait_s": waited}
-        return row.result or {}, timings, self.fresh[it]
+        return EpisodeSummary.from_dict(row.result), timings, self.fresh[it]
 
     def _read(self) -> None:
         while True:
@@ -493,5 +432,5 @@ def _rollout(
             iteration=j,
             progress_label=f"rollout {j}",
         ),
-        params={"iteration": j, "tasks": tasks, "max_turns": ctx.recipe.env.horizon(j)},
+        params=RolloutPlan(j, tasks, ctx.recipe.env.horizon(j)).to_params(),
     )

@@ -1,6 +1,6 @@
 """The GRPO update of one iteration: micro-batches, the policy's token logprobs, K epochs of clipped steps.
 
-rlcli.engine.train owns the loop (rollout, label, update, checkpoint); this module owns what happens
+grpo/loop.py owns the loop (rollout, label, update, checkpoint); this module owns what happens
 to a list of training sequences once their advantages are known.
 """
 
@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rlcli.engine import grpo
 from rlcli.engine.context import RunContext
+from rlcli.engine.grpo.loss import check_finite, chunked_token_logprobs, policy_loss
 from rlcli.errors import RlcliError
 from rlcli.generation.sampler import sampling_config
 from rlcli.generation.seeds import derive_seed
@@ -122,7 +122,7 @@ def update(
                     with torch.no_grad(), reference_context(model):
                         ref, _ = token_logprobs(model, batch, temperature)
                 behaviour, tis_cap = _behaviour_logprobs(cfg, batch.rollout_logprobs, old, micro)
-                loss, st = grpo.policy_loss(
+                loss, st = policy_loss(
                     logprobs,
                     old,
                     batch.advantages,
@@ -139,7 +139,7 @@ def update(
                     entropy_top_frac=cfg.entropy_top_frac,
                     max_len_norm=max_len_norm,
                 )
-                grpo.check_finite("the loss", loss)
+                check_finite("the loss", loss)
                 # Scale so that accumulated micro-batch gradients equal the minibatch's gradient.
                 if cfg.aggregation == "token_mean":
                     share = float(batch.mask.sum()) / max(mb_tokens, 1.0)
@@ -175,7 +175,7 @@ def _behaviour_logprobs(
     cfg: GrpoSection, rollout_logprobs: torch.Tensor, old: torch.Tensor, micro: list[TrainSequence]
 ) -> tuple[torch.Tensor, float | None]:
     """(the logprobs policy_loss weighs `old` against, its tis_cap). Asynchronous GRPO (decoupled PPO, see
-    engine/async_rollout.py): `old` is the proximal policy and a stale sequence's recorded rollout
+    grpo/worker.py): `old` is the proximal policy and a stale sequence's recorded rollout
     logprobs are its behaviour policy's, so it gets the weight pi_prox / pi_behav, truncated at tis_cap
     (ASYNC_TIS_CAP when null); without tis_cap a fresh sequence is on-policy and weighs exactly 1.
     A replayed episode (grpo.replay) counts as stale: its behaviour policy is the one that played it, and
@@ -183,7 +183,7 @@ def _behaviour_logprobs(
     carries = cfg.dynamic_sampling and cfg.carry_staleness > 0
     if not (cfg.max_staleness or cfg.replay is not None or carries) or cfg.tis_cap is not None:
         return rollout_logprobs, cfg.tis_cap
-    from rlcli.engine.async_rollout import ASYNC_TIS_CAP
+    from rlcli.engine.grpo.staleness import ASYNC_TIS_CAP
 
     stale = torch.tensor([[s.stale] for s in micro], device=old.device)
     return torch.where(stale, rollout_logprobs, old), ASYNC_TIS_CAP
@@ -320,7 +320,7 @@ def token_logprobs(
     reads them) and, with entropy=True, the entropy of the policy there (detached).
 
     From the final hidden states through the LM head, a chunk of positions at a time
-    (grpo.chunked_token_logprobs): no [tokens, vocab] tensor for the micro-batch, in the forward or
+    (loss.py's chunked_token_logprobs): no [tokens, vocab] tensor for the micro-batch, in the forward or
     the backward. Positions that are not trainable (prompts, env observations) never meet the head."""
     hidden = _hidden_states(model, batch)
     live = batch.mask > 0
@@ -328,7 +328,7 @@ def token_logprobs(
     config = _unwrap(model).config
     vocab = config.get_text_config().vocab_size
     slots = vision.slot_token_ids(config)  # as the samplers, which never draw them
-    logp, ent = grpo.chunked_token_logprobs(
+    logp, ent = chunked_token_logprobs(
         hidden[live],
         head,
         batch.targets[live],

@@ -1,162 +1,20 @@
-"""GRPO maths as pure tensor functions: advantages, the clipped policy loss and its options, log-prob helpers.
+"""GRPO's loss as pure tensor functions: the policy's token log-probs (chunked over the vocabulary), the
+clipped policy loss and its options, and the check that stops a non-finite update.
 
-The training loop (rlcli.engine.train) owns models, batching and optimizers; everything here is a function of
+The update (grpo/update.py) owns models, batching and optimizers; everything here is a function of
 tensors, so each option can be checked against hand-computed numbers (tests/test_grpo_math.py).
-
-Conventions:
-  * Standard deviations use Bessel's correction (unbiased), as TRL's GRPOTrainer does (`trl.trainer.utils.nanstd`).
-  * A group whose rewards are all equal (a one-member group included) carries no group-relative signal:
-    the group methods give it advantage exactly 0 instead of rounding noise divided by eps.
-  * Positions where the mask is 0 may hold any value (padding, stale logprobs, even inf): they are replaced
-    before any exp() so they can never turn the loss or its gradient into NaN.
+Positions where the mask is 0 may hold any value (padding, stale logprobs, even inf): they are replaced
+before any exp() so they can never turn the loss or its gradient into NaN.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 
 from rlcli.errors import RlcliError
-
-ADVANTAGE_METHODS = ("grpo", "dr_grpo", "rloo", "batch")
-
-
-# --- advantages ----------------------------------------------------------------------------
-
-
-def _group_index(group_ids: torch.Tensor | Sequence[int], n: int) -> tuple[torch.Tensor, int]:
-    """Dense 0..K-1 group index per member, so groups may use any ids in any order."""
-    ids = torch.as_tensor(group_ids)
-    if ids.shape != (n,):
-        raise ValueError(f"group_ids has shape {tuple(ids.shape)}; expected ({n},) to match the rewards")
-    uniq, inverse = torch.unique(ids, return_inverse=True)
-    return inverse, len(uniq)
-
-
-def _float(rewards: torch.Tensor | Sequence[float]) -> torch.Tensor:
-    """Rewards as a float tensor (integer rewards would truncate means)."""
-    rewards = torch.as_tensor(rewards)
-    return rewards if rewards.is_floating_point() else rewards.double()
-
-
-def zero_variance_groups(
-    rewards: torch.Tensor | Sequence[float], group_ids: torch.Tensor | Sequence[int]
-) -> torch.Tensor:
-    """Members of groups whose rewards are all exactly equal (one-member groups included): no learning signal.
-
-    Exact max == min, not std ~ 0, so equal rewards are flagged even where their mean rounds.
-    """
-    rewards = _float(rewards)
-    inverse, k = _group_index(group_ids, rewards.numel())
-    lo = torch.full((k,), math.inf, dtype=rewards.dtype, device=rewards.device)
-    hi = torch.full((k,), -math.inf, dtype=rewards.dtype, device=rewards.device)
-    inverse = inverse.to(rewards.device)
-    lo = lo.scatter_reduce(0, inverse, rewards, reduce="amin")
-    hi = hi.scatter_reduce(0, inverse, rewards, reduce="amax")
-    return (lo == hi)[inverse]
-
-
-def _baseline_and_scale(
-    rewards: torch.Tensor, group_ids: torch.Tensor | Sequence[int], method: str, eps: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per member: the baseline b, the scale s and whether the advantage is live, so that A = (x - b) / s.
-
-    Shared by episode and turn advantages, so the two agree exactly when every turn's return is the episode's.
-    """
-    if method not in ADVANTAGE_METHODS:
-        raise ValueError(f"unknown advantage method {method!r}; expected one of {', '.join(ADVANTAGE_METHODS)}")
-    n = rewards.numel()
-    ones = torch.ones_like(rewards)
-    if method == "batch":
-        mean = rewards.mean()
-        std = rewards.std() if n > 1 else rewards.new_zeros(())
-        live = (rewards.max() != rewards.min()).expand(n)
-        return mean.expand(n), (std + eps).expand(n), live
-    inverse, k = _group_index(group_ids, n)
-    inverse = inverse.to(rewards.device)
-    count = torch.zeros(k, dtype=rewards.dtype, device=rewards.device).index_add_(0, inverse, ones)[inverse]
-    total = torch.zeros(k, dtype=rewards.dtype, device=rewards.device).index_add_(0, inverse, rewards)[inverse]
-    mean = total / count
-    live = ~zero_variance_groups(rewards, group_ids)
-    if method == "dr_grpo":
-        return mean, ones, live
-    if method == "rloo":
-        # Mean of the other members; one-member groups are never live, the clamp only avoids 0/0.
-        return (total - rewards) / (count - 1).clamp(min=1), ones, live
-    sq = torch.zeros(k, dtype=rewards.dtype, device=rewards.device).index_add_(0, inverse, (rewards - mean) ** 2)
-    std = (sq[inverse] / (count - 1).clamp(min=1)).sqrt()
-    return mean, std + eps, live
-
-
-def compute_advantages(
-    rewards: torch.Tensor | Sequence[float],
-    group_ids: torch.Tensor | Sequence[int],
-    method: str = "grpo",
-    eps: float = 1e-6,
-) -> torch.Tensor:
-    """One advantage per episode ([N]) from its reward and its group (the task it was sampled for).
-
-    grpo: (r - group mean) / (group std + eps), std unbiased as in TRL.
-    dr_grpo: r - group mean (Dr. GRPO drops the std, which over-weights near-solved or near-failed tasks).
-    rloo: r - mean of the group's other members, = (r - mean) * G / (G - 1).
-    batch: (r - batch mean) / (batch std + eps) over all N, ignoring groups.
-    Groups with all-equal rewards get exactly 0 under the group methods.
-    """
-    rewards = _float(rewards)
-    baseline, scale, live = _baseline_and_scale(rewards, group_ids, method, eps)
-    return torch.where(live, (rewards - baseline) / scale, torch.zeros_like(rewards))
-
-
-def rae_baselines(
-    returns: Sequence[float], roles: Sequence[str], baselines: dict[str, float], decay: float
-) -> dict[str, float]:
-    """SPIRAL's role-conditioned baselines after a batch: for each role (game and seat) in the batch,
-    b <- decay * b + (1 - decay) * mean(returns of that role), b = 0 for a role not seen before; the
-    roles not in the batch keep theirs. The advantage of an episode is then its return - b[role]."""
-    sums: dict[str, list[float]] = {}
-    for value, role in zip(returns, roles, strict=True):
-        sums.setdefault(role, []).append(float(value))
-    out = dict(baselines)
-    for role, values in sums.items():
-        out[role] = decay * baselines.get(role, 0.0) + (1 - decay) * sum(values) / len(values)
-    return out
-
-
-def discounted_turn_returns(step_rewards: Sequence[float], gamma: float) -> list[float]:
-    """Return-to-go of each turn: G_t = r_t + gamma * G_{t+1}, so a turn is credited only with what follows it."""
-    out: list[float] = []
-    acc = 0.0
-    for r in reversed(step_rewards):
-        acc = float(r) + gamma * acc
-        out.append(acc)
-    return out[::-1]
-
-
-def turn_advantages(
-    per_episode_turn_returns: Sequence[Sequence[float]],
-    group_ids: torch.Tensor | Sequence[int],
-    method: str = "grpo",
-    eps: float = 1e-6,
-) -> list[list[float]]:
-    """Advantage of every turn of every episode: A_it = (G_it - b_i) / s_i.
-
-    b_i and s_i are `compute_advantages`' baseline and scale computed from the episodes' first-turn returns
-    G_i0 (the whole discounted episode return), so every turn is measured against the group's episode-level
-    statistics; with gamma = 1 and a single final reward this equals the per-episode advantage. A group whose
-    episode returns are all equal gets 0 on every turn (as it would per episode), not (G_it - G_i0) / eps.
-    An episode without turns has return 0 and no turn advantages.
-    """
-    first = torch.tensor([float(g[0]) if len(g) else 0.0 for g in per_episode_turn_returns], dtype=torch.float64)
-    baseline, scale, live = _baseline_and_scale(first, group_ids, method, eps)
-    return [
-        [float((g - baseline[i]) / scale[i]) if live[i] else 0.0 for g in returns]
-        for i, returns in enumerate(per_episode_turn_returns)
-    ]
-
-
-# --- log-probs and entropy ------------------------------------------------------------------
 
 
 def chunked_token_logprobs(
@@ -227,9 +85,6 @@ def check_finite(name: str, tensor: torch.Tensor) -> None:
             f"Non-finite values: {name} is NaN/inf in {bad} of {tensor.numel()} entries; "
             "the update was stopped before the optimizer step."
         )
-
-
-# --- policy loss ----------------------------------------------------------------------------
 
 
 def _top_entropy_mask(entropy: torch.Tensor, live: torch.Tensor, frac: float) -> torch.Tensor:

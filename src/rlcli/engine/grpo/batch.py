@@ -1,0 +1,182 @@
+"""An iteration's batch: the chosen episodes' advantages (per group, per turn, or against SPIRAL's
+role baselines) and one training sequence per episode (or per turn), exactly the tokens sampled."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from rlcli.engine.context import RunContext
+from rlcli.engine.grpo import advantages, loss
+from rlcli.engine.grpo.selection import Selection, hard_tasks, total
+from rlcli.engine.grpo.staleness import staleness
+from rlcli.engine.grpo.update import TrainSequence
+from rlcli.store.episodes import set_aside_count
+from rlcli.store.names import rollout_stage
+from rlcli.store.records import LabelledEpisode, Turn
+
+if TYPE_CHECKING:
+    from rlcli.recipe import GrpoSection
+
+
+@dataclass
+class IterationBatch:
+    """What train/i updates on (GrpoTrainer.batch)."""
+
+    iteration: int
+    sequences: list[TrainSequence]  # each with its per-token advantages
+    reward_mean: float  # over the episodes trained on, replays included
+    reward_std: float
+    metrics: dict[str, float]  # train/: groups, zero-variance groups, sequences, staleness, ...
+    replayed: list[tuple[int, int]] | None  # grpo.replay's (episode id, task) added; None: replay is off
+    rae_baselines: dict[str, float] | None = None  # grpo.advantage rae: the baselines after this batch
+    trained_groups: list[tuple[int, int]] | None = None  # grpo.dynamic_sampling: (iteration played, task) chosen
+
+
+def build_batch(ctx: RunContext, chosen: Selection, rae_baselines: dict[str, float]) -> IterationBatch:
+    """The iteration's batch from the episodes chosen for it: their advantages per group (or against
+    grpo.advantage rae's baselines, which it returns updated) and one training sequence per episode
+    (or turn), with the metrics that describe it."""
+    recipe, cfg, it, episodes = ctx.recipe, ctx.recipe.grpo, chosen.iteration, chosen.episodes
+    rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float64)
+    groups = role_groups(episodes, chosen.played_in)
+    loss.check_finite("the rewards", rewards)
+    zero_var = advantages.zero_variance_groups(rewards, groups)
+    metrics: dict[str, float] = {
+        "train/zero_var_groups": int(len(set(groups[zero_var].tolist()))),
+        "train/groups": int(len(set(groups.tolist()))),
+        **chosen.metrics,
+    }
+    if recipe.rollout.group_size_hard is not None:
+        hard = hard_tasks(ctx, chosen.stages) & {e.episode.task_index for e in episodes}
+        metrics["train/hard_groups"] = len(hard)
+    lags = [staleness(it, e.episode.policy) for e in episodes]
+    if cfg.max_staleness:  # of the iteration's own rollouts: replays are as old as they are by design
+        played = lags[: len(episodes) - len(chosen.replayed)]
+        metrics["train/staleness_mean"] = sum(played) / len(played)
+        metrics["train/staleness_max"] = max(played)
+    if discarded := set_aside_count(ctx.rundb, ctx.run, rollout_stage(it)):
+        metrics["train/discarded_episodes"] = discarded
+    turn_adv, rae = turn_advantages(cfg, episodes, rewards, groups, rae_baselines, metrics)
+
+    replay_ids = {e.episode.id for e in chosen.replayed}
+    sequences: list[TrainSequence] = []
+    for i, labelled in enumerate(episodes):
+        ep = labelled.episode
+        if cfg.drop_zero_var_groups and cfg.advantage != "rae" and bool(zero_var[i]):
+            continue
+        if cfg.mask_truncated and ep.hit_a_cap:
+            continue
+        if not ep.turns:  # a seat whose game ended before it moved (the other's invalid move): no tokens
+            continue
+        for seq in episode_sequences(stored_id(labelled), ep.task_index, ep.turns):
+            seq.advantage = [turn_adv[i][t] for t in seq.turn_of_token]
+            seq.truncated = ep.hit_a_cap
+            seq.stale = lags[i] > 0 or ep.id in replay_ids  # a replay's behaviour policy is its recorded one
+            sequences.append(seq)
+    metrics["train/sequences"] = len(sequences)
+    return IterationBatch(
+        it,
+        sequences,
+        float(rewards.mean()),
+        float(rewards.std(unbiased=False)),
+        metrics,
+        [(stored_id(e), e.episode.task_index) for e in chosen.replayed] if cfg.replay is not None else None,
+        rae,
+        chosen.trained_groups,
+    )
+
+
+def turn_advantages(
+    cfg: GrpoSection,
+    episodes: list[LabelledEpisode],
+    rewards: torch.Tensor,
+    groups: torch.Tensor,
+    rae_baselines: dict[str, float],
+    metrics: dict[str, float],
+) -> tuple[list[list[float]], dict[str, float] | None]:
+    """Each episode's advantage per turn: group-relative per episode (the same on every turn), from
+    discounted turn returns (grpo.gamma), or against SPIRAL's role baselines (grpo.advantage rae,
+    whose updated baselines come back second, their values added to `metrics`)."""
+    if cfg.advantage == "rae":
+        turn_returns = [
+            advantages.discounted_turn_returns(turn_rewards(e), cfg.gamma) if cfg.gamma is not None else []
+            for e in episodes
+        ]
+        returns = [g[0] if g else float(rewards[i]) for i, g in enumerate(turn_returns)]
+        roles = [role_of(e) for e in episodes]
+        rae = advantages.rae_baselines(returns, roles, rae_baselines, cfg.rae_decay)
+        metrics.update({f"train/rae_baseline/{role}": rae[role] for role in sorted(set(roles))})
+        per_turn = [
+            [g - rae[roles[i]] for g in turn_returns[i]]
+            if cfg.gamma is not None
+            else [returns[i] - rae[roles[i]]] * len(e.episode.turns)
+            for i, e in enumerate(episodes)
+        ]
+        return per_turn, rae
+    if cfg.gamma is not None:
+        turn_returns = [advantages.discounted_turn_returns(turn_rewards(e), cfg.gamma) for e in episodes]
+        return advantages.turn_advantages(turn_returns, groups, cfg.advantage), None
+    adv = advantages.compute_advantages(rewards, groups, cfg.advantage)
+    return [[float(adv[i])] * len(e.episode.turns) for i, e in enumerate(episodes)], None
+
+
+def episode_sequences(episode_id: int, group: int, turns: list[Turn]) -> list[TrainSequence]:
+    """One sequence per episode when every turn's prompt extends the previous turn's tokens,
+    else one per turn; either way exactly the tokens that were seen and sampled."""
+    last = turns[-1]
+    full = last.prompt_ids + last.completion_ids
+    consistent = all(
+        full[: len(t.prompt_ids)] == t.prompt_ids
+        and full[len(t.prompt_ids) : len(t.prompt_ids) + len(t.completion_ids)] == t.completion_ids
+        for t in turns
+    )
+    groups = [turns] if consistent else [[t] for t in turns]
+    out = []
+    for part in groups:
+        ids = part[-1].prompt_ids + part[-1].completion_ids
+        mask, logps, turn_of = [0.0] * len(ids), [0.0] * len(ids), [0] * len(ids)
+        for t in part:
+            start = len(t.prompt_ids)
+            for j, lp in enumerate(t.logprobs):
+                mask[start + j], logps[start + j], turn_of[start + j] = 1.0, lp, t.turn_index
+        out.append(TrainSequence(episode_id, group, ids, mask, logps, turn_of, images=part[-1].images))
+    return out
+
+
+def role_of(labelled: LabelledEpisode) -> str:
+    """An episode's role for grpo.advantage rae: its game and seat ("TicTacToe-v0/seat1"), from the task
+    its env reported; an env without seats has one role per game (or one in all)."""
+    task = labelled.episode.task or {}
+    game = str(task.get("game", ""))
+    return f"{game}/seat{task['seat']}" if "seat" in task else game
+
+
+def role_groups(episodes: list[LabelledEpisode], played_in: list[int | None] | None = None) -> torch.Tensor:
+    """The group of each episode: its task, and within a task its seat (two-player games), so that
+    group-relative advantages compare an episode only with others that played the same role.
+    played_in: the iteration whose group each episode belongs to (grpo.dynamic_sampling carries groups
+    from earlier iterations, which may have played the same task); None: all the same."""
+    origins = played_in if played_in is not None else [None] * len(episodes)
+    keys = [
+        (origin if origin is not None else -1, e.episode.task_index, (e.episode.task or {}).get("seat", -1))
+        for e, origin in zip(episodes, origins, strict=True)
+    ]
+    dense = {key: i for i, key in enumerate(sorted(set(keys)))}
+    return torch.tensor([dense[key] for key in keys])
+
+
+def turn_rewards(labelled: LabelledEpisode) -> list[float]:
+    """The env's per-step rewards, with whatever the labelled total adds beyond them (judges,
+    penalties, weights) credited to the last turn, so the turn rewards sum to the total."""
+    rewards = [t.reward or 0.0 for t in labelled.episode.turns]
+    rewards[-1] += total(labelled) - sum(rewards)
+    return rewards
+
+
+def stored_id(labelled: LabelledEpisode) -> int:
+    """A training episode's id: it was read from the database, where every episode has one."""
+    assert labelled.episode.id is not None
+    return labelled.episode.id
