@@ -836,7 +836,7 @@ class Recipe(Section):
 
     @model_validator(mode="after")
     def _asynchronous_rollouts(self) -> Recipe:
-        """What GRPO's asynchronous rollout source (grpo.max_staleness > 0: engine/rollout_sources.py's
+        """What GRPO's asynchronous rollout source (grpo.max_staleness > 0: engine/grpo/sources.py's
         AsyncRollouts, a worker sampling ahead) cannot do, in one place. Checked here rather than by the
         source, so that `rlcli recipes validate --schema` finds them without importing the engine."""
         if self.grpo.max_staleness == 0:
@@ -880,11 +880,17 @@ class Recipe(Section):
         return self
 
     @model_validator(mode="after")
-    def _combinations(self) -> Recipe:
+    def _quantization_needs_lora(self) -> Recipe:
+        """Quantized base weights are frozen, so only an adapter can be trained on top of them."""
         if self.quantization.mode != "none" and self.lora is None:
             raise ValueError(
                 "quantized weights cannot be fully fine-tuned; add a lora: section or set quantization: none"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _stage_order(self) -> Recipe:
+        """Stages feed each other (SFT warm-starts once, DPO mines GRPO's groups), so their order must allow it."""
         stages = self.run.stages or []
         if stages.count("sft") > 1:
             raise ValueError(f"run.stages {stages} lists sft twice; list it once")
@@ -892,6 +898,11 @@ class Recipe(Section):
             raise ValueError("run.stages: dpo mines its pairs from GRPO's groups; put dpo after grpo")
         if "sft" in stages and self.sft.source == "none":
             raise ValueError("run.stages lists sft but sft.source is none; set sft.source or drop sft")
+        return self
+
+    @model_validator(mode="after")
+    def _task_pool(self) -> Recipe:
+        """Uniform or curriculum sampling needs a finite task pool, and one iteration's draw must fit in it."""
         if self.grpo.sampling != "sequential" and self.env.tasks is None:
             raise ValueError(
                 f"grpo.sampling {self.grpo.sampling} draws from a finite task pool; set env.tasks, e.g. [0, 500]"
@@ -900,10 +911,20 @@ class Recipe(Section):
             raise ValueError(
                 f"env.tasks {self.env.tasks} holds fewer tasks than rollout.tasks ({self.rollout.tasks}) per iteration"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _held_out_evals(self) -> Recipe:
+        """GRPO's periodic evaluation, and keep_best which ranks by it, need evaluations on held-out tasks."""
         if self.grpo.keep_best and self.grpo.eval_every == 0:
             raise ValueError("grpo.keep_best picks the best evaluated checkpoint; set grpo.eval_every too (e.g. 5)")
         if self.grpo.eval_every > 0 and not (self.grpo.eval_tasks or self.eval.tasks):
             raise ValueError("grpo.eval_every needs held-out tasks; set grpo.eval_tasks or eval.tasks above 0")
+        return self
+
+    @model_validator(mode="after")
+    def _vllm_settings(self) -> Recipe:
+        """vLLM sampling must match what training recomputes, and adapter sync needs a language-model-only LoRA."""
         if self.rollout.engine == "vllm" and (self.rollout.top_k > 0 or self.rollout.top_p < 1):
             raise ValueError(
                 "rollout.engine vllm records logprobs of the top_k/top_p-truncated distribution while training "

@@ -16,37 +16,35 @@ killed stage restarts from the newest complete one, as `rlcli sft` does.
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from transformers import TrainerCallback
 from trl import DPOTrainer
 from trl.trainer.dpo_trainer import DataCollatorForPreference
 
 from rlcli.engine.context import RunContext
+from rlcli.engine.hf_trainer import (
+    RecipeLearningRate,
+    StageProgress,
+    quiet_datasets,
+    save_trained,
+    train_resuming,
+    trainer_args,
+    without_log_printer,
+)
 from rlcli.engine.memory import frees_on_failure
 from rlcli.engine.pairs import PreferenceExample, mine_pairs, preference_example, source_stages
-from rlcli.engine.sft import RecipeLearningRate, _training_dtype, checkpointing_options, last_trainer_checkpoint
-from rlcli.engine.trackers import Tracker, stage_tracker
-from rlcli.errors import RlcliError, UsageError
-from rlcli.store.checkpoints import add_checkpoint, checkpoints, require_folder
+from rlcli.engine.trackers import stage_tracker
+from rlcli.errors import UsageError
+from rlcli.store.checkpoints import checkpoints, require_folder
 from rlcli.store.names import BASE, DPO_STAGE, PolicyRef
 from rlcli.store.pairs import PairRecord, episodes_with_turns, record_pairs, stage_pairs
 from rlcli.store.records import Checkpoint
 
 if TYPE_CHECKING:
     from datasets import Dataset, IterableDataset
-    from rich.progress import TaskID
-    from transformers import (
-        PreTrainedModel,
-        PreTrainedTokenizerBase,
-        ProcessorMixin,
-        TrainerControl,
-        TrainerState,
-        TrainingArguments,
-    )
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin, TrainerCallback
     from trl import DPOConfig
 
     from rlcli.models.loading import PolicyModel
@@ -138,7 +136,7 @@ def starting_checkpoint(ctx: RunContext, stage: str) -> Checkpoint | None:
 def train_dpo(ctx: RunContext, stage: str, start: Checkpoint | None) -> DpoSummary:
     from transformers import set_seed
 
-    from rlcli.models.loading import load_policy, save_checkpoint
+    from rlcli.models.loading import load_policy
 
     recipe = ctx.recipe
     pairs = stored_or_mined_pairs(ctx, stage)
@@ -163,16 +161,10 @@ def train_dpo(ctx: RunContext, stage: str, start: Checkpoint | None) -> DpoSumma
         trainer = build_trainer(
             ctx, model, reference, tokenizer, examples, output_dir, [progress, RecipeLearningRate()]
         )
-        resume = last_trainer_checkpoint(output_dir)
-        if resume is not None:
-            ctx.console.print(f"{stage}: resuming from {resume}")
-        try:
-            trainer.train(resume_from_checkpoint=str(resume) if resume else None)
-        finally:
-            progress.close()
+        resumed_from_step = train_resuming(ctx, trainer, progress)
 
     folder = ctx.run_dir / "checkpoints" / stage.replace("/", "-")
-    path = save_checkpoint(trainer.model, tokenizer, folder)  # the trained adapter only, not the reference
+    path, checkpoint_id = save_trained(ctx, trainer, tokenizer, stage, folder)
     history = trainer.state.log_history
     losses = [h["loss"] for h in history if "loss" in h]
     margins = [h["rewards/margins"] for h in history if "rewards/margins" in h]
@@ -181,12 +173,11 @@ def train_dpo(ctx: RunContext, stage: str, start: Checkpoint | None) -> DpoSumma
         start=str(PolicyRef.of_checkpoint(start)),
         pairs=len(pairs),
         steps=trainer.state.global_step,
-        resumed_from_step=int(resume.name.removeprefix("checkpoint-")) if resume else 0,
+        resumed_from_step=resumed_from_step,
         train_loss=sum(losses) / len(losses) if losses else None,
         final_loss=losses[-1] if losses else None,
         final_reward_margin=margins[-1] if margins else None,
-        # A crash between this row and the stage's "done" mark re-runs the stage, which reuses the row.
-        checkpoint_id=add_checkpoint(ctx.rundb, ctx.run, stage, 0, path, "lora" if recipe.lora is not None else "full"),
+        checkpoint_id=checkpoint_id,
         path=str(path),
     )
 
@@ -202,21 +193,22 @@ def build_trainer(
 ) -> TokenDPOTrainer:
     """TRL's DPOTrainer on the pairs' token ids. reference: a frozen copy of the starting model
     (without LoRA); None with LoRA, where TRL keeps a frozen copy of the starting adapter."""
-    from transformers import PrinterCallback
+    import datasets
 
+    args = dpo_args(ctx, output_dir)
+    collator = MaskedPreferenceCollator(pad_token_id=tokenizer.pad_token_id, max_length=ctx.recipe.model.max_length)
+    with quiet_datasets():
+        dataset = datasets.Dataset.from_list([asdict(e) for e in examples])
     trainer = TokenDPOTrainer(
         model=model,
         ref_model=reference,
-        args=dpo_args(ctx, output_dir),
-        data_collator=MaskedPreferenceCollator(
-            pad_token_id=tokenizer.pad_token_id, max_length=ctx.recipe.model.max_length
-        ),
-        train_dataset=_dataset([asdict(e) for e in examples]),
+        args=args,
+        data_collator=collator,
+        train_dataset=dataset,
         processing_class=tokenizer,
         callbacks=callbacks,
     )
-    trainer.remove_callback(PrinterCallback)  # raw log dicts; the progress line replaces them
-    return trainer
+    return without_log_printer(trainer)
 
 
 def stored_or_mined_pairs(ctx: RunContext, stage: str) -> list[PairRecord]:
@@ -247,18 +239,6 @@ def pair_examples(ctx: RunContext, pairs: list[PairRecord]) -> list[PreferenceEx
     return [
         preference_example(episodes[p.chosen_episode_id], episodes[p.rejected_episode_id], p.turn_index) for p in pairs
     ]
-
-
-def _dataset(rows: list[dict[str, Any]]) -> Dataset:
-    import datasets
-
-    quiet = datasets.are_progress_bars_disabled()
-    datasets.disable_progress_bars()
-    try:
-        return datasets.Dataset.from_list(rows)
-    finally:
-        if not quiet:
-            datasets.enable_progress_bars()
 
 
 # --- TRL, fed token ids ---------------------------------------------------------------------------
@@ -296,97 +276,22 @@ class MaskedPreferenceCollator(DataCollatorForPreference):
 
 
 def dpo_args(ctx: RunContext, output_dir: Path) -> DPOConfig:
-    import torch
     from trl import DPOConfig
 
-    from rlcli.models.loading import on_one_device, resolve_device
-
-    recipe, cfg = ctx.recipe, ctx.recipe.dpo
-    device = resolve_device(recipe.model.device)
-    dtype = _training_dtype(recipe, device)
-    # Not inline in the call: mypy would match a **dict[str, bool] against every field's type.
-    checkpointing: dict[str, Any] = checkpointing_options(DPOConfig, cfg.gradient_checkpointing)
-    args = DPOConfig(
-        output_dir=str(output_dir),
+    cfg = ctx.recipe.dpo
+    return trainer_args(
+        DPOConfig,
+        ctx,
+        cfg,
+        output_dir,
         beta=cfg.beta,
-        learning_rate=cfg.lr,
-        num_train_epochs=cfg.epochs,
-        per_device_train_batch_size=cfg.micro_batch_size,
-        gradient_accumulation_steps=cfg.batch_size // cfg.micro_batch_size,
-        max_length=recipe.model.max_length,
         remove_unused_columns=False,  # the collator needs the loss masks
-        save_strategy="steps",
-        save_steps=cfg.save_steps,
-        save_total_limit=2,
-        logging_steps=1,
-        logging_nan_inf_filter=False,  # a non-finite loss must reach DpoProgress, which stops the run
-        report_to="none",
-        disable_tqdm=True,
-        seed=recipe.run.seed,
-        use_cpu=device == "cpu",
-        bf16=dtype == torch.bfloat16,
-        fp16=dtype == torch.float16,
-        **checkpointing,
     )
-    on_one_device(args, device)
-    return args
 
 
-class DpoProgress(TrainerCallback):
-    """A rich progress bar over optimizer steps; every logging step also goes to the run database and
-    to run.trackers."""
+class DpoProgress(StageProgress):
+    """A DPO stage's progress bar and metrics: the loss and the reward margin beside the bar."""
 
-    def __init__(self, ctx: RunContext, stage: str, tracker: Tracker) -> None:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        self.ctx, self.stage, self.tracker = ctx, stage, tracker
-        self.progress = Progress(
-            # markup=False: dpo/<name> is a name the user chose, e.g. dpo/[red]
-            TextColumn("{task.description}", style="bold", markup=False),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("steps"),
-            TextColumn("{task.fields[shown]}"),
-            TimeElapsedColumn(),
-            console=ctx.console,
-        )
-        self.task: TaskID | None = None  # from on_train_begin
-
-    def on_train_begin(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
-    ) -> None:
-        self.task = self.progress.add_task(self.stage, total=state.max_steps, completed=state.global_step, shown="")
-        self.progress.start()
-
-    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
-        assert self.task is not None  # on_train_begin came first
-        self.progress.update(self.task, completed=state.global_step)
-
-    def on_log(
-        self,
-        args: TrainingArguments,
-        state: TrainerState,
-        control: TrainerControl,
-        logs: dict[str, float] | None = None,
-        **kwargs: Any,
-    ) -> None:
-        values: dict[str, float | None] = {
-            key: logs[name] for name, key in LOGGED.items() if logs and logs.get(name) is not None
-        }
-        if not values:
-            return
-        loss = values.get("dpo/loss")
-        if loss is not None and not math.isfinite(loss):
-            # Raised before the checkpoint of this step is written: the last checkpoint stays good.
-            raise RlcliError(
-                f"{self.stage}: the loss is {loss} at step {state.global_step}; stopped before saving. "
-                "Lower dpo.lr (or use float32 weights) and run again with --force."
-            )
-        self.ctx.rundb.log_metrics(self.ctx.run, self.stage, state.global_step, values)
-        self.tracker.log(values, step=state.global_step)
-        shown = {"loss": values.get("dpo/loss"), "margin": values.get("dpo/reward_margin")}
-        assert self.task is not None  # on_train_begin came first
-        self.progress.update(self.task, shown=" ".join(f"{k} {v:.4g}" for k, v in shown.items() if v is not None))
-
-    def close(self) -> None:
-        self.progress.stop()
+    section = "dpo"
+    logged = LOGGED
+    shown = {"loss": "dpo/loss", "margin": "dpo/reward_margin"}

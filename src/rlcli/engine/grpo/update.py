@@ -63,6 +63,18 @@ class MicroBatch:
     padding: int  # how many of them are padding
 
 
+@dataclass
+class _Tally:
+    """An iteration's running statistics over its micro-batches."""
+
+    totals: dict[str, float] = field(default_factory=dict)  # policy_loss's stats, weighted by tokens
+    weight: float = 0.0  # the trainable tokens they were weighted by
+    gap: float = 0.0  # |rollout logprob - the trainer's|, over the first epoch's trainable tokens
+    forwarded: int = 0  # positions the training forwards ran
+    padded: int = 0  # how many of them were padding
+    grad_norms: list[float] = field(default_factory=list)  # one per optimizer step
+
+
 def update(
     ctx: RunContext,
     model: PreTrainedModel,
@@ -86,11 +98,7 @@ def update(
         else None
     )
     max_len_norm = recipe.rollout.max_new_tokens * recipe.env.horizon(it)
-    totals: dict[str, float] = {}
-    weight_sum = 0.0
-    gap_sum = 0.0  # |rollout logprob - the trainer's|, over the first epoch's trainable tokens
-    grad_norms = []
-    forwarded = padded = 0  # positions the training forwards ran, and how many of them were padding
+    tally = _Tally()
     for epoch in range(cfg.epochs):
         gen = torch.Generator().manual_seed(derive_seed(recipe.run.seed, "shuffle", it, epoch))
         order = torch.randperm(len(sequences), generator=gen).tolist()
@@ -105,70 +113,95 @@ def update(
                 if not any(any(s.mask) for s in micro):
                     continue  # nothing to train on: it would add 0 to the gradient and to every statistic
                 batch = _collate(micro, model, share_prefix=not cfg.gradient_checkpointing, pictures=pictures)
-                forwarded += batch.positions
-                padded += batch.padding
-                logprobs, entropy = token_logprobs(model, batch, temperature, entropy=True)
-                old = (
-                    _collate_values([old_logprobs[i] for i in micro_idx], batch)
-                    if old_logprobs is not None
-                    else logprobs.detach()
-                )
-                if epoch == 0:  # `old` is the trainer's logprob under the weights that sampled the rollout
-                    gap_sum += float(((old - batch.rollout_logprobs).abs() * batch.mask).sum())
-                ref = None
-                if cfg.beta > 0:
-                    from rlcli.models.loading import reference_context
-
-                    with torch.no_grad(), reference_context(model):
-                        ref, _ = token_logprobs(model, batch, temperature)
-                behaviour, tis_cap = _behaviour_logprobs(cfg, batch.rollout_logprobs, old, micro)
-                loss, st = policy_loss(
-                    logprobs,
-                    old,
-                    batch.advantages,
-                    batch.mask,
-                    clip_low=cfg.clip_low,
-                    clip_high=cfg.clip_high,
-                    importance=cfg.importance,
-                    aggregation=cfg.aggregation,
-                    ref_logprobs=ref,
-                    beta=cfg.beta,
-                    rollout_logprobs=behaviour,
-                    tis_cap=tis_cap,
-                    entropy=entropy,
-                    entropy_top_frac=cfg.entropy_top_frac,
-                    max_len_norm=max_len_norm,
-                )
-                check_finite("the loss", loss)
+                olds = [old_logprobs[i] for i in micro_idx] if old_logprobs is not None else None
+                loss = _micro_loss(cfg, model, batch, micro, olds, temperature, max_len_norm, epoch, tally)
                 # Scale so that accumulated micro-batch gradients equal the minibatch's gradient.
                 if cfg.aggregation == "token_mean":
                     share = float(batch.mask.sum()) / max(mb_tokens, 1.0)
                 else:
                     share = sum(1 for s in micro if any(s.mask)) / max(mb_seqs, 1)
                 (loss * share).backward()
-                w = float(batch.mask.sum())
-                weight_sum += w
-                for k, v in st.items():
-                    totals[k] = totals.get(k, 0.0) + float(v) * w
-            grad_norm = torch.nn.utils.clip_grad_norm_(
-                [p for p in model.parameters() if p.requires_grad], cfg.max_grad_norm
-            )
-            if not torch.isfinite(grad_norm):
-                optimizer.zero_grad(set_to_none=True)
-                raise RlcliError(
-                    f"Iteration {it}: the gradient norm is {float(grad_norm)}; the update was stopped before the "
-                    "optimizer step (try a lower grpo.lr or float32)."
-                )
-            grad_norms.append(float(grad_norm))
-            optimizer.step()
-            scheduler.step()
+            _step(cfg, model, optimizer, scheduler, it, tally)
     optimizer.zero_grad(set_to_none=True)
-    out = {f"train/{k}": v / max(weight_sum, 1.0) for k, v in totals.items() if k != "tokens"}
+    out = {f"train/{k}": v / max(tally.weight, 1.0) for k, v in tally.totals.items() if k != "tokens"}
     out["train/tokens"] = sum(sum(s.mask) for s in sequences)
-    out["train/engine_logprob_gap"] = gap_sum / max(out["train/tokens"], 1)
-    out["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
-    out["perf/pad_frac"] = padded / max(forwarded, 1)
+    out["train/engine_logprob_gap"] = tally.gap / max(out["train/tokens"], 1)
+    out["train/grad_norm"] = sum(tally.grad_norms) / len(tally.grad_norms)
+    out["perf/pad_frac"] = tally.padded / max(tally.forwarded, 1)
     return out
+
+
+def _micro_loss(
+    cfg: GrpoSection,
+    model: PreTrainedModel,
+    batch: MicroBatch,
+    micro: list[TrainSequence],
+    olds: list[torch.Tensor] | None,
+    temperature: float,
+    max_len_norm: int,
+    epoch: int,
+    tally: _Tally,
+) -> torch.Tensor:
+    """One micro-batch's clipped loss (olds: its sequences' logprobs before the update; None: the
+    first forward's own, detached), its statistics added to `tally`."""
+    tally.forwarded += batch.positions
+    tally.padded += batch.padding
+    logprobs, entropy = token_logprobs(model, batch, temperature, entropy=True)
+    old = _collate_values(olds, batch) if olds is not None else logprobs.detach()
+    if epoch == 0:  # `old` is the trainer's logprob under the weights that sampled the rollout
+        tally.gap += float(((old - batch.rollout_logprobs).abs() * batch.mask).sum())
+    ref = None
+    if cfg.beta > 0:
+        from rlcli.models.loading import reference_context
+
+        with torch.no_grad(), reference_context(model):
+            ref, _ = token_logprobs(model, batch, temperature)
+    behaviour, tis_cap = _behaviour_logprobs(cfg, batch.rollout_logprobs, old, micro)
+    loss, st = policy_loss(
+        logprobs,
+        old,
+        batch.advantages,
+        batch.mask,
+        clip_low=cfg.clip_low,
+        clip_high=cfg.clip_high,
+        importance=cfg.importance,
+        aggregation=cfg.aggregation,
+        ref_logprobs=ref,
+        beta=cfg.beta,
+        rollout_logprobs=behaviour,
+        tis_cap=tis_cap,
+        entropy=entropy,
+        entropy_top_frac=cfg.entropy_top_frac,
+        max_len_norm=max_len_norm,
+    )
+    check_finite("the loss", loss)
+    w = float(batch.mask.sum())
+    tally.weight += w
+    for k, v in st.items():
+        tally.totals[k] = tally.totals.get(k, 0.0) + float(v) * w
+    return loss
+
+
+def _step(
+    cfg: GrpoSection,
+    model: PreTrainedModel,
+    optimizer: torch.optim.Optimizer,
+    scheduler: LRScheduler,
+    it: int,
+    tally: _Tally,
+) -> None:
+    """The minibatch's optimizer step, its gradient clipped at grpo.max_grad_norm; a non-finite
+    gradient stops the update before it reaches the weights."""
+    grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], cfg.max_grad_norm)
+    if not torch.isfinite(grad_norm):
+        optimizer.zero_grad(set_to_none=True)
+        raise RlcliError(
+            f"Iteration {it}: the gradient norm is {float(grad_norm)}; the update was stopped before the "
+            "optimizer step (try a lower grpo.lr or float32)."
+        )
+    tally.grad_norms.append(float(grad_norm))
+    optimizer.step()
+    scheduler.step()
 
 
 def _behaviour_logprobs(
