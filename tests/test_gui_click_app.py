@@ -285,7 +285,8 @@ def test_expert_rollout_and_sft_demos_on_the_app_scene(capsys, rlcli_home, tmp_p
     """End to end on tiny-random-vlm: `rlcli rollout --policy expert` plays the app scene to a return
     of 1.0 per episode, and SFT's expert demos keep every step: one trained reply and one screenshot
     per step, so a menu or typing task is a multi-turn conversation."""
-    from rlcli.engine.sft import encode_image_conversations, expert_conversations, with_images
+    from rlcli.engine.sft import expert_conversations
+    from rlcli.engine.sft_tokens import encode_image_conversations, with_images
     from rlcli.generation.hf_sampler import _eos_ids
     from rlcli.models.loading import load_policy
     from rlcli.models.vision import processor_of

@@ -203,7 +203,8 @@ def test_grpo_on_gui_click_trains_the_tiny_qwen2_vl(tmp_path, name):
 def test_sft_on_gui_click_expert_demos_raises_their_likelihood(tmp_path, name):
     """SFT's collator gives the forward `mm_token_type_ids` (pixel_inputs with input_ids), from which
     Qwen2-VL computes its 3-D positions; training raises the likelihood of the expert's clicks."""
-    from rlcli.engine.sft import ImageBatches, encode_image_conversations, load_conversations, run_sft, with_images
+    from rlcli.engine.sft import ImageBatches, load_conversations, run_sft
+    from rlcli.engine.sft_tokens import encode_image_conversations, with_images
     from rlcli.generation.hf_sampler import _eos_ids
     from rlcli.models.vision import processor_of
 

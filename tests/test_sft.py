@@ -10,16 +10,9 @@ import pytest
 import torch
 
 from helpers import REPO, kill_sft_at_a_checkpoint_and_resume, make_ctx, write_recipe
-from rlcli.engine.sft import (
-    build_trainer,
-    encode_conversations,
-    episode_conversations,
-    load_conversations,
-    run_sft,
-    split_examples,
-    tokenize_conversation,
-)
+from rlcli.engine.sft import build_trainer, episode_conversations, load_conversations, run_sft
 from rlcli.engine.sft_data import Conversation, conversation_from_row, read_conversations
+from rlcli.engine.sft_tokens import encode_conversations, split_examples, tokenize_conversation
 from rlcli.errors import UsageError
 from rlcli.store.checkpoints import checkpoints, resolve_checkpoint
 

@@ -13,7 +13,7 @@ import torch
 import transformers
 
 from helpers import make_ctx, write_recipe
-from rlcli.engine import dpo, sft
+from rlcli.engine import dpo, sft, sft_tokens
 from rlcli.engine.pairs import PreferenceExample
 from rlcli.engine.sft_data import Conversation
 
@@ -47,7 +47,9 @@ def two_gpus(monkeypatch, policy) -> list[torch.device]:
 def _sft_trainer(ctx, model, tokenizer):
     from rlcli.generation.hf_sampler import _eos_ids
 
-    rows, _ = sft.encode_conversations(tokenizer, [Conversation(CHAT, "chat")] * 2, 512, _eos_ids(model, tokenizer))
+    rows, _ = sft_tokens.encode_conversations(
+        tokenizer, [Conversation(CHAT, "chat")] * 2, 512, _eos_ids(model, tokenizer)
+    )
     return sft.build_trainer(ctx, model, tokenizer, rows, [], callbacks=[])
 
 

@@ -11,14 +11,8 @@ import pytest
 import torch
 
 from helpers import kill_sft_at_a_checkpoint_and_resume, make_ctx, write_recipe
-from rlcli.engine.sft import (
-    ImageBatches,
-    encode_image_conversations,
-    load_conversations,
-    run_sft,
-    tokenize_image_conversation,
-    with_images,
-)
+from rlcli.engine.sft import ImageBatches, load_conversations, run_sft
+from rlcli.engine.sft_tokens import encode_image_conversations, tokenize_image_conversation, with_images
 from rlcli.store.episodes import stage_episodes
 
 GUI_CLICK = {"name": "gui_click", "kwargs": {"width": 112, "height": 112, "buttons": 2}, "max_turns": 1}
