@@ -93,9 +93,6 @@ def try_env(
     """Play or watch one episode, rendered turn by turn."""
     import yaml
 
-    from rlcli.envs.loading import load_env
-    from rlcli.envs.protocol import as_messages
-
     if policy not in ("expert", "random", "human", "model"):
         raise UsageError(f"--policy must be expert, random, human or model, got {policy!r}.")
     if policy != "model" and (recipe or model or checkpoint or run):
@@ -109,6 +106,14 @@ def try_env(
     if policy == "model":
         _play_model(cli_ctx, name, env_kwargs, seed, max_turns, recipe, model, checkpoint, run)
         return
+    _play_scripted(name, env_kwargs, policy, seed, max_turns)
+
+
+def _play_scripted(name: str, env_kwargs: dict, policy: str, seed: int, max_turns: int) -> None:
+    """One episode played by the env's expert, random actions or the user at stdin, shown as it goes."""
+    from rlcli.envs.loading import load_env
+    from rlcli.envs.protocol import as_messages
+
     env = load_env(name, env_kwargs)()
     expert: Callable[[], str] | None = getattr(env, "expert_action", None)  # optional in the Env contract
     if policy == "expert" and expert is None:
@@ -150,34 +155,15 @@ def _play_model(
     checkpoint: str | None,
     run: str | None,
 ) -> None:
-    """One episode played by a model, through the same code as a rollout (EpisodeRunner and the
-    recipe's engine: token-exact prompts, chat template, context budget), then shown turn by turn."""
-    from rlcli.engine.episode_runner import EpisodeRunner, EpisodeSpec, RolloutLimits
-    from rlcli.envs.loading import load_env
-    from rlcli.envs.workers import InProcessEnvs
-    from rlcli.generation.engines import generation_engine, make_sampler
-    from rlcli.generation.sampler import sampling_config
-    from rlcli.generation.seeds import derive_seed
-    from rlcli.models.loading import load_policy
+    """One episode played by a model (engine/try_model.py), shown turn by turn."""
+    from rlcli.engine.try_model import play_with_model
     from rlcli.recipe import load_recipe
 
     recipe = load_recipe(recipe_path, [f"model.name={model}"] if model else [])
     recipe, folder = _checkpoint(cli_ctx, recipe, recipe_path is not None, model, checkpoint, run)
-    factory = load_env(name, env_kwargs)  # a bad env name fails before the model loads
-    policy, tokenizer = load_policy(recipe.model, recipe.lora, recipe.quantization, adapter=folder, trainable=False)
-    sampling = sampling_config(recipe.rollout)
-    sampler = make_sampler(recipe, policy, tokenizer, sampling, base=folder is None)
-    console.print(
-        f"model {recipe.model.name}" + (f", checkpoint {folder}" if folder else "") + f"; engine "
-        f"{generation_engine(recipe)}, temperature {sampling.temperature:g}, up to {sampling.max_new_tokens} "
-        "tokens a turn",
-        highlight=False,
-    )
-    keep_images = None if recipe.env.keep_images == "all" else recipe.env.keep_images
-    limits = RolloutLimits(max_turns, recipe.model.max_length, recipe.env.step_timeout_s, keep_images)
-    spec = EpisodeSpec(0, 0, env_seed=seed, sample_seed=derive_seed(recipe.run.seed, "envs try", seed))
-    with InProcessEnvs(factory, recipe.env.step_timeout_s) as envs:
-        [episode] = EpisodeRunner(envs, limits, sampler, tokenizer).run([spec])
+    tried = play_with_model(recipe, name, env_kwargs, seed, max_turns, folder)
+    console.print(tried.sampled_with, highlight=False)
+    episode = tried.episode
     first_reply = next((i for i, m in enumerate(episode.messages) if m["role"] == "assistant"), None)
     _show(episode.messages[:first_reply])
     for turn in episode.turns:
