@@ -231,7 +231,7 @@ def run_rollout_stage(ctx: RunContext, *, stage: str, policy: str, split: str) -
     checkpoint = resolve_checkpoint(ctx.rundb, ctx.run, asked) if asked != EXPERT else None
     weights = EXPERT if asked == EXPERT else PolicyRef.of_checkpoint(checkpoint)
 
-    def work() -> dict[str, Any]:
+    def load_and_collect() -> dict[str, Any]:
         resolved, model, tokenizer = load_rollout_policy(ctx, str(weights))
         sampler: Sampler | None = None
         if model is not None:
@@ -254,7 +254,7 @@ def run_rollout_stage(ctx: RunContext, *, stage: str, policy: str, split: str) -
 
     ctx.stage(
         stage,
-        work,
+        load_and_collect,
         {"policy_asked": policy},
         identity={"policy": str(weights), "split": split},
         new_stage_hint="use another --stage name for a new stage",
