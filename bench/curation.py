@@ -146,6 +146,7 @@ def run_cell(task: str, setting: str, seed: int, out: Path, budget: float, extra
     from rlcli.recipe import load_recipe
     from rlcli.store.checkpoints import train_checkpoints
     from rlcli.store.db import RunDB
+    from rlcli.store.run_store import RunStore
 
     resolved = load_recipe(recipe, overrides)
     if resolved.sft.source != "none":
@@ -154,7 +155,7 @@ def run_cell(task: str, setting: str, seed: int, out: Path, budget: float, extra
 
     rundb = RunDB.open(runs_dir)
     try:
-        made = [(cpu_at(trace, c.created_at), c) for c in train_checkpoints(rundb, resolved.run.name)]
+        made = [(cpu_at(trace, c.created_at), c) for c in train_checkpoints(RunStore(rundb, resolved.run.name))]
         groups = _metric_sum(rundb, resolved.run.name, "train/groups")
         zero_var = _metric_sum(rundb, resolved.run.name, "train/zero_var_groups")
         played = rundb.db.execute(

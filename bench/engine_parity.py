@@ -70,6 +70,7 @@ def source_checkpoint(args, which: str):
     from rlcli.errors import UsageError
     from rlcli.store.checkpoints import resolve_checkpoint
     from rlcli.store.db import RunDB
+    from rlcli.store.run_store import RunStore
 
     if which == "base":
         return True, None
@@ -77,7 +78,7 @@ def source_checkpoint(args, which: str):
         return False, None
     rundb = RunDB.open(args.runs_dir)
     try:
-        return True, resolve_checkpoint(rundb, args.run, which)
+        return True, resolve_checkpoint(RunStore(rundb, args.run), which)
     except (UsageError, KeyError, ValueError):
         return False, None
     finally:
@@ -196,7 +197,7 @@ def heldout_part(args, which: str, ckpt) -> dict:
                 split="eval",
                 progress_label=f"{which} {engine}",
             )
-            metrics = eval_metrics(stage_episodes(ctx.rundb, ctx.run, stage), 1)
+            metrics = eval_metrics(stage_episodes(ctx.store, stage), 1)
         out[engine] = {
             k: metrics[k] for k in ("tasks", "success_rate", "ci_low", "ci_high", "mean_turns", "mean_tokens")
         }

@@ -422,6 +422,7 @@ def heldout(runs: Path, run: str) -> dict[str, dict[str, Any]]:
     as (base, sft, latest, or an id) and the one that was evaluated, from its database."""
     from rlcli.store.db import RunDB
     from rlcli.store.evals import eval_results
+    from rlcli.store.run_store import RunStore
 
     if not (runs / "rlcli.db").is_file():
         return {}
@@ -435,7 +436,7 @@ def heldout(runs: Path, run: str) -> dict[str, dict[str, Any]]:
                 "tasks": r.tasks,
                 "checkpoint_id": r.checkpoint_id,
             }
-            for r in eval_results(rundb, run)
+            for r in eval_results(RunStore(rundb, run))
         }
     finally:
         rundb.close()
@@ -444,12 +445,13 @@ def heldout(runs: Path, run: str) -> dict[str, dict[str, Any]]:
 def final_checkpoint(runs: Path, run: str) -> int | None:
     from rlcli.store.checkpoints import train_checkpoints
     from rlcli.store.db import RunDB
+    from rlcli.store.run_store import RunStore
 
     if not (runs / "rlcli.db").is_file():
         return None
     rundb = RunDB.open(runs)
     try:
-        trained = train_checkpoints(rundb, run)
+        trained = train_checkpoints(RunStore(rundb, run))
         return trained[-1].id if trained else None
     finally:
         rundb.close()

@@ -354,6 +354,7 @@ def run_recipe(setup: Setup, recipe: dict, check: Check) -> dict[str, Any]:
 def run_figures(runs: Path, name: str) -> dict[str, Any]:
     from rlcli.store.db import RunDB
     from rlcli.store.evals import eval_results
+    from rlcli.store.run_store import RunStore
 
     if not (runs / "rlcli.db").is_file():
         return {}
@@ -378,7 +379,7 @@ def run_figures(runs: Path, name: str) -> dict[str, Any]:
             family = metric.stage.split("/")[0]
             by_family[family] = max(by_family.get(family, 0.0), metric.value)
         out |= {f"{short}_{family}": round(value, 2) for family, value in by_family.items()}
-    for result in eval_results(rundb, name):
+    for result in eval_results(RunStore(rundb, name)):
         out[f"success_{result.checkpoint}"] = round(result.success_rate, 3)
     return out
 

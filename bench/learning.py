@@ -123,11 +123,12 @@ def run_row(name: str, out: Path, overrides: list[str], console: Console) -> Row
     from rlcli.recipe import load_recipe
     from rlcli.store.checkpoints import train_checkpoints
     from rlcli.store.db import RunDB
+    from rlcli.store.run_store import RunStore
 
     resolved = load_recipe(recipe, overrides)
     rundb = RunDB.open(runs_dir)
     try:
-        final = train_checkpoints(rundb, resolved.run.name)[-1]
+        final = train_checkpoints(RunStore(rundb, resolved.run.name))[-1]
     finally:
         rundb.close()
     wanted = {"base": "base", "final": str(final.id)}

@@ -71,6 +71,7 @@ from rlcli.store.names import (  # noqa: E402
     TrainStage,
     try_parse_stage,
 )
+from rlcli.store.run_store import RunStore  # noqa: E402
 from rlcli.store.timings import turn_times  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -152,7 +153,9 @@ def phases(rundb: RunDB, run: str, wall_s: float) -> list[Phase]:
             rollout_s += own
         else:
             seconds[row] += own
-    times = [t for name, t in turn_times(rundb, run).items() if isinstance(try_parse_stage(name), RolloutStage)]
+    times = [
+        t for name, t in turn_times(RunStore(rundb, run)).items() if isinstance(try_parse_stage(name), RolloutStage)
+    ]
     seconds["rollout: generation"] = sum(t.gen_s for t in times)
     seconds["rollout: env steps"] = sum(t.env_s for t in times)
     seconds["rollout: rest"] = rollout_s - seconds["rollout: generation"] - seconds["rollout: env steps"]

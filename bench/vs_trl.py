@@ -163,6 +163,7 @@ def run_rlcli(args, engine: str, max_staleness: int = 0) -> dict:
     from rlcli.recipe import load_recipe
     from rlcli.store.checkpoints import train_checkpoints
     from rlcli.store.db import RunDB
+    from rlcli.store.run_store import RunStore
 
     batch = args.prompts * args.generations
     recipe_data = {
@@ -223,7 +224,7 @@ def run_rlcli(args, engine: str, max_staleness: int = 0) -> dict:
         if args.eval_tasks:
             from rlcli.models.loading import load_policy
 
-            ckpt = train_checkpoints(rundb, recipe.run.name)[-1]
+            ckpt = train_checkpoints(RunStore(rundb, recipe.run.name))[-1]
             model, tokenizer = load_policy(
                 recipe.model, recipe.lora, recipe.quantization, adapter=ckpt.path, trainable=False
             )

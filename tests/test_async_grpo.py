@@ -106,7 +106,7 @@ def test_async_run_samples_ahead_in_a_worker_and_records_versions(tmp_path):
     run_grpo(ctx)
 
     # k = 1: rollout/j is played with train/j-2's weights, the starting point's for j <= 1.
-    policies = {j: {e.policy for e in stage_episodes(ctx.rundb, ctx.run, f"rollout/{j}")} for j in range(3)}
+    policies = {j: {e.policy for e in stage_episodes(ctx.store, f"rollout/{j}")} for j in range(3)}
     assert policies == {0: {"base"}, 1: {"base"}, 2: {"train/0"}}
     assert _metric(ctx, "train/staleness_mean") == {0: 0.0, 1: 1.0, 2: 1.0}
     assert _metric(ctx, "train/staleness_max") == {0: 0.0, 1: 1.0, 2: 1.0}
@@ -121,10 +121,10 @@ def test_async_run_samples_ahead_in_a_worker_and_records_versions(tmp_path):
     assert {stages[f"rollout/{j}"].pid for j in range(3)} != {os.getpid()}
     assert stages["train/0"].pid == os.getpid()
     for j in range(3):
-        keys = [(e.task_index, e.sample_index) for e in stage_episodes(ctx.rundb, ctx.run, f"rollout/{j}")]
+        keys = [(e.task_index, e.sample_index) for e in stage_episodes(ctx.store, f"rollout/{j}")]
         assert sorted(keys) == [(t, s) for t in (2 * j, 2 * j + 1) for s in range(4)]
     assert not (ctx.run_dir / "policy").exists()  # weights-only pushes are removed at the end
-    [first] = [c for c in train_checkpoints(ctx.rundb, ctx.run) if c.iteration == 0]
+    [first] = [c for c in train_checkpoints(ctx.store) if c.iteration == 0]
     assert _recorded_logprobs_match(ctx, "rollout/2", first.path)  # the worker loaded the pushed weights
 
     # The worker plays what the synchronous loop would with the same weights: rollout/0 is the same.
@@ -143,7 +143,7 @@ def _recorded_logprobs_match(ctx, stage: str, weights) -> bool:
     from rlcli.models.loading import load_policy
 
     model, _ = load_policy(ctx.recipe.model, ctx.recipe.lora, ctx.recipe.quantization, adapter=weights, trainable=False)
-    for episode in stage_episodes(ctx.rundb, ctx.run, stage):
+    for episode in stage_episodes(ctx.store, stage):
         (turn,) = _query(
             ctx.rundb.path,
             "select prompt_ids, completion_ids, logprobs from turns where episode_id = ? and turn_index = 0",
@@ -171,12 +171,12 @@ def test_a_vllm_worker_samples_with_the_pushed_weights(tmp_path, tiny64):  # noq
     )
     ctx = make_ctx(recipe, tmp_path / "runs")
     run_grpo(ctx)
-    policies = {j: {e.policy for e in stage_episodes(ctx.rundb, ctx.run, f"rollout/{j}")} for j in range(3)}
+    policies = {j: {e.policy for e in stage_episodes(ctx.store, f"rollout/{j}")} for j in range(3)}
     assert policies == {0: {"base"}, 1: {"base"}, 2: {"train/0"}}
     assert _metric(ctx, "train/tis_weight_mean")[0] == 1.0
     assert _metric(ctx, "train/engine_logprob_gap")[0] < 1e-4  # the same weights in both processes
     # rollout/2 was sampled by the worker's engine with train/0's weights, pushed after that update.
-    [first] = [c for c in train_checkpoints(ctx.rundb, ctx.run) if c.iteration == 0]
+    [first] = [c for c in train_checkpoints(ctx.store) if c.iteration == 0]
     assert _recorded_logprobs_match(ctx, "rollout/2", first.path)
     assert not _recorded_logprobs_match(ctx, "rollout/2", None)
 
@@ -218,9 +218,9 @@ def test_the_worker_takes_each_new_adapter_in_place_and_samples_as_a_fresh_load(
 def test_weights_between_checkpoints_reach_the_worker(tmp_path):
     ctx = make_ctx(_recipe(tmp_path, max_staleness=1, iterations=4, checkpoint_every=3), tmp_path / "runs")
     run_grpo(ctx)
-    policies = {j: {e.policy for e in stage_episodes(ctx.rundb, ctx.run, f"rollout/{j}")} for j in range(4)}
+    policies = {j: {e.policy for e in stage_episodes(ctx.store, f"rollout/{j}")} for j in range(4)}
     assert policies == {0: {"base"}, 1: {"base"}, 2: {"train/0"}, 3: {"train/1"}}
-    assert [c.iteration for c in train_checkpoints(ctx.rundb, ctx.run)] == [2, 3]
+    assert [c.iteration for c in train_checkpoints(ctx.store)] == [2, 3]
 
 
 def test_lowering_max_staleness_on_resume_sets_stale_rollouts_aside(tmp_path, monkeypatch):
@@ -239,15 +239,15 @@ def test_lowering_max_staleness_on_resume_sets_stale_rollouts_aside(tmp_path, mo
     monkeypatch.setattr(GrpoTrainer, "update", real)
 
     ctx = make_ctx(recipe, runs, ["grpo.max_staleness=0"])  # resume-safe: no --force needed
-    before = {e.id for e in stage_episodes(ctx.rundb, ctx.run, "rollout/2")}
+    before = {e.id for e in stage_episodes(ctx.store, "rollout/2")}
     run_grpo(ctx)
-    aside = stage_episodes(ctx.rundb, ctx.run, "stale/rollout/2/1")
+    aside = stage_episodes(ctx.store, "stale/rollout/2/1")
     assert {e.id for e in aside} == before and {e.policy for e in aside} == {"train/0"}
-    replayed = stage_episodes(ctx.rundb, ctx.run, "rollout/2")
+    replayed = stage_episodes(ctx.store, "rollout/2")
     assert len(replayed) == 8 and {e.policy for e in replayed} == {"train/1"}
     assert _metric(ctx, "train/discarded_episodes") == {2: 8.0}
     assert _metric(ctx, "train/sequences")[2] == 8  # the replayed episodes were labelled and trained on
-    [event] = list_events(ctx.rundb, ctx.run, STALE_EVENT)
+    [event] = list_events(ctx.store, STALE_EVENT)
     assert event.iteration == 2 and event.details["episodes"] == 8
 
 

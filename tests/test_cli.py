@@ -24,6 +24,7 @@ from rlcli.errors import RlcliError, UsageError
 from rlcli.recipe import Recipe
 from rlcli.store.checkpoints import add_checkpoint
 from rlcli.store.db import DB_NAME, RunDB
+from rlcli.store.run_store import RunStore
 from rlcli.store.stages import run_stage
 
 REPO = Path(__file__).parents[1]
@@ -460,12 +461,13 @@ def test_runs_show_json_has_stable_keys(capsys, rlcli_home):
     try:
         recipe = Recipe()
         rundb.start_run("r1", recipe, None)
-        run_stage(rundb, "r1", "sft", lambda: {"loss": 0.25})
+        store = RunStore(rundb, "r1")
+        run_stage(store, "sft", lambda: {"loss": 0.25})
         with pytest.raises(RuntimeError):
-            run_stage(rundb, "r1", "rollout/0", lambda: (_ for _ in ()).throw(RuntimeError("env crashed")))
+            run_stage(store, "rollout/0", lambda: (_ for _ in ()).throw(RuntimeError("env crashed")))
         rundb.log_metrics("r1", "rollout", 0, {"rollout/reward_mean": 0.1})
         rundb.log_metrics("r1", "rollout", 1, {"rollout/reward_mean": 0.3})
-        add_checkpoint(rundb, "r1", "sft", 0, rlcli_home / "r1" / "sft", "lora")
+        add_checkpoint(store, "sft", 0, rlcli_home / "r1" / "sft", "lora")
     finally:
         rundb.close()
     code, out, err = cli(capsys, "runs", "show", "r1", "--json")
@@ -698,7 +700,7 @@ def test_runs_delete_removes_rows_and_folder_after_confirmation(capsys, tmp_path
         with open_run(recipe, run, rlcli_home, []) as ctx:
             ctx.stage("sft", lambda: {})
             ctx.rundb.log_metrics(run, "sft", 0, {"sft/loss": 1.0})
-            add_checkpoint(ctx.rundb, run, "sft", 0, ctx.run_dir / "sft", "lora")
+            add_checkpoint(ctx.store, "sft", 0, ctx.run_dir / "sft", "lora")
             (ctx.run_dir / "sft").mkdir()
     monkeypatch.setattr("sys.stdin", io.StringIO("n\n"))
     code, _, err = cli(capsys, "runs", "delete", "t")

@@ -87,20 +87,20 @@ def test_stats_count_finished_labelled_train_episodes_only(tmp_path):
     _store(ctx, "rollout/1", 1, 3, 0, True, 0.5)
     _store(ctx, "rollout/1", 1, 5, 0, True, 1.0, label_set="other")  # not GRPO's labels
     _store(ctx, "eval/base", None, 3, 0, True, 1.0, split="eval")  # held-out
-    assert refresh_task_stats(ctx.rundb, ctx.run, "rollout/0", "grpo") == 2
-    refresh_task_stats(ctx.rundb, ctx.run, "rollout/1", "grpo")
-    assert stored_task_stats(ctx.rundb, ctx.run, "grpo") == [
+    assert refresh_task_stats(ctx.store, "rollout/0", "grpo") == 2
+    refresh_task_stats(ctx.store, "rollout/1", "grpo")
+    assert stored_task_stats(ctx.store, "grpo") == [
         TaskStats(3, 3, 2, pytest.approx(1.75 / 3), 1),
         TaskStats(5, 1, 0, 0.0, 0),
     ]
     # What an iteration's draw may know: only the iterations before it.
-    assert compute_task_stats(ctx.rundb, ctx.run, "grpo", before_iteration=1) == [
+    assert compute_task_stats(ctx.store, "grpo", before_iteration=1) == [
         TaskStats(3, 2, 1, pytest.approx(0.625), 0),
         TaskStats(5, 1, 0, 0.0, 0),
     ]
     # Recomputed, not incremented: refreshing again changes nothing.
-    refresh_task_stats(ctx.rundb, ctx.run, "rollout/0", "grpo")
-    assert stored_task_stats(ctx.rundb, ctx.run, "grpo")[0].attempts == 3
+    refresh_task_stats(ctx.store, "rollout/0", "grpo")
+    assert stored_task_stats(ctx.store, "grpo")[0].attempts == 3
 
 
 def test_grpo_keeps_stats_that_match_its_episodes_and_runs_tasks_shows_them(tmp_path, capsys, monkeypatch):
@@ -131,7 +131,7 @@ def test_grpo_keeps_stats_that_match_its_episodes_and_runs_tasks_shows_them(tmp_
         )
         for task, rows in sorted(by_task.items())
     ]
-    assert stored_task_stats(ctx.rundb, ctx.run, "grpo") == expected
+    assert stored_task_stats(ctx.store, "grpo") == expected
     assert sum(s.attempts for s in expected) == 3 * 2 * 2  # 3 iterations of 2 tasks x 2 samples
 
     code, out, err = cli(capsys, "runs", "tasks", "t", "--json")

@@ -110,9 +110,9 @@ def test_pairs_are_best_vs_worst_cut_at_the_first_differing_turn(tmp_path):
     _store(ctx, 0, 0, [[1]], 1.0, stage="probe")
     _store(ctx, 0, 1, [[2]], 0.0, stage="probe")
 
-    stages = source_stages(ctx.rundb, ctx.run, ["rollout/*"])
+    stages = source_stages(ctx.store, ["rollout/*"])
     assert stages == ["rollout/0"]
-    report = mine_pairs(ctx.rundb, ctx.run, stages, "grpo", margin=0.5, max_pairs=None)
+    report = mine_pairs(ctx.store, stages, "grpo", margin=0.5, max_pairs=None)
     assert (report.groups, report.below_margin, report.no_shared_prompt) == (4, 1, 1)
     first, second = report.pairs
     assert (first.task_index, first.chosen_episode_id, first.rejected_episode_id, first.turn_index) == (
@@ -131,11 +131,11 @@ def test_pairs_are_best_vs_worst_cut_at_the_first_differing_turn(tmp_path):
         tie_worst,
         0,
     )
-    capped = mine_pairs(ctx.rundb, ctx.run, stages, "grpo", margin=0.5, max_pairs=1)
+    capped = mine_pairs(ctx.store, stages, "grpo", margin=0.5, max_pairs=1)
     assert capped.pairs == [first]
-    assert len(mine_pairs(ctx.rundb, ctx.run, stages, "grpo", margin=0.1, max_pairs=None).pairs) == 3
+    assert len(mine_pairs(ctx.store, stages, "grpo", margin=0.1, max_pairs=None).pairs) == 3
     with pytest.raises(UsageError, match=r"dpo.source \['train/\*'\] matches no stage .* rollout/0, probe"):
-        source_stages(ctx.rundb, ctx.run, ["train/*"])
+        source_stages(ctx.store, ["train/*"])
 
 
 # --- training -------------------------------------------------------------------------------------------
@@ -154,7 +154,7 @@ def _margins(model, ctx) -> float:
     from rlcli.engine.dpo import pair_examples
 
     total = 0.0
-    examples = pair_examples(ctx, stage_pairs(ctx.rundb, ctx.run, "dpo"))
+    examples = pair_examples(ctx, stage_pairs(ctx.store, "dpo"))
     for e in examples:
         chosen = sequence_logprobs(model, e.prompt_ids + e.chosen_ids, len(e.prompt_ids)).sum()
         rejected = sequence_logprobs(model, e.prompt_ids + e.rejected_ids, len(e.prompt_ids)).sum()
@@ -172,7 +172,7 @@ def test_dpo_raises_the_chosen_over_rejected_margin_and_records_its_pairs(tmp_pa
     _single_turn_groups(ctx, 4)
     summary = run_dpo(ctx)
     assert (summary.stage, summary.start, summary.pairs, summary.steps) == ("dpo", "base", 4, 8)
-    assert len(stage_pairs(ctx.rundb, ctx.run, "dpo")) == 4
+    assert len(stage_pairs(ctx.store, "dpo")) == 4
 
     r = ctx.recipe
     base, _ = load_policy(r.model, r.lora, r.quantization, trainable=False)
@@ -183,7 +183,7 @@ def test_dpo_raises_the_chosen_over_rejected_margin_and_records_its_pairs(tmp_pa
     # `latest` is now the DPO checkpoint; the stage is done and gives back its summary.
     from rlcli.store.checkpoints import resolve_checkpoint
 
-    assert resolve_checkpoint(ctx.rundb, ctx.run, "latest").id == summary.checkpoint_id
+    assert resolve_checkpoint(ctx.store, "latest").id == summary.checkpoint_id
     assert run_dpo(ctx) == summary
     # A second DPO stage starts from the first one's checkpoint.
     second = run_dpo(ctx, "dpo/2")
@@ -267,7 +267,7 @@ def test_full_fine_tuning_dpo_trains_and_saves_a_full_model(tmp_path):
     assert summary.steps == 2
     from rlcli.store.checkpoints import checkpoints
 
-    assert checkpoints(ctx.rundb, ctx.run)[-1].kind == "full"
+    assert checkpoints(ctx.store)[-1].kind == "full"
     assert torch.isfinite(torch.tensor(summary.final_loss))
 
 

@@ -61,7 +61,7 @@ def test_second_grpo_phase_starts_from_the_dpo_checkpoint_and_numbers_on(tmp_pat
     for kind in ("rollout", "label", "train"):
         assert {n for n in rows if n.startswith(f"{kind}/")} == {f"{kind}/{i}" for i in range(2 * PER_PHASE)}
     dpo = rows["dpo"].result
-    by_stage = {c.stage: c for c in checkpoints(ctx.rundb, ctx.run)}
+    by_stage = {c.stage: c for c in checkpoints(ctx.store)}
     assert dpo["pairs"] > 0 and dpo["start"] == str(by_stage["train/1"].id)
     assert (
         rows["grpo/1"].params["first_iteration"] == PER_PHASE and rows["grpo/1"].params["start"] == dpo["checkpoint_id"]

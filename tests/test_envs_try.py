@@ -61,7 +61,7 @@ def test_a_checkpoint_of_a_run_plays_with_its_weights(tmp_path, monkeypatch):
 
     # The same checkpoint named by its run: the run's recipe and the recorded folder.
     ctx = make_ctx(recipe, tmp_path / "runs")
-    add_checkpoint(ctx.rundb, ctx.run, "train/0", 0, folder, "lora")
+    add_checkpoint(ctx.store, "train/0", 0, folder, "lora")
     ctx.rundb.close()
     monkeypatch.setenv("RLCLI_HOME", str(tmp_path / "runs"))
     by_run = play("--run", ctx.run, "-c", "latest", "--seed", "1", "--max-turns", "2")

@@ -144,7 +144,7 @@ def test_eval_with_other_decoding_or_more_tasks_is_measured_not_read_back(tmp_pa
     assert ctx.rundb.db.execute("select count(*) from episodes where stage = 'eval/base'").fetchone()[0] == 5
     from rlcli.store.evals import eval_results
 
-    results = eval_results(ctx.rundb, ctx.run)
+    results = eval_results(ctx.store)
     assert [(r.label, r.decoding) for r in results] == [("base", "t1-k1"), ("base", "greedy")]
     # The table shows how each sampled, in a column of its own, and never cuts a label.
     from rich.console import Console

@@ -65,7 +65,7 @@ def test_evals_only_at_saved_checkpoints_and_the_sft_checkpoint_is_the_starting_
     ctx = make_ctx(recipe, tmp_path / "runs")
     sft_folder = tmp_path / "sft"
     _save_fresh_adapter(ctx, sft_folder)
-    sft_id = add_checkpoint(ctx.rundb, ctx.run, "sft", 0, sft_folder, "lora")
+    sft_id = add_checkpoint(ctx.store, "sft", 0, sft_folder, "lora")
     run_grpo(ctx)
 
     saved = {c["iteration"]: c["id"] for c in ctx.rundb.db["checkpoints"].rows_where("stage like 'train/%'")}
@@ -206,7 +206,7 @@ def eval_stage(ctx, checkpoint_id: int | None, successes: list[bool], which: str
         for task, success in enumerate(successes)
     ]
     store_episodes(ctx.rundb, episodes)
-    metrics = eval_metrics(stage_episodes(ctx.rundb, ctx.run, stage), 1)
+    metrics = eval_metrics(stage_episodes(ctx.store, stage), 1)
     which = which or ("base" if checkpoint_id is None else str(checkpoint_id))
     replace_eval(
         ctx.rundb,
@@ -228,9 +228,9 @@ def run_with_checkpoints(tmp_path, **grpo):
     tmp_path.mkdir(exist_ok=True)
     recipe = write_recipe(tmp_path / "r.yaml", grpo={"iterations": 3, **grpo}, eval={"tasks": 4})
     ctx = make_ctx(recipe, tmp_path / "runs")
-    ids = [add_checkpoint(ctx.rundb, ctx.run, "sft", 10, tmp_path / "sft", "lora")]
+    ids = [add_checkpoint(ctx.store, "sft", 10, tmp_path / "sft", "lora")]
     for it in range(3):
-        ids.append(add_checkpoint(ctx.rundb, ctx.run, f"train/{it}", it, tmp_path / f"iter-{it}", "lora"))
+        ids.append(add_checkpoint(ctx.store, f"train/{it}", it, tmp_path / f"iter-{it}", "lora"))
     return ctx, ids
 
 
@@ -244,11 +244,11 @@ def test_best_is_the_highest_held_out_success_and_a_tie_goes_to_the_later(tmp_pa
     eval_stage(ctx, c0, [Y, Y, Y, N])
     eval_stage(ctx, c2, [N, Y, Y, Y])  # ties with c0: the later one wins
     eval_stage(ctx, c1, [Y, Y, N, N])  # evaluated after c2: "later" is the training order, not the eval's
-    best = best_checkpoint(ctx.rundb, ctx.run)
+    best = best_checkpoint(ctx.store)
     assert best.checkpoint.id == c2 and best.success_rate == 0.75 and best.tasks == 4
-    assert resolve_checkpoint(ctx.rundb, ctx.run, "best").id == c2
-    assert checkpoint_note(ctx.rundb, ctx.run, "best") == f"best = checkpoint {c2} (iteration 2, held-out 0.75)"
-    assert resolve_checkpoint(ctx.rundb, ctx.run, "latest").id == c2  # no keep_best: the newest
+    assert resolve_checkpoint(ctx.store, "best").id == c2
+    assert checkpoint_note(ctx.store, "best") == f"best = checkpoint {c2} (iteration 2, held-out 0.75)"
+    assert resolve_checkpoint(ctx.store, "latest").id == c2  # no keep_best: the newest
 
 
 def test_best_can_be_the_sft_checkpoint_or_the_base_model(tmp_path):
@@ -257,13 +257,13 @@ def test_best_can_be_the_sft_checkpoint_or_the_base_model(tmp_path):
     eval_stage(ctx, sft, [Y, Y, Y, N], which="sft")
     for ckpt in (c0, c1, c2):
         eval_stage(ctx, ckpt, [Y, Y, N, N])
-    assert resolve_checkpoint(ctx.rundb, ctx.run, "best").id == sft
-    assert checkpoint_note(ctx.rundb, ctx.run, "best") == f"best = checkpoint {sft} (sft, held-out 0.75)"
+    assert resolve_checkpoint(ctx.store, "best").id == sft
+    assert checkpoint_note(ctx.store, "best") == f"best = checkpoint {sft} (sft, held-out 0.75)"
 
     ctx2, (sft2, *_) = run_with_checkpoints(tmp_path / "b")
     eval_stage(ctx2, None, [Y, Y, N, N])
     eval_stage(ctx2, sft2, [Y, N, N, N], which="sft")
-    assert resolve_checkpoint(ctx2.rundb, ctx2.run, "best") is None  # the base model
+    assert resolve_checkpoint(ctx2.store, "best") is None  # the base model
 
 
 def test_best_compares_like_with_like(tmp_path):
@@ -272,26 +272,24 @@ def test_best_compares_like_with_like(tmp_path):
     eval_stage(ctx, c1, [N, N, N, N, Y, Y, Y, Y])  # 50% on 8 tasks, but 0% on the 4 compared
     eval_stage(ctx, c2, [Y, Y, Y])  # too few tasks to compare
     eval_stage(ctx, sft, [Y, Y, Y, Y], suffix="@t1-k1")  # another decoding
-    best = best_checkpoint(ctx.rundb, ctx.run)
+    best = best_checkpoint(ctx.store)
     assert best.checkpoint.id == c0 and best.tasks == 4
 
 
 def test_best_without_evals_is_a_usage_error(tmp_path):
     ctx, _ = run_with_checkpoints(tmp_path)
     with pytest.raises(UsageError, match="grpo.eval_every or rlcli eval first"):
-        resolve_checkpoint(ctx.rundb, ctx.run, "best")
+        resolve_checkpoint(ctx.store, "best")
 
 
 def test_keep_best_makes_latest_the_best(tmp_path):
     ctx, (sft, c0, c1, c2) = run_with_checkpoints(tmp_path, eval_every=1, keep_best=True)
-    assert resolve_checkpoint(ctx.rundb, ctx.run, "latest").id == c2  # nothing evaluated yet: the newest
+    assert resolve_checkpoint(ctx.store, "latest").id == c2  # nothing evaluated yet: the newest
     eval_stage(ctx, sft, [Y, N, N, N], which="sft")
     eval_stage(ctx, c1, [Y, Y, Y, N])
     eval_stage(ctx, c2, [Y, Y, N, N])
-    assert resolve_checkpoint(ctx.rundb, ctx.run, "latest").id == c1
-    assert checkpoint_note(ctx.rundb, ctx.run, "latest") == (
-        f"latest = best = checkpoint {c1} (iteration 1, held-out 0.75)"
-    )
+    assert resolve_checkpoint(ctx.store, "latest").id == c1
+    assert checkpoint_note(ctx.store, "latest") == (f"latest = best = checkpoint {c1} (iteration 1, held-out 0.75)")
 
 
 def test_keep_best_needs_eval_every(tmp_path):

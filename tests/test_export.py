@@ -20,7 +20,7 @@ def run_with_checkpoint(tmp_path, rlcli_home, monkeypatch) -> str:
     ctx = make_ctx(write_recipe(tmp_path / "r.yaml"), rlcli_home)
     model, tokenizer = loading.load_policy(ctx.recipe.model, ctx.recipe.lora, ctx.recipe.quantization)
     checkpoint = loading.save_checkpoint(model, tokenizer, ctx.run_dir / "ckpt-0")
-    add_checkpoint(ctx.rundb, ctx.run, "train/0", 0, checkpoint.resolve(), "lora")
+    add_checkpoint(ctx.store, "train/0", 0, checkpoint.resolve(), "lora")
     ctx.rundb.close()
     return ctx.run
 

@@ -108,7 +108,7 @@ def test_a_collapsing_run_raises_each_warning_once_and_a_resume_does_not_repeat_
     ctx = metrics_ctx(tmp_path)
     sft = tmp_path / "sft"
     sft.mkdir()
-    add_checkpoint(ctx.rundb, ctx.run, "sft", 0, sft, "lora")
+    add_checkpoint(ctx.store, "sft", 0, sft, "lora")
     log_run(
         ctx,
         range(10),
@@ -125,7 +125,7 @@ def test_a_collapsing_run_raises_each_warning_once_and_a_resume_does_not_repeat_
     assert raised[8] == ["no_signal"]
     assert raised[9] == ["reward_up_heldout_down", "worse_than_start"]
     assert sum(len(kinds) for kinds in raised.values()) == 4
-    events = list_events(ctx.rundb, ctx.run)
+    events = list_events(ctx.store)
     assert [(e.iteration, e.kind, e.stage) for e in events] == [
         (4, "entropy_collapse", "train/4"),
         (8, "no_signal", "train/8"),
@@ -136,7 +136,7 @@ def test_a_collapsing_run_raises_each_warning_once_and_a_resume_does_not_repeat_
 
     # A resumed run checks its redone iterations again: nothing new is printed or stored.
     assert all(guardrails.check(ctx, it) == [] for it in range(10))
-    assert len(list_events(ctx.rundb, ctx.run)) == 4
+    assert len(list_events(ctx.store)) == 4
 
 
 def test_a_healthy_run_raises_no_warning(tmp_path):
@@ -153,7 +153,7 @@ def test_a_healthy_run_raises_no_warning(tmp_path):
         },
     )
     assert [w for it in range(10) for w in guardrails.check(ctx, it)] == []
-    assert list_events(ctx.rundb, ctx.run) == []
+    assert list_events(ctx.store) == []
 
 
 def test_metrics_after_the_iteration_checked_are_not_read(tmp_path):
@@ -180,23 +180,23 @@ def test_thresholds_come_from_the_recipe(tmp_path):
 
 def test_add_event_is_idempotent_per_kind_and_iteration(tmp_path):
     ctx = metrics_ctx(tmp_path)
-    assert add_event(ctx.rundb, ctx.run, "train/3", 3, "no_signal", "first", {"a": 1})
-    assert not add_event(ctx.rundb, ctx.run, "train/3", 3, "no_signal", "again", {"a": 2})
-    assert add_event(ctx.rundb, ctx.run, "train/4", 4, "no_signal", "later", {})
-    assert add_event(ctx.rundb, ctx.run, "train/3", 3, "entropy_collapse", "other kind", {})
-    events = list_events(ctx.rundb, ctx.run)
+    assert add_event(ctx.store, "train/3", 3, "no_signal", "first", {"a": 1})
+    assert not add_event(ctx.store, "train/3", 3, "no_signal", "again", {"a": 2})
+    assert add_event(ctx.store, "train/4", 4, "no_signal", "later", {})
+    assert add_event(ctx.store, "train/3", 3, "entropy_collapse", "other kind", {})
+    events = list_events(ctx.store)
     assert [(e.iteration, e.kind, e.message) for e in events] == [
         (3, "no_signal", "first"),
         (4, "no_signal", "later"),
         (3, "entropy_collapse", "other kind"),
     ]
     assert events[0].details == {"a": 1}
-    assert [e.iteration for e in list_events(ctx.rundb, ctx.run, kind="no_signal")] == [3, 4]
+    assert [e.iteration for e in list_events(ctx.store, kind="no_signal")] == [3, 4]
 
 
 def test_runs_show_lists_the_events(tmp_path, capsys, monkeypatch):
     ctx = metrics_ctx(tmp_path)
-    add_event(ctx.rundb, ctx.run, "train/7", 7, "no_signal", "GRPO is getting no signal: try things.", {"x": 1})
+    add_event(ctx.store, "train/7", 7, "no_signal", "GRPO is getting no signal: try things.", {"x": 1})
     ctx.rundb.close()
     monkeypatch.setenv("RLCLI_HOME", str(tmp_path / "runs"))
 
@@ -222,5 +222,5 @@ def test_train_grpo_stores_and_prints_the_warnings_it_raises(tmp_path):
     ctx = make_ctx(recipe, tmp_path / "runs")
     ctx.console = Console(record=True, width=200)
     run_grpo(ctx)
-    assert [(e.iteration, e.kind) for e in list_events(ctx.rundb, ctx.run)] == [(1, "no_signal")]
+    assert [(e.iteration, e.kind) for e in list_events(ctx.store)] == [(1, "no_signal")]
     assert ctx.console.export_text().count("GRPO is getting no signal") == 1

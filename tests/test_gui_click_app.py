@@ -314,7 +314,7 @@ def test_expert_rollout_and_sft_demos_on_the_app_scene(capsys, rlcli_home, tmp_p
 
     ctx = make_ctx(recipe, rlcli_home)
     conversations, pictures = with_images(ctx.rundb, expert_conversations(ctx))
-    demos = {f"episode {e.id}": e for e in stage_episodes(ctx.rundb, ctx.run, "sft/demos")}
+    demos = {f"episode {e.id}": e for e in stage_episodes(ctx.store, "sft/demos")}
     model, tokenizer = load_policy(ctx.recipe.model, None, ctx.recipe.quantization, trainable=False)
     processor = processor_of(tokenizer)
     rows, truncated = encode_image_conversations(processor, conversations, 2048, _eos_ids(model, tokenizer), None)

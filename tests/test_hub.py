@@ -15,6 +15,7 @@ import yaml
 
 from helpers import run_in_process, write_recipe
 from rlcli.errors import UsageError
+from rlcli.store.run_store import RunStore
 
 CHATS = "rlcli-test/tiny_chats"  # config `chats`, a `conversations` column of chats
 QA = "rlcli-test/tiny_qa"  # the default config, `question` and `answer` strings
@@ -121,8 +122,8 @@ def test_sft_trains_offline_on_a_cached_hub_dataset(trained):
         assert stage.done and stage.result["source"] == f"hub:{CHATS}" and stage.result["examples"] == 4
         assert stage.params["columns"] == {"conversations": "messages"} and stage.params["dataset_split"] == "train"
         assert len(stage.params["data_fingerprint"]) == 16
-        assert resolve_checkpoint(rundb, "t", "sft") is not None
-        assert sorted(r.checkpoint for r in eval_results(rundb, "t")) == ["base", "sft"]
+        assert resolve_checkpoint(RunStore(rundb, "t"), "sft") is not None
+        assert sorted(r.checkpoint for r in eval_results(RunStore(rundb, "t"))) == ["base", "sft"]
     finally:
         rundb.close()
 

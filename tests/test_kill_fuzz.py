@@ -392,7 +392,7 @@ class Fuzzer:
 @pytest.mark.parametrize(
     "kills, seed",
     [
-        pytest.param(3, 1, id="3-kills"),
+        pytest.param(3, 1, id="3-kills", marks=[pytest.mark.fuzz, pytest.mark.slow]),
         pytest.param(20, 2, id="20-kills", marks=[pytest.mark.fuzz, pytest.mark.slow]),
     ],
 )
@@ -556,7 +556,7 @@ def test_superseded_episodes_are_kept_and_read_by_nothing_that_trains_or_draws(t
     from rlcli.store.tasks import compute_task_stats, refresh_task_stats, stored_task_stats
 
     ctx = make_ctx(write_recipe(tmp_path / "r.yaml"), tmp_path / "runs")
-    rundb, run = ctx.rundb, ctx.run
+    rundb, run, store = ctx.rundb, ctx.run, ctx.store
 
     def episode(stage: str, iteration: int, task: int) -> Episode:
         return Episode(
@@ -567,24 +567,24 @@ def test_superseded_episodes_are_kept_and_read_by_nothing_that_trains_or_draws(t
         )  # fmt: skip
 
     store_episodes(rundb, [episode("rollout/1", 1, 0), episode("rollout/2", 2, 0), episode("rollout/2", 2, 5)])
-    ids = {(e.stage, e.task_index): e.id for s in ("rollout/1", "rollout/2") for e in stage_episodes(rundb, run, s)}
+    ids = {(e.stage, e.task_index): e.id for s in ("rollout/1", "rollout/2") for e in stage_episodes(store, s)}
     store_rewards(rundb, [RewardRow(i, "grpo", "total", 1.0, None) for i in ids.values()])
     for stage in ("rollout/2", "label/2", "label/mine/rollout/2", "rollout/1"):
         rundb.mark_stage(run, stage, "done")
     for stage in ("rollout/1", "rollout/2"):
-        refresh_task_stats(rundb, run, stage, "grpo")
-    assert [(s.task_index, s.attempts) for s in stored_task_stats(rundb, run, "grpo")] == [(0, 2), (5, 1)]
+        refresh_task_stats(store, stage, "grpo")
+    assert [(s.task_index, s.attempts) for s in stored_task_stats(store, "grpo")] == [(0, 2), (5, 1)]
 
-    aside, moved = supersede_stage(rundb, run, "rollout/2", ["rollout/2", "label/2", "label/mine/rollout/2"])
+    aside, moved = supersede_stage(store, "rollout/2", ["rollout/2", "label/2", "label/mine/rollout/2"])
     assert (aside, moved) == ("superseded/rollout/2/1", 2)
     assert [s.name for s in rundb.stages(run)] == ["rollout/1"]
-    kept = stage_episodes(rundb, run, aside)
+    kept = stage_episodes(store, aside)
     assert {e.id for e in kept} == {ids["rollout/2", 0], ids["rollout/2", 5]}
-    refresh_task_stats(rundb, run, aside, "grpo")
-    assert [(s.task_index, s.attempts) for s in stored_task_stats(rundb, run, "grpo")] == [(0, 1)]
-    assert [(s.task_index, s.attempts) for s in compute_task_stats(rundb, run, "grpo")] == [(0, 1)]
-    assert [e.episode.id for e in replay_candidates(rundb, run, 0, 9, "grpo", 0.5, 5)] == [ids["rollout/1", 0]]
-    assert [e.episode.id for e in episodes_for_sft(rundb, run)] == [ids["rollout/1", 0]]
+    refresh_task_stats(store, aside, "grpo")
+    assert [(s.task_index, s.attempts) for s in stored_task_stats(store, "grpo")] == [(0, 1)]
+    assert [(s.task_index, s.attempts) for s in compute_task_stats(store, "grpo")] == [(0, 1)]
+    assert [e.episode.id for e in replay_candidates(store, 0, 9, "grpo", 0.5, 5)] == [ids["rollout/1", 0]]
+    assert [e.episode.id for e in episodes_for_sft(store)] == [ids["rollout/1", 0]]
     # Superseded again (a second kill): the next set-aside stage.
     store_episodes(rundb, [episode("rollout/2", 2, 0)])
-    assert supersede_stage(rundb, run, "rollout/2", ["rollout/2"]) == ("superseded/rollout/2/2", 1)
+    assert supersede_stage(store, "rollout/2", ["rollout/2"]) == ("superseded/rollout/2/2", 1)

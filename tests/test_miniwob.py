@@ -431,7 +431,7 @@ def test_a_screenshot_reaches_the_tiny_vlm(tmp_path):
     run_rollout_stage(ctx, stage="r", policy="base", split="train")
     _, tokenizer = load_policy(ctx.recipe.model, None, ctx.recipe.quantization, trainable=False)
     image_token = processor_of(tokenizer).image_token_id
-    episodes = stage_episodes(ctx.rundb, ctx.run, "r")
+    episodes = stage_episodes(ctx.store, "r")
     assert len(episodes) == 2 and all(e.status == "ok" for e in episodes)
     rows = ctx.rundb.db.execute(
         "select prompt_ids, images from turns where episode_id = ? order by turn_index", [episodes[0].id]

@@ -50,7 +50,7 @@ def test_qwen2_vl_rollout_records_image_tokens_and_exact_logprobs(tmp_path, name
     run_rollout_stage(ctx, stage="r", policy="base", split="train")
     model, tokenizer = load(ctx)
     processor = processor_of(tokenizer)
-    episodes = stage_episodes(ctx.rundb, ctx.run, "r")
+    episodes = stage_episodes(ctx.store, "r")
     assert len(episodes) == 4 and all(e.status == "ok" for e in episodes)
     sequences = []
     for episode in episodes:

@@ -105,7 +105,7 @@ def test_grpo_anchors_its_kl_to_the_sft_checkpoint_by_default(tmp_path, monkeypa
     recipe, runs = grpo_recipe(tmp_path, reference=reference), tmp_path / "runs"
     ctx = make_ctx(recipe, runs)
     sft = make_sft_checkpoint(ctx.run_dir / "checkpoints" / "sft")
-    sft_id = add_checkpoint(ctx.rundb, ctx.run, "sft", 0, sft, "lora")
+    sft_id = add_checkpoint(ctx.store, "sft", 0, sft, "lora")
     seen = first_update_logprobs(monkeypatch)
     run_grpo(ctx)
 
@@ -124,13 +124,13 @@ def test_grpo_anchors_its_kl_to_the_sft_checkpoint_by_default(tmp_path, monkeypa
 def test_a_resumed_run_keeps_its_reference(tmp_path):
     recipe, runs = grpo_recipe(tmp_path), tmp_path / "runs"
     ctx = make_ctx(recipe, runs)
-    sft_id = add_checkpoint(ctx.rundb, ctx.run, "sft", 0, make_sft_checkpoint(ctx.run_dir / "sft"), "lora")
+    sft_id = add_checkpoint(ctx.store, "sft", 0, make_sft_checkpoint(ctx.run_dir / "sft"), "lora")
     run_grpo(ctx)
     _, state = resume_point(ctx)
     assert state["reference"] == sft_id
 
     # A later SFT checkpoint does not move the anchor of the GRPO run that started before it ...
-    add_checkpoint(ctx.rundb, ctx.run, "sft", 0, make_sft_checkpoint(ctx.run_dir / "sft2"), "lora")
+    add_checkpoint(ctx.store, "sft", 0, make_sft_checkpoint(ctx.run_dir / "sft2"), "lora")
     assert reference_checkpoint(ctx, state).id == sft_id
     # ... a checkpoint from before rlcli recorded the anchor used the base model ...
     assert reference_checkpoint(ctx, {k: v for k, v in state.items() if k != "reference"}) is None
@@ -144,5 +144,5 @@ def test_reference_sft_without_an_sft_checkpoint_is_refused(tmp_path):
     ctx = make_ctx(grpo_recipe(tmp_path, reference="sft"), tmp_path / "runs")
     with pytest.raises(UsageError, match="no SFT checkpoint"):
         reference_checkpoint(ctx, None)
-    assert not checkpoints(ctx.rundb, ctx.run)
+    assert not checkpoints(ctx.store)
     assert reference_checkpoint(make_ctx(grpo_recipe(tmp_path), tmp_path / "runs2"), None) is None, "auto: base"

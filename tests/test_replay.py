@@ -62,7 +62,7 @@ def test_groups_without_success_get_stored_successes_recorded_and_counted(tmp_pa
     ):
         rewards[row["id"]] = (row["iteration"], row["task_index"], row["value"])
     recorded = defaultdict(list)
-    for it, episode_id, task in replays(ctx.rundb, ctx.run):
+    for it, episode_id, task in replays(ctx.store):
         recorded[it].append((episode_id, task))
     metrics = {
         row["step"]: row["value"]

@@ -15,6 +15,7 @@ from rlcli.store.blobs import pack_floats, pack_ids
 from rlcli.store.checkpoints import add_checkpoint
 from rlcli.store.db import DB_NAME, RunDB
 from rlcli.store.events import add_event
+from rlcli.store.run_store import RunStore
 
 STAGES = [  # (name, status, start second, end second, error)
     ("sft", "done", 0, 30, None),
@@ -142,8 +143,8 @@ def make_run(rundb: RunDB, name: str, *, scale: float = 1.0, evals: bool = True)
         )
     for step in range(5):
         rundb.log_metrics(name, "sft", step, {"sft/loss": 2.0 / (step + 1)})
-    add_checkpoint(rundb, name, "sft", 0, f"/tmp/{name}/sft", "lora")
-    ckpt = add_checkpoint(rundb, name, "train/2", 2, f"/tmp/{name}/ckpt-2", "lora")
+    add_checkpoint(RunStore(rundb, name), "sft", 0, f"/tmp/{name}/sft", "lora")
+    ckpt = add_checkpoint(RunStore(rundb, name), "train/2", 2, f"/tmp/{name}/ckpt-2", "lora")
     if evals:
         for stage, which, ckpt_id, rate in (
             ("eval/base", "base", None, 0.25),
@@ -389,8 +390,10 @@ def read_table(path: Path) -> list[dict]:
 def test_export_round_trips(capsys, runs_dir, tmp_path, fmt):
     rundb = RunDB.open(runs_dir)
     try:
-        add_event(rundb, "demo", "train/2", 2, "no_signal", "GRPO is getting no signal", {"iterations": [0, 1, 2]})
-        add_event(rundb, "empty", "train/0", 0, "no_signal", "another run's", {})
+        add_event(
+            RunStore(rundb, "demo"), "train/2", 2, "no_signal", "GRPO is getting no signal", {"iterations": [0, 1, 2]}
+        )
+        add_event(RunStore(rundb, "empty"), "train/0", 0, "no_signal", "another run's", {})
     finally:
         rundb.close()
     out_dir = tmp_path / f"export-{fmt}"
@@ -591,8 +594,8 @@ def test_terminal_views_escape_control_characters_and_never_read_names_as_markup
             {"episode_id": episode, "label_set": "[/x]", "component": component, "value": 1.0, "weight": 1.0}
             for component in ("[/x]c", "total")
         )
-        add_event(rundb, "h", stage, 0, "[/x]kind", f"[/x] {CLEAR}", {})
-        add_checkpoint(rundb, "h", stage, 0, tmp_path / "[/x]", "lora")
+        add_event(RunStore(rundb, "h"), stage, 0, "[/x]kind", f"[/x] {CLEAR}", {})
+        add_checkpoint(RunStore(rundb, "h"), stage, 0, tmp_path / "[/x]", "lora")
     finally:
         rundb.close()
     for args in (["episodes", "h"], ["show", "h"], ["list"], ["compare", "h"], ["tasks", "h"]):

@@ -13,6 +13,7 @@ from browser import chromium, open_page  # noqa: F401 (chromium: a fixture)
 from helpers import cli, run_in_process, write_recipe
 from rlcli.recipe import Recipe
 from rlcli.store.db import RunDB
+from rlcli.store.run_store import RunStore
 
 DIGITS = "def digits(completions, **kwargs):\n    return [sum(c.isdigit() for c in s) / max(len(s), 1) for s in completions]\n"
 
@@ -159,7 +160,7 @@ def test_curves_break_at_iterations_without_a_value_and_show_no_offset(tmp_path)
     from rlcli.report import plot
 
     rundb = _gappy_run(tmp_path)
-    fig, drawn, evals = plot.run_figure(rundb, "g")
+    fig, drawn, evals = plot.run_figure(RunStore(rundb, "g"))
     rundb.close()
     fig.canvas.draw()
     assert {"train/loss", "train/entropy", "rollout/success_rate", "eval/success_rate"} <= set(drawn) and evals == []

@@ -21,6 +21,7 @@ from rlcli.errors import RlcliError, UsageError
 from rlcli.recipe import Recipe, load_recipe
 from rlcli.store.checkpoints import add_checkpoint, checkpoints, require_folder, resolve_checkpoint
 from rlcli.store.db import DB_NAME, RunDB, check_run_name, package_versions
+from rlcli.store.run_store import RunStore
 from rlcli.store.stages import RunLock, run_stage, stage_done
 
 TABLES = {"runs", "stages", "episodes", "turns", "rewards", "metrics", "checkpoints", "evals"}
@@ -127,6 +128,11 @@ def rundb(runs_dir):
 def run1(rundb) -> str:
     rundb.start_run("r1", Recipe(), None)
     return "r1"
+
+
+@pytest.fixture
+def store(rundb, run1) -> RunStore:
+    return RunStore(rundb, run1)
 
 
 def digest(path: Path) -> str:
@@ -384,38 +390,40 @@ def test_latest_metrics(rundb, run1):
 # --- checkpoints -----------------------------------------------------------------------
 
 
-def test_checkpoints_and_resolve(rundb, run1, runs_dir):
-    assert resolve_checkpoint(rundb, run1, "base") is None
-    assert resolve_checkpoint(rundb, run1, "latest") is None  # nothing trained yet: the base model
+def test_checkpoints_and_resolve(store, runs_dir):
+    assert resolve_checkpoint(store, "base") is None
+    assert resolve_checkpoint(store, "latest") is None  # nothing trained yet: the base model
     with pytest.raises(UsageError, match="no SFT checkpoint"):
-        resolve_checkpoint(rundb, run1, "sft")
-    sft = add_checkpoint(rundb, run1, "sft", 0, runs_dir / "r1" / "sft", "lora")
-    t0 = add_checkpoint(rundb, run1, "train/0", 1, runs_dir / "r1" / "train-1", "lora")
-    t1 = add_checkpoint(rundb, run1, "train/1", 2, runs_dir / "r1" / "train-2", "lora")
-    assert [c.id for c in checkpoints(rundb, run1)] == [sft, t0, t1]
-    assert checkpoints(rundb, run1)[0].path == str(runs_dir / "r1" / "sft")
-    assert resolve_checkpoint(rundb, run1, "base") is None
-    assert resolve_checkpoint(rundb, run1, "latest").id == t1
-    assert resolve_checkpoint(rundb, run1, "sft").id == sft
-    assert resolve_checkpoint(rundb, run1, str(t0)).path == str(runs_dir / "r1" / "train-1")
+        resolve_checkpoint(store, "sft")
+    sft = add_checkpoint(store, "sft", 0, runs_dir / "r1" / "sft", "lora")
+    t0 = add_checkpoint(store, "train/0", 1, runs_dir / "r1" / "train-1", "lora")
+    t1 = add_checkpoint(store, "train/1", 2, runs_dir / "r1" / "train-2", "lora")
+    assert [c.id for c in checkpoints(store)] == [sft, t0, t1]
+    assert checkpoints(store)[0].path == str(runs_dir / "r1" / "sft")
+    assert resolve_checkpoint(store, "base") is None
+    assert resolve_checkpoint(store, "latest").id == t1
+    assert resolve_checkpoint(store, "sft").id == sft
+    assert resolve_checkpoint(store, str(t0)).path == str(runs_dir / "r1" / "train-1")
     with pytest.raises(UsageError, match="no checkpoint with id 999"):
-        resolve_checkpoint(rundb, run1, "999")
+        resolve_checkpoint(store, "999")
     with pytest.raises(UsageError, match="Unknown checkpoint 'newest'"):
-        resolve_checkpoint(rundb, run1, "newest")
+        resolve_checkpoint(store, "newest")
 
 
-def test_checkpoint_ids_are_per_run(rundb, run1):
+def test_checkpoint_ids_are_per_run(rundb, store):
     rundb.start_run("r2", Recipe(), None)
-    other = add_checkpoint(rundb, "r2", "train/0", 1, "x", "lora")
+    other = add_checkpoint(RunStore(rundb, "r2"), "train/0", 1, "x", "lora")
     with pytest.raises(UsageError, match=f"no checkpoint with id {other}"):
-        resolve_checkpoint(rundb, run1, str(other))
-    assert resolve_checkpoint(rundb, run1, "latest") is None
+        resolve_checkpoint(store, str(other))
+    assert resolve_checkpoint(store, "latest") is None
 
 
-def test_checkpoint_paths_are_relative_to_the_runs_dir_and_old_rows_still_resolve(rundb, run1, runs_dir, monkeypatch):
+def test_checkpoint_paths_are_relative_to_the_runs_dir_and_old_rows_still_resolve(
+    rundb, run1, store, runs_dir, monkeypatch
+):
     folder = runs_dir / "r1" / "checkpoints" / "iter-0000"
     folder.mkdir(parents=True)
-    add_checkpoint(rundb, run1, "train/0", 0, folder, "lora")
+    add_checkpoint(store, "train/0", 0, folder, "lora")
     assert [path for (path,) in rundb.db.execute("select path from checkpoints")] == ["r1/checkpoints/iter-0000"]
     # Rows of older rlcli: relative to the working directory of the time, or absolute.
     with rundb.transaction() as db:
@@ -423,22 +431,22 @@ def test_checkpoint_paths_are_relative_to_the_runs_dir_and_old_rows_still_resolv
             db["checkpoints"].insert({"run": run1, "stage": "train/0", "iteration": 0, "path": path, "kind": "lora"})
     for cwd in (runs_dir.parent, runs_dir):  # where the run was started, and elsewhere
         monkeypatch.chdir(cwd)
-        assert [c.path for c in checkpoints(rundb, run1)] == [str(folder)] * 3
+        assert [c.path for c in checkpoints(store)] == [str(folder)] * 3
     # Re-recording a folder (a redone stage) keeps its row and id.
-    assert add_checkpoint(rundb, run1, "train/0", 0, folder, "lora") == checkpoints(rundb, run1)[0].id
+    assert add_checkpoint(store, "train/0", 0, folder, "lora") == checkpoints(store)[0].id
 
 
 def test_a_missing_checkpoint_folder_is_never_replaced_by_a_same_named_folder_in_the_cwd(
-    rundb, run1, runs_dir, tmp_path, monkeypatch
+    store, runs_dir, tmp_path, monkeypatch
 ):
     folder = runs_dir / "r1" / "checkpoints" / "iter-0000"
     folder.mkdir(parents=True)
-    add_checkpoint(rundb, run1, "train/0", 0, folder, "lora")
+    add_checkpoint(store, "train/0", 0, folder, "lora")
     shutil.rmtree(folder)
     elsewhere = tmp_path / "elsewhere"
     (elsewhere / "r1" / "checkpoints" / "iter-0000").mkdir(parents=True)
     monkeypatch.chdir(elsewhere)
-    [row] = checkpoints(rundb, run1)
+    [row] = checkpoints(store)
     assert row.path == str(folder)
     with pytest.raises(UsageError, match="does not exist"):
         require_folder(row)
@@ -447,7 +455,7 @@ def test_a_missing_checkpoint_folder_is_never_replaced_by_a_same_named_folder_in
 # --- stages ------------------------------------------------------------------------------
 
 
-def test_run_stage_runs_work_and_marks_done(rundb, run1):
+def test_run_stage_runs_work_and_marks_done(rundb, run1, store):
     calls = []
 
     def work():
@@ -455,78 +463,78 @@ def test_run_stage_runs_work_and_marks_done(rundb, run1):
         assert rundb.stage(run1, "rollout/0").status == "running"
         return {"episodes": 8}
 
-    assert run_stage(rundb, run1, "rollout/0", work, params={"tasks": 8}) == {"episodes": 8}
+    assert run_stage(store, "rollout/0", work, params={"tasks": 8}) == {"episodes": 8}
     row = rundb.stage(run1, "rollout/0")
     assert row.status == "done" and row.result == {"episodes": 8}
     assert row.params == {"tasks": 8}
     assert row.pid == os.getpid() and row.error is None
     assert row.started_at and row.finished_at and row.started_at <= row.finished_at
-    assert calls == [1] and stage_done(rundb, run1, "rollout/0")
+    assert calls == [1] and stage_done(store, "rollout/0")
 
 
-def test_run_stage_skips_a_done_stage(rundb, run1):
-    run_stage(rundb, run1, "sft", lambda: {"loss": 0.1})
+def test_run_stage_skips_a_done_stage(rundb, run1, store):
+    run_stage(store, "sft", lambda: {"loss": 0.1})
     finished = rundb.stage(run1, "sft").finished_at
 
     def must_not_run():
         raise AssertionError("a done stage ran again")
 
-    assert run_stage(rundb, run1, "sft", must_not_run) == {"loss": 0.1}
+    assert run_stage(store, "sft", must_not_run) == {"loss": 0.1}
     assert rundb.stage(run1, "sft").finished_at == finished
 
 
-def test_run_stage_work_returning_none(rundb, run1):
-    assert run_stage(rundb, run1, "eval/final", lambda: None) == {}
+def test_run_stage_work_returning_none(rundb, run1, store):
+    assert run_stage(store, "eval/final", lambda: None) == {}
     assert rundb.stage(run1, "eval/final").status == "done"
-    assert run_stage(rundb, run1, "eval/final", lambda: 1 / 0) == {}
+    assert run_stage(store, "eval/final", lambda: 1 / 0) == {}
 
 
-def test_run_stage_records_error_and_reraises(rundb, run1):
+def test_run_stage_records_error_and_reraises(rundb, run1, store):
     def fails():
         raise RlcliError("env exploded at task 3")
 
     with pytest.raises(RlcliError, match="exploded"):
-        run_stage(rundb, run1, "train/0", fails)
+        run_stage(store, "train/0", fails)
     row = rundb.stage(run1, "train/0")
     assert row.status == "failed" and row.error == "env exploded at task 3"
-    assert row.finished_at and not stage_done(rundb, run1, "train/0")
+    assert row.finished_at and not stage_done(store, "train/0")
 
     with pytest.raises(ZeroDivisionError):
-        run_stage(rundb, run1, "train/1", lambda: 1 / 0)
+        run_stage(store, "train/1", lambda: 1 / 0)
     assert rundb.stage(run1, "train/1").error == "division by zero"
 
     def bare():
         raise RuntimeError
 
     with pytest.raises(RuntimeError):
-        run_stage(rundb, run1, "train/2", bare)
+        run_stage(store, "train/2", bare)
     assert rundb.stage(run1, "train/2").error == "RuntimeError"
 
 
-def test_run_stage_retries_a_failed_stage(rundb, run1):
+def test_run_stage_retries_a_failed_stage(rundb, run1, store):
     with pytest.raises(ValueError):
-        run_stage(rundb, run1, "train/0", lambda: (_ for _ in ()).throw(ValueError("first try")))
+        run_stage(store, "train/0", lambda: (_ for _ in ()).throw(ValueError("first try")))
     started = rundb.stage(run1, "train/0").started_at
-    assert run_stage(rundb, run1, "train/0", lambda: {"ok": True}) == {"ok": True}
+    assert run_stage(store, "train/0", lambda: {"ok": True}) == {"ok": True}
     row = rundb.stage(run1, "train/0")
     assert row.status == "done" and row.error is None and row.result == {"ok": True}
     assert row.started_at == started  # the stage's first start is kept
     assert len(rundb.stages(run1)) == 1
 
 
-def test_run_stage_records_interrupted(rundb, run1):
+def test_run_stage_records_interrupted(rundb, run1, store):
     def interrupted():
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        run_stage(rundb, run1, "rollout/0", interrupted)
+        run_stage(store, "rollout/0", interrupted)
     row = rundb.stage(run1, "rollout/0")
     assert row.status == "failed" and row.error == "interrupted"
 
 
-def test_stages_listed_in_order(rundb, run1):
+def test_stages_listed_in_order(rundb, run1, store):
     for name in ("sft", "rollout/0", "train/0"):
-        run_stage(rundb, run1, name, dict)
+        run_stage(store, name, dict)
     assert [s.name for s in rundb.stages(run1)] == ["sft", "rollout/0", "train/0"]
 
 

@@ -67,7 +67,7 @@ def test_self_play_records_both_seats_each_on_its_own_tokens(tmp_path):
 
     ctx = make_ctx(_recipe(tmp_path), tmp_path / "runs")
     run_rollout_stage(ctx, stage="play", policy="base", split="train")
-    episodes = stage_episodes(ctx.rundb, ctx.run, "play")
+    episodes = stage_episodes(ctx.store, "play")
     # 2 tasks x 2 games, each game two episodes: seat 0 at sample 2g, seat 1 at 2g + 1.
     assert sorted((e.task_index, e.sample_index) for e in episodes) == [(t, s) for t in range(2) for s in range(4)]
     for ep in episodes:
@@ -99,9 +99,9 @@ def test_self_play_grpo_trains_both_seats_in_groups_split_by_seat(tmp_path):
 
     ctx = make_ctx(_recipe(tmp_path, grpo={"iterations": 1}), tmp_path / "runs")
     run_grpo(ctx)
-    played = stage_episodes(ctx.rundb, ctx.run, "rollout/0")
+    played = stage_episodes(ctx.store, "rollout/0")
     assert len(played) == 2 * 2 * 2 and {e.task["seat"] for e in played} == {0, 1}
-    trained = episodes_for_training(ctx.rundb, ctx.run, "rollout/0", "grpo")
+    trained = episodes_for_training(ctx.store, "rollout/0", "grpo")
     assert len(trained) == len(played), "both seats' episodes are trained on"
     from rlcli.engine.grpo.batch import role_groups
 
@@ -116,7 +116,7 @@ def test_a_fixed_opponent_plays_beside_the_policy_and_is_never_stored(tmp_path):
 
     ctx = make_ctx(_recipe(tmp_path, env={"opponent": "base"}, eval={"opponents": None}), tmp_path / "runs")
     run_rollout_stage(ctx, stage="play", policy="base", split="train")
-    episodes = stage_episodes(ctx.rundb, ctx.run, "play")
+    episodes = stage_episodes(ctx.store, "play")
     # One episode per game: the policy's seat (the seed's parity); the opponent's moves are its context.
     assert sorted((e.task_index, e.sample_index) for e in episodes) == [(t, g) for t in range(2) for g in range(2)]
     for ep in episodes:
@@ -136,16 +136,16 @@ def test_pool_plays_self_until_a_checkpoint_exists_then_draws_one_reproducibly(t
         _recipe(tmp_path, env={"opponent": "pool"}, grpo={"iterations": 3, "checkpoint_every": 1}), tmp_path / "runs"
     )
     run_grpo(ctx)
-    opponents = [{e.task["opponent"] for e in stage_episodes(ctx.rundb, ctx.run, f"rollout/{i}")} for i in range(3)]
+    opponents = [{e.task["opponent"] for e in stage_episodes(ctx.store, f"rollout/{i}")} for i in range(3)]
     assert opponents[0] == {"self"}
-    [event] = list_events(ctx.rundb, ctx.run, POOL_EVENT)
+    [event] = list_events(ctx.store, POOL_EVENT)
     assert event.iteration == 0 and "plays self" in event.message
     for i in (1, 2):
         drawn = draw_from_pool(ctx, "pool", f"rollout/{i}", i)
         assert drawn is not None and drawn.iteration < i
         assert opponents[i] == {f"ckpt-{drawn.id}"}, "the draw is the same when made again (a resume)"
         # Against a model other than the policy, only the policy's seat is stored.
-        assert len(stage_episodes(ctx.rundb, ctx.run, f"rollout/{i}")) == 2 * 2
+        assert len(stage_episodes(ctx.store, f"rollout/{i}")) == 2 * 2
 
 
 def test_kill_9_in_a_self_play_iteration_resumes_to_the_same_episodes(tmp_path):

@@ -350,9 +350,9 @@ def test_sft_on_expert_demos_raises_their_likelihood(tmp_path):
     r = ctx.recipe
     base, tokenizer = load_policy(r.model, r.lora, r.quantization, trainable=False)
     rows, _ = encode_conversations(tokenizer, load_conversations(ctx), r.model.max_length, _eos_ids(base, tokenizer))
-    [row] = checkpoints(ctx.rundb, ctx.run)
+    [row] = checkpoints(ctx.store)
     assert (row.stage, row.kind, row.path, row.id) == ("sft", "lora", summary.path, summary.checkpoint_id)
-    assert resolve_checkpoint(ctx.rundb, ctx.run, "sft").id == row.id
+    assert resolve_checkpoint(ctx.store, "sft").id == row.id
     tuned, _ = load_policy(r.model, r.lora, r.quantization, adapter=row.path, trainable=False)
     before, after = _mean_assistant_nll(base, rows), _mean_assistant_nll(tuned, rows)
     assert after < before - 0.5, (before, after)
@@ -361,7 +361,7 @@ def test_sft_on_expert_demos_raises_their_likelihood(tmp_path):
     assert {"sft/loss", "sft/eval_loss", "sft/lr", "sft/grad_norm"} <= logged
     # Done is done: a second call returns the recorded summary and adds nothing.
     assert run_sft(ctx) == summary
-    assert len(checkpoints(ctx.rundb, ctx.run)) == 1
+    assert len(checkpoints(ctx.store)) == 1
     assert ctx.rundb.db.execute("select count(*) from episodes where stage = 'sft/demos'").fetchone()[0] == 16
 
 
@@ -380,7 +380,7 @@ def test_full_fine_tuning_and_4bit_lora_train_and_save(tmp_path, sections, kind)
     )
     summary = run_sft(ctx)
     assert summary.steps == 2 and summary.eval_loss is None
-    assert checkpoints(ctx.rundb, ctx.run)[0].kind == kind
+    assert checkpoints(ctx.store)[0].kind == kind
     assert all(m.value > 0 for m in ctx.rundb.metrics(ctx.run, "sft/grad_norm"))
     r = ctx.recipe
     load_policy(r.model, r.lora, r.quantization, adapter=summary.path, trainable=False)
@@ -451,6 +451,7 @@ def test_kill_during_sft_resumes_from_its_checkpoint(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.learning
 def test_smollm2_held_out_success_rises_after_sft_on_expert_demos(tmp_path, smollm2_cache):
     """The quickstart's game on the real model: base SmolLM2 cannot play guess_number; after SFT
     on 48 expert demos (twice the quickstart's light warm-start) it wins held-out games greedily."""

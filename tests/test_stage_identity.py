@@ -11,6 +11,7 @@ from rlcli.engine.rollout import run_rollout_stage
 from rlcli.errors import UsageError
 from rlcli.recipe import Recipe, load_recipe
 from rlcli.store.db import RunDB
+from rlcli.store.run_store import RunStore
 from rlcli.store.stages import run_stage
 
 
@@ -27,28 +28,45 @@ def rundb(tmp_path):
     db.close()
 
 
-def test_a_done_stage_asked_with_other_parameters_is_refused_naming_them(rundb):
-    run_stage(rundb, "r1", "s", lambda: {"n": 1}, identity={"policy": "base", "split": "train"}, new_stage_hint="hint")
+@pytest.fixture
+def store(rundb):
+    return RunStore(rundb, "r1")
+
+
+def test_a_done_stage_asked_with_other_parameters_is_refused_naming_them(store):
+    run_stage(
+        store,
+        "s",
+        lambda: {"n": 1},
+        identity={"policy": "base", "split": "train"},
+        new_stage_hint="hint",
+    )
     with pytest.raises(UsageError) as info:
-        run_stage(rundb, "r1", "s", lambda: pytest.fail("ran again"), identity={"policy": "3", "split": "train"})
+        run_stage(store, "s", lambda: pytest.fail("ran again"), identity={"policy": "3", "split": "train"})
     message = str(info.value)
     assert "'s'" in message and "policy='base'" in message and "policy='3'" in message and "split" not in message
 
 
-def test_an_interrupted_stage_resumed_with_other_parameters_is_refused(rundb):
+def test_an_interrupted_stage_resumed_with_other_parameters_is_refused(rundb, store):
     def interrupted():
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        run_stage(rundb, "r1", "s", interrupted, identity={"split": "train"})
+        run_stage(store, "s", interrupted, identity={"split": "train"})
     with pytest.raises(UsageError, match="split='train'.*split='eval'.*use another"):
-        run_stage(rundb, "r1", "s", lambda: {}, identity={"split": "eval"}, new_stage_hint="use another --stage name")
+        run_stage(
+            store,
+            "s",
+            lambda: {},
+            identity={"split": "eval"},
+            new_stage_hint="use another --stage name",
+        )
     assert rundb.stage("r1", "s").status == "failed"  # untouched
 
 
-def test_parameters_that_may_grow_do_not_count(rundb):
-    run_stage(rundb, "r1", "s", lambda: {"n": 1}, {"tasks": 2}, identity={"policy": "base"})
-    assert run_stage(rundb, "r1", "s", lambda: {"n": 2}, {"tasks": 4}, identity={"policy": "base"}) == {"n": 1}
+def test_parameters_that_may_grow_do_not_count(store):
+    run_stage(store, "s", lambda: {"n": 1}, {"tasks": 2}, identity={"policy": "base"})
+    assert run_stage(store, "s", lambda: {"n": 2}, {"tasks": 4}, identity={"policy": "base"}) == {"n": 1}
 
 
 # --- the stage commands ---------------------------------------------------------

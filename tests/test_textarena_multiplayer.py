@@ -119,7 +119,7 @@ def test_rollout_against_random_and_bot_on_the_tiny_model(tmp_path):
 
     ctx = make_ctx(_recipe(tmp_path), tmp_path / "runs")
     run_rollout_stage(ctx, stage="play", policy="base", split="train")
-    episodes = stage_episodes(ctx.rundb, ctx.run, "play")
+    episodes = stage_episodes(ctx.store, "play")
     assert len(episodes) == 8 and all(ep.status == "ok" for ep in episodes)
     by_task = {ep.task_index: ep.task for ep in episodes}
     assert [(t["seat"], t["opponent"]) for _, t in sorted(by_task.items())] == [
@@ -180,7 +180,7 @@ def test_rae_in_grpo_by_hand_and_its_baselines_survive_a_resume(tmp_path):
     # By hand from the stored rewards (env_return is the only reward): b <- 0.5 b + 0.5 mean.
     expected: dict[str, float] = {}
     for it in range(2):
-        episodes = stage_episodes(whole.rundb, whole.run, rollout_stage(it))
+        episodes = stage_episodes(whole.store, rollout_stage(it))
         by_role: dict[str, list[float]] = {}
         for ep in episodes:
             role = f"TicTacToe-v0/seat{ep.task['seat']}"
@@ -195,7 +195,7 @@ def test_rae_in_grpo_by_hand_and_its_baselines_survive_a_resume(tmp_path):
     # The advantages: reward - baseline[role], every episode kept (no zero-variance dropping).
     batch = build_batch(whole, choose_groups(whole, 1, 0), dict(state0["rae_baselines"]))
     assert batch.rae_baselines == pytest.approx(expected)
-    episodes = {ep.id: ep for ep in stage_episodes(whole.rundb, whole.run, rollout_stage(1))}
+    episodes = {ep.id: ep for ep in stage_episodes(whole.store, rollout_stage(1))}
     assert len(batch.sequences) == len(episodes)
     for seq in batch.sequences:
         ep = episodes[seq.episode_id]
@@ -241,7 +241,7 @@ def test_eval_reports_win_draw_loss_per_opponent_and_seat(tmp_path, capsys, monk
         ("random", "second"),
         ("random", "both"),
     ]
-    episodes = stage_episodes(ctx.rundb, ctx.run, result.stage)
+    episodes = stage_episodes(ctx.store, result.stage)
     for row in rows:
         mine = [
             ep

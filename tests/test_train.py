@@ -65,7 +65,7 @@ def test_reward_rises_over_iterations(tmp_path):
         assert _metric(ctx, key), key
     stages = {s.name: s.status for s in ctx.rundb.stages(ctx.run)}
     assert all(stages[f"{kind}/{i}"] == "done" for kind in ("rollout", "label", "train") for i in range(12))
-    assert len(checkpoints(ctx.rundb, ctx.run)) == 12
+    assert len(checkpoints(ctx.store)) == 12
 
 
 @pytest.mark.parametrize(
@@ -97,7 +97,7 @@ def test_objective_variants_run_and_change_the_adapter(tmp_path, options):
     run_grpo(ctx)
     from safetensors.torch import load_file
 
-    ckpt = checkpoints(ctx.rundb, ctx.run)[-1]
+    ckpt = checkpoints(ctx.store)[-1]
     weights = load_file(f"{ckpt.path}/adapter_model.safetensors")
     lora_b = [v for k, v in weights.items() if "lora_B" in k]
     assert lora_b and any(v.abs().sum() > 0 for v in lora_b), "LoRA B starts at zero and must have moved"
@@ -346,7 +346,7 @@ def test_grpo_trains_in_bfloat16_with_gradient_checkpointing(tmp_path):
     )
     ctx = make_ctx(recipe, tmp_path / "runs")
     run_grpo(ctx)
-    weights = load_file(f"{checkpoints(ctx.rundb, ctx.run)[-1].path}/adapter_model.safetensors")
+    weights = load_file(f"{checkpoints(ctx.store)[-1].path}/adapter_model.safetensors")
     assert {v.dtype for v in weights.values()} == {torch.float32}
     assert any(v.abs().sum() > 0 for k, v in weights.items() if "lora_B" in k)
 
@@ -458,10 +458,12 @@ def test_mask_truncated_follows_the_end_reason_and_rewards_see_the_same(tmp_path
         (EndReason.LENGTH, [43, 44]),
     ]
     store_episodes(ctx.rundb, [_stored_episode(ctx, i, reason, ids) for i, (reason, ids) in enumerate(ended)])
-    ctx.rundb.mark_stage(ctx.run, "rollout/0", "done", result={})
+    # Marked done as the stage would be, with the summary of the four episodes stored above.
+    summary = {"episodes": 4, "failed": 0, "return_mean": 0.0, "success_rate": 0.0, "turns_mean": 1.0, "tokens": 8}
+    ctx.rundb.mark_stage(ctx.run, "rollout/0", "done", result=summary)
     run_grpo(ctx)
 
-    labelled = episodes_for_training(ctx.rundb, ctx.run, "rollout/0", GRPO_LABEL_SET)
+    labelled = episodes_for_training(ctx.store, "rollout/0", GRPO_LABEL_SET)
     assert [(e.episode.end_reason, e.reward) for e in labelled] == [
         (EndReason.TERMINATED, 0.0),
         (EndReason.TERMINATED, 0.0),
@@ -563,13 +565,13 @@ def test_an_iteration_commits_its_checkpoint_metrics_and_stage_together(tmp_path
     with pytest.raises(RuntimeError, match="killed"):
         run_grpo(ctx)
     # Iteration 0 is recorded whole, iteration 1 not at all.
-    assert [c.iteration for c in checkpoints(ctx.rundb, ctx.run)] == [0]
+    assert [c.iteration for c in checkpoints(ctx.store)] == [0]
     assert not ctx.rundb.stage(ctx.run, "train/1").done
     assert {m.step for m in ctx.rundb.metrics(ctx.run)} == {0}
 
     monkeypatch.undo()
     run_grpo(ctx)
-    assert [c.iteration for c in checkpoints(ctx.rundb, ctx.run)] == [0, 1]
+    assert [c.iteration for c in checkpoints(ctx.store)] == [0, 1]
     assert ctx.rundb.stage(ctx.run, "train/1").done
     assert {m.step for m in ctx.rundb.metrics(ctx.run)} == {0, 1}
 
@@ -580,14 +582,14 @@ def test_an_unreadable_newest_checkpoint_falls_back_to_the_previous_one(tmp_path
     recipe = _learnable_recipe(tmp_path, lora={"r": 4, "alpha": 8}, grpo={"iterations": 2})
     ctx = make_ctx(recipe, tmp_path / "runs")
     run_grpo(ctx)
-    newest = Path(checkpoints(ctx.rundb, ctx.run)[-1].path)
+    newest = Path(checkpoints(ctx.store)[-1].path)
     weights = load_file(newest / "adapter_model.safetensors")
     state = newest / "trainer_state.pt"
     state.write_bytes(state.read_bytes()[:100])  # what a host crash can leave behind
 
     run_grpo(ctx)
     assert "unreadable" in capsys.readouterr().err
-    assert [c.iteration for c in checkpoints(ctx.rundb, ctx.run)] == [0, 1]
+    assert [c.iteration for c in checkpoints(ctx.store)] == [0, 1]
     redone = load_file(newest / "adapter_model.safetensors")
     for key, value in weights.items():
         assert torch.allclose(redone[key], value, atol=1e-6), key
@@ -604,4 +606,4 @@ def test_episodes_of_a_resumed_iteration_name_the_policy_that_played_them(tmp_pa
     run_grpo(make_ctx(recipe, runs))
     ctx = make_ctx(recipe, runs, ["grpo.iterations=2"])  # a new process resumes from train/0's checkpoint
     run_grpo(ctx)
-    assert {e.policy for e in stage_episodes(ctx.rundb, ctx.run, "rollout/1")} == {"train/0"}
+    assert {e.policy for e in stage_episodes(ctx.store, "rollout/1")} == {"train/0"}

@@ -86,7 +86,7 @@ def test_visual_maze_rollout_stores_its_pictures(tmp_path):
     run_rollout_stage(ctx, stage="r", policy="base", split="train")
     _, tokenizer = load_policy(ctx.recipe.model, None, ctx.recipe.quantization, trainable=False)
     image_token = processor_of(tokenizer).image_token_id
-    episodes = stage_episodes(ctx.rundb, ctx.run, "r")
+    episodes = stage_episodes(ctx.store, "r")
     assert len(episodes) == 2 and all(e.status == "ok" for e in episodes)
     hashes = set()
     for episode in episodes:

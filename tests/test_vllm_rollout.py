@@ -176,7 +176,7 @@ def test_after_an_update_the_engine_samples_the_trained_adapter(tmp_path, tiny64
     ctx = make_ctx(recipe, tmp_path / "runs")
     run_grpo(ctx)
     assert len(metric(ctx, "perf/time_sync_s")) == 2
-    first = checkpoints(ctx.rundb, ctx.run)[0]
+    first = checkpoints(ctx.store)[0]
     _, trained, _ = load_rollout_policy(ctx, str(first.id))
     _, base, _ = load_rollout_policy(ctx, "base")
     turns = list(

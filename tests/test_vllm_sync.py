@@ -130,7 +130,7 @@ def test_grpo_with_adapter_sync_logs_the_sync_and_a_zero_logprob_gap(tmp_path, t
     from rlcli.engine.rollout import load_rollout_policy, run_rollout_stage
     from rlcli.store.checkpoints import checkpoints
 
-    first = checkpoints(ctx.rundb, ctx.run)[0]
+    first = checkpoints(ctx.store)[0]
     run_rollout_stage(ctx, stage="again", policy=str(first.id), split="train")
     assert _shared[1].adapter.lora_path == first.path
     _, trained, _ = load_rollout_policy(ctx, str(first.id))

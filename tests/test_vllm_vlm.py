@@ -121,7 +121,7 @@ def test_vllm_rollout_of_a_vlm_records_image_tokens_and_logprobs_the_trainer_rec
     run_rollout_stage(ctx, stage="r", policy="base", split="train")
     model, tokenizer = load_policy(ctx.recipe.model, None, ctx.recipe.quantization, trainable=False)
     image_token = vision.processor_of(tokenizer).image_token_id
-    episodes = stage_episodes(ctx.rundb, ctx.run, "r")
+    episodes = stage_episodes(ctx.store, "r")
     assert len(episodes) == 6 and all(e.status == "ok" for e in episodes)
     sequences, images_seen = [], []
     for episode in episodes:

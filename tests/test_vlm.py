@@ -56,7 +56,7 @@ def test_vlm_rollout_records_image_tokens_and_exact_logprobs(tmp_path, keep_imag
     run_rollout_stage(ctx, stage="r", policy="base", split="train")
     model, tokenizer = load_policy(ctx.recipe.model, None, ctx.recipe.quantization, trainable=False)
     image_token = processor_of(tokenizer).image_token_id
-    episodes = stage_episodes(ctx.rundb, ctx.run, "r")
+    episodes = stage_episodes(ctx.store, "r")
     assert len(episodes) == 4 and all(e.status == "ok" for e in episodes)
     sequences = []
     for episode in episodes:
@@ -201,7 +201,7 @@ def test_grpo_on_gui_click_trains_the_tiny_vlm_end_to_end(tmp_path):
         ctx.recipe.model,
         None,
         ctx.recipe.quantization,
-        adapter=resolve_checkpoint(ctx.rundb, ctx.run, "latest").path,
+        adapter=resolve_checkpoint(ctx.store, "latest").path,
         trainable=False,
     )
     vision_changed = [

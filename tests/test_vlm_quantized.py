@@ -71,7 +71,7 @@ def test_quantized_lora_runs_sft_grpo_and_eval_on_a_vlm(tmp_path, name, mode):
         assert metrics[("grpo", step, "train/grad_norm")] > 0
         assert metrics[("grpo", step, "train/engine_logprob_gap")] < GAP
 
-    sft, latest = (resolve_checkpoint(ctx.rundb, ctx.run, which).path for which in ("sft", "latest"))
+    sft, latest = (resolve_checkpoint(ctx.store, which).path for which in ("sft", "latest"))
     before, after = load_file(f"{sft}/adapter_model.safetensors"), load_file(f"{latest}/adapter_model.safetensors")
     assert before.keys() == after.keys()
     assert any(not torch.equal(before[k], after[k]) for k in before), "GRPO left the adapter as SFT saved it"

@@ -60,7 +60,7 @@ def test_sft_on_gui_click_expert_demos_raises_their_likelihood(tmp_path):
     assert summary.eval_loss is not None
 
     # The demos keep their screenshots, stored once each by hash.
-    demos = stage_episodes(ctx.rundb, ctx.run, "sft/demos")
+    demos = stage_episodes(ctx.store, "sft/demos")
     hashes = {e.messages[1]["content"][1]["sha256"] for e in demos}
     assert len(hashes) == 16
     (stored,) = ctx.rundb.db.execute("select count(*) from images").fetchone()
@@ -103,7 +103,7 @@ def test_sft_tokens_match_the_rollouts_prompt_ids(tmp_path):
         ctx = make_ctx(recipe, tmp_path / "runs")
         run_rollout_stage(ctx, stage="r", policy="base", split="train")
         model, tokenizer, processor = load(ctx)
-        for episode in stage_episodes(ctx.rundb, ctx.run, "r"):
+        for episode in stage_episodes(ctx.store, "r"):
             query = "select * from turns where episode_id = ? order by turn_index"
             turns = [_turn(row) for row in ctx.rundb.db.query(query, [episode.id])]
             assert len(turns) == 2  # the random policy misses: a second screenshot

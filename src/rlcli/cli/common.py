@@ -18,6 +18,7 @@ from rlcli.errors import RlcliError, UsageError
 if TYPE_CHECKING:  # the run machinery is imported when a command opens a run, not when the CLI starts
     from rlcli.engine.context import RunContext
     from rlcli.store.db import RunDB
+    from rlcli.store.run_store import RunStore
 
 console = Console(width=width_for(sys.stdout))  # results, on stdout; progress and errors go to err_console (stderr)
 
@@ -163,20 +164,20 @@ def open_run(
 @contextlib.contextmanager
 def tracked(ctx: RunContext) -> Iterator[None]:
     """The run's status follows the command: running, then done or failed."""
-    ctx.rundb.set_run_status(ctx.run, "running")
+    ctx.store.set_status("running")
     try:
         yield
     except KeyboardInterrupt:
         # Typer turns Ctrl-C into exit 130 before main() could say how to go on.
-        ctx.rundb.set_run_status(ctx.run, "failed", "interrupted")
+        ctx.store.set_status("failed", "interrupted")
         err_console.print("Interrupted; run the same command again to resume.")
         raise
     except BaseException as exc:
         # As main() reports it: an RlcliError's sentence, else the exception's type too.
         error = str(exc) if isinstance(exc, RlcliError) else f"{type(exc).__name__}: {exc}"
-        ctx.rundb.set_run_status(ctx.run, "failed", error)
+        ctx.store.set_status("failed", error)
         raise
-    ctx.rundb.set_run_status(ctx.run, "done")
+    ctx.store.set_status("done")
 
 
 def open_existing(cli_ctx: typer.Context, missing: str) -> RunDB:
@@ -190,3 +191,10 @@ def open_existing(cli_ctx: typer.Context, missing: str) -> RunDB:
             f"{missing}: there is no run database at {path} (use rlcli --runs-dir DIR ..., or set RLCLI_HOME)."
         )
     return RunDB.open(runs_dir)
+
+
+def open_recorded_run(cli_ctx: typer.Context, run: str) -> RunStore:
+    """The recorded run named `run` in the run database of --runs-dir; the caller closes store.rundb."""
+    from rlcli.store.run_store import RunStore
+
+    return RunStore(open_existing(cli_ctx, f"No run named {run!r}"), run)

@@ -190,24 +190,25 @@ def _checkpoint(
 ) -> tuple[Recipe, Path | None]:
     """The recipe to load the model with and the checkpoint folder (None: the base model)."""
     from rlcli.store.checkpoints import require_folder, resolve_checkpoint
+    from rlcli.store.run_store import RunStore
 
     if checkpoint is None or checkpoint == "base":
         return recipe, None
     if Path(checkpoint).is_dir():
         return recipe, Path(checkpoint)
     run_name = run or recipe.run.name
-    rundb = open_existing(cli_ctx, "--checkpoint")
+    store = RunStore(open_existing(cli_ctx, "--checkpoint"), run_name)
     try:
-        if rundb.get_run(run_name) is None:
+        if store.rundb.get_run(run_name) is None:
             raise UsageError(f"--checkpoint {checkpoint}: no folder of that name, and no run {run_name!r} (see --run).")
         if not recipe_given:  # the run's own model, LoRA and quantisation, with --model's name if given
-            recipe = rundb.run_recipe(run_name)
+            recipe = store.recipe()
             if model:
                 recipe = recipe.model_copy(update={"model": recipe.model.model_copy(update={"name": model})})
-        row = resolve_checkpoint(rundb, run_name, checkpoint)
+        row = resolve_checkpoint(store, checkpoint)
         return recipe, None if row is None else require_folder(row)
     finally:
-        rundb.close()
+        store.rundb.close()
 
 
 def _show(messages: list[dict], reward: float | None = None) -> None:

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from rlcli.cli.common import err_console, open_existing
+from rlcli.cli.common import err_console, open_recorded_run
 from rlcli.errors import UsageError
 
 app = typer.Typer()
@@ -80,11 +80,11 @@ def export_cmd(
     if merge is None and push_to_hub is None:
         raise UsageError("Give --merge DIR (the folder to write) or --push-to-hub ORG/NAME, or both.")
     check_push_options(push_to_hub, private, dry_run)
-    rundb = open_existing(cli_ctx, f"No run named {run!r}")
+    store = open_recorded_run(cli_ctx, run)
     try:
-        recipe = rundb.run_recipe(run)
-        found = resolve_checkpoint(rundb, run, checkpoint)
-        note = checkpoint_note(rundb, run, checkpoint)
+        recipe = store.recipe()
+        found = resolve_checkpoint(store, checkpoint)
+        note = checkpoint_note(store, checkpoint)
         if note:
             err_console.print(f"export: {note}", highlight=False)
         if found is None:
@@ -94,12 +94,12 @@ def export_cmd(
                 else f"Run {run!r} has no checkpoint to export yet."
             )
         # The default folder is rlcli's, in the run's folder: replaced unasked, as `runs plot` replaces its PNG.
-        folder = merge or rundb.path.parent / run / "hub-model"
+        folder = merge or store.rundb.path.parent / run / "hub-model"
         repo = push_to_hub
 
         def card(staging: Path) -> dict[str, bytes]:
             assert repo is not None and found is not None  # only passed with --push-to-hub, for a checkpoint
-            return hub.model_card_files(rundb, run, repo, found, staging)
+            return hub.model_card_files(store, repo, found, staging)
 
         export_merged(
             recipe.model,
@@ -111,7 +111,7 @@ def export_cmd(
             extra=card if repo else None,
         )
     finally:
-        rundb.close()
+        store.rundb.close()
     err_console.print(f"Merged model written to [bold]{folder}[/bold]")
     finish_push(folder, repo, "model", private, dry_run, as_json, run, recipe.run.license is None)
 

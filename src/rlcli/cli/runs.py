@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from rlcli.cli.common import JsonOpt, console, err_console, open_existing, shared, stage_run
+from rlcli.cli.common import JsonOpt, console, err_console, open_existing, open_recorded_run, shared, stage_run
 from rlcli.cli.export import DryRunOpt, PrivateOpt, PushJsonOpt, PushOpt, check_push_options, finish_push
 from rlcli.errors import UsageError
 
@@ -51,12 +51,12 @@ def runs_show(cli_ctx: typer.Context, run: RunArg, as_json: JsonOpt = False) -> 
     """Show a run: stages with durations, reward and success curves, latest metrics, checkpoints, evals."""
     from rlcli.report import tables, views
 
-    rundb = open_existing(cli_ctx, f"No run named {run!r}")
+    store = open_recorded_run(cli_ctx, run)
     try:
-        data = views.run_details(rundb, run)
-        series = views.metric_series(rundb, run)
+        data = views.run_details(store)
+        series = views.metric_series(store)
     finally:
-        rundb.close()
+        store.rundb.close()
     if as_json:
         print(json.dumps(data, indent=2))
     else:
@@ -114,13 +114,13 @@ def runs_plot(
 
     if out is not None:
         check_file_target(out, "--out", overwrite)  # before reading the database
-    rundb = open_existing(cli_ctx, f"No run named {run!r}")
+    store = open_recorded_run(cli_ctx, run)
     try:
         # The default file lives in the run's folder, where rlcli owns it: it is replaced unasked.
-        path = out or rundb.path.parent / run / "metrics.png"
-        drawn = plot.plot_run(rundb, run, path, metric, overwrite or out is None)
+        path = out or store.rundb.path.parent / run / "metrics.png"
+        drawn = plot.plot_run(store, path, metric, overwrite or out is None)
     finally:
-        rundb.close()
+        store.rundb.close()
     print(json.dumps({"run": run, "files": [str(path)], **drawn}, indent=2) if as_json else path)
 
 
@@ -169,20 +169,19 @@ def runs_episodes(
         from rlcli.export_folder import check_file_target
 
         check_file_target(html, "--html", overwrite)  # before reading the database
-    rundb = open_existing(cli_ctx, f"No run named {run!r}")
+    store = open_recorded_run(cli_ctx, run)
     try:
         episodes = views.select_episodes(
-            rundb,
-            run,
+            store,
             order="best" if best else "worst" if worst else "id",
             iteration=iteration,
             stage=stage,
             limit=limit,
             label_set=label_set,
         )
-        pngs = views.episode_pngs(rundb, episodes) if html is not None else {}
+        pngs = views.episode_pngs(store.rundb, episodes) if html is not None else {}
     finally:
-        rundb.close()
+        store.rundb.close()
     if html is not None:
         from rlcli.export_folder import write_file
         from rlcli.report.html import episodes_page
@@ -223,13 +222,13 @@ def runs_report(
 
     if html is not None:
         check_file_target(html, "--html", overwrite)  # before reading the database
-    rundb = open_existing(cli_ctx, f"No run named {run!r}")
+    store = open_recorded_run(cli_ctx, run)
     try:
         # The default file lives in the run's folder, where rlcli owns it: it is replaced unasked.
-        path = html or rundb.path.parent / run / "report.html"
-        page, contents = report_page(rundb, run, episodes)
+        path = html or store.rundb.path.parent / run / "report.html"
+        page, contents = report_page(store, episodes)
     finally:
-        rundb.close()
+        store.rundb.close()
     write_file(path, page.encode(), "--html", overwrite or html is None)
     shown = len(contents["episodes"]["best"]) + len(contents["episodes"]["worst"])
     counts = [
@@ -261,11 +260,11 @@ def runs_tasks(
     from rlcli.engine.labelling import GRPO_LABEL_SET
     from rlcli.report.tasks import print_tasks, tasks_view
 
-    rundb = open_existing(cli_ctx, f"No run named {run!r}")
+    store = open_recorded_run(cli_ctx, run)
     try:
-        view = tasks_view(rundb, run, GRPO_LABEL_SET)
+        view = tasks_view(store, GRPO_LABEL_SET)
     finally:
-        rundb.close()
+        store.rundb.close()
     if as_json:
         print(json.dumps(view, indent=2))
     else:
@@ -311,15 +310,15 @@ def runs_export(
 
     check_push_options(push_to_hub, private, dry_run)
     suffix = (fmt or (ExportFormat.parquet if push_to_hub else ExportFormat.jsonl)).value
-    rundb = open_existing(cli_ctx, f"No run named {run!r}")
+    store = open_recorded_run(cli_ctx, run)
     try:
-        folder = out or rundb.path.parent / run / ("hub-dataset" if push_to_hub else "export")
+        folder = out or store.rundb.path.parent / run / ("hub-dataset" if push_to_hub else "export")
         repo = push_to_hub
-        card = (lambda counts: hub.dataset_card_files(rundb, run, repo, suffix, counts)) if repo else None
-        counts = export.export_run(rundb, run, suffix, folder, overwrite or bool(repo and out is None), card)
-        no_license = rundb.run_recipe(run).run.license is None
+        card = (lambda counts: hub.dataset_card_files(store, repo, suffix, counts)) if repo else None
+        counts = export.export_run(store, suffix, folder, overwrite or bool(repo and out is None), card)
+        no_license = store.recipe().run.license is None
     finally:
-        rundb.close()
+        store.rundb.close()
     table = Table(title=f"Exported {run}")
     table.add_column("file")
     table.add_column("rows", justify="right")

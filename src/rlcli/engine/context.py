@@ -15,6 +15,7 @@ from rlcli.engine.memory import cuda_torch
 from rlcli.recipe import Recipe
 from rlcli.store.db import RunDB
 from rlcli.store.records import GPU_PEAK_KEY, GPU_RESERVED_KEY, VLLM_MEMORY_KEY
+from rlcli.store.run_store import RunStore
 from rlcli.store.stages import run_stage
 
 if TYPE_CHECKING:
@@ -49,6 +50,11 @@ class RunContext:
     @property
     def run_dir(self) -> Path:
         return self.runs_dir / self.run
+
+    @property
+    def store(self) -> RunStore:
+        """The run database bound to this run, what the store's per-run functions take."""
+        return RunStore(self.rundb, self.run)
 
     @overload
     def stage(
@@ -104,9 +110,9 @@ class RunContext:
                 commit(made[0] if made else stored)
             memory = peak.metrics()
             if memory:
-                self.rundb.log_metrics(self.run, name, 0, memory)
+                self.store.log_metrics(name, 0, memory)
 
-        stored = run_stage(self.rundb, self.run, name, stored_work, params, commit=commit_with_memory, **options)
+        stored = run_stage(self.store, name, stored_work, params, commit=commit_with_memory, **options)
         if result is None:
             return stored
         return made[0] if made else result.from_dict(stored)

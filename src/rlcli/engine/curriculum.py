@@ -44,7 +44,7 @@ def tasks_played(recipe: Recipe) -> int:
 
 def iteration_tasks(ctx: RunContext, it: int) -> list[int]:
     """The tasks of iteration `it`: those its rollout stage recorded, else a fresh choice."""
-    plan = rollout_plan(ctx.rundb, ctx.run, rollout_stage(it))
+    plan = rollout_plan(ctx.store, rollout_stage(it))
     # Before rlcli recorded the list, a rollout stage kept [first, last] of a sequential range. A list of
     # another length is the stage's own (played under another grpo.oversample): kept, as the episodes are.
     legacy = plan is not None and len(plan.tasks) == 2 != tasks_played(ctx.recipe)
@@ -72,7 +72,7 @@ def _pool_weights(ctx: RunContext, it: int) -> np.ndarray:
     start, stop = recipe.env.tasks
     if recipe.grpo.sampling != "curriculum":
         return np.ones(stop - start)
-    stats = compute_task_stats(ctx.rundb, ctx.run, GRPO_LABEL_SET, before_iteration=it)
+    stats = compute_task_stats(ctx.store, GRPO_LABEL_SET, before_iteration=it)
     return curriculum_weights(stats, start, stop, recipe.grpo.curriculum_floor)
 
 
@@ -81,7 +81,7 @@ def extra_tasks(ctx: RunContext, it: int, round_: int, played: list[int], count:
     of them (fewer when the pool runs out) that the iteration has not played yet, so that every group
     stays one task: those the round's stage recorded, else the sequence's next ones (sequential) or a
     draw seeded by (run seed, iteration, round) among the pool's unplayed tasks."""
-    plan = rollout_plan(ctx.rundb, ctx.run, rollout_stage(it, round_))
+    plan = rollout_plan(ctx.store, rollout_stage(it, round_))
     if plan is not None:
         return plan.tasks
     recipe = ctx.recipe
@@ -112,13 +112,13 @@ def group_sizes(ctx: RunContext, it: int, stage: str, tasks: list[int]) -> dict[
     least rollout.hard_min_attempts attempts, success rate below rollout.hard_below). The stage
     records the sizes (params group_sizes, in task order); a resumed stage reuses them."""
     rollout = ctx.recipe.rollout
-    plan = rollout_plan(ctx.rundb, ctx.run, stage)
+    plan = rollout_plan(ctx.store, stage)
     if plan is not None and plan.group_sizes is not None and len(plan.group_sizes) == len(tasks):
         return dict(zip(tasks, plan.group_sizes, strict=True))
     sizes = dict.fromkeys(tasks, rollout.group_size)
     if rollout.group_size_hard is None:
         return sizes
-    stats = {s.task_index: s for s in compute_task_stats(ctx.rundb, ctx.run, GRPO_LABEL_SET, before_iteration=it)}
+    stats = {s.task_index: s for s in compute_task_stats(ctx.store, GRPO_LABEL_SET, before_iteration=it)}
     for task in tasks:
         known = stats.get(task)
         if known and known.attempts >= rollout.hard_min_attempts and known.success_rate < rollout.hard_below:

@@ -121,8 +121,8 @@ def starting_checkpoint(ctx: RunContext, stage: str) -> Checkpoint | None:
     this stage did not write (a kill between writing its own row and marking the stage done must not
     make a resumed stage start from itself). The recorded start keeps a rerun of `rlcli run` in a
     grpo -> dpo -> grpo loop from asking the done DPO stage for the later GRPO phase's checkpoint."""
-    known = checkpoints(ctx.rundb, ctx.run)
-    row = ctx.rundb.stage(ctx.run, stage)
+    known = checkpoints(ctx.store)
+    row = ctx.store.stage(stage)
     recorded = row.params.get("start") if row is not None else None
     if recorded == str(BASE):
         return None
@@ -214,12 +214,12 @@ def build_trainer(
 def stored_or_mined_pairs(ctx: RunContext, stage: str) -> list[PairRecord]:
     """The pairs the stage recorded when it first ran, else mined now and recorded."""
     cfg = ctx.recipe.dpo
-    pairs = stage_pairs(ctx.rundb, ctx.run, stage)
+    pairs = stage_pairs(ctx.store, stage)
     if pairs:  # a resumed stage: the same pairs, whatever was stored since
         return pairs
-    stages = source_stages(ctx.rundb, ctx.run, cfg.source)
-    report = mine_pairs(ctx.rundb, ctx.run, stages, cfg.label_set, cfg.margin, cfg.max_pairs)
-    record_pairs(ctx.rundb, ctx.run, stage, report.pairs)
+    stages = source_stages(ctx.store, cfg.source)
+    report = mine_pairs(ctx.store, stages, cfg.label_set, cfg.margin, cfg.max_pairs)
+    record_pairs(ctx.store, stage, report.pairs)
     ctx.console.print(
         f"{stage}: mined {len(report.pairs)} pairs from {report.groups} labelled groups in {', '.join(stages)} "
         f"(label set {cfg.label_set!r}; {report.below_margin} with best and worst rewards closer than dpo.margin "

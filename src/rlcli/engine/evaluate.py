@@ -142,8 +142,8 @@ def run_eval(ctx: RunContext, checkpoints: list[str]) -> list[EvalResult]:
     results, seen = [], set()
     for which in checkpoints:
         asked = PolicyRef.from_cli(which)
-        ckpt = resolve_checkpoint(ctx.rundb, ctx.run, asked) if asked != EXPERT else None
-        note = checkpoint_note(ctx.rundb, ctx.run, which)
+        ckpt = resolve_checkpoint(ctx.store, asked) if asked != EXPERT else None
+        note = checkpoint_note(ctx.store, which)
         if note:
             ctx.console.print(f"eval: {note}", highlight=False)
         elif which == "latest" and ckpt is None:
@@ -169,7 +169,7 @@ def opponent_key(ctx: RunContext, opponent: str | int | None) -> str | None:
     """How an eval stage names its opponent: random, bot, base or ckpt-<id> (sft and ids resolved)."""
     if opponent is None or opponent in ("random", "bot", "base"):
         return None if opponent is None else str(opponent)
-    ckpt = resolve_checkpoint(ctx.rundb, ctx.run, PolicyRef.from_cli(str(opponent)))
+    ckpt = resolve_checkpoint(ctx.store, PolicyRef.from_cli(str(opponent)))
     return "base" if ckpt is None else f"ckpt-{ckpt.id}"
 
 
@@ -191,18 +191,18 @@ def evaluate_checkpoint(
     temperature, k = eval_decoding(ctx.recipe)
     evaluated = EXPERT if PolicyRef.from_cli(which) == EXPERT else PolicyRef.of_checkpoint(ckpt)
     stage = eval_stage(evaluated, temperature, k, opponent_key(ctx, opponent))
-    row = ctx.rundb.stage(ctx.run, stage)
+    row = ctx.store.stage(stage)
     if row is not None and not row.done:
         tasks = max(tasks, row.params.get("tasks", 0))
     if row is not None and row.done and row.params.get("tasks", 0) < tasks:
-        ctx.rundb.mark_stage(ctx.run, stage, "pending")  # more tasks asked for: add the missing ones
+        ctx.store.mark_stage(stage, "pending")  # more tasks asked for: add the missing ones
     ctx.stage(
         stage,
         lambda: _evaluate(ctx, stage, which, ckpt, tasks, policy, opponent),
         {"checkpoint": which, "tasks": tasks, "k": k, "temperature": temperature}
         | ({"opponent": str(opponent)} if opponent is not None else {}),
     )
-    result = eval_result(ctx.rundb, ctx.run, stage)
+    result = eval_result(ctx.store, stage)
     assert result is not None  # the stage just completed
     return result
 
@@ -253,7 +253,7 @@ def _evaluate(
         progress_label=f"eval {which}" + (f" vs {opponent}" if opponent is not None else ""),
         opponent=resolve_opponent(ctx, opponent, sampler, sampling, stage=stage),
     )
-    metrics = eval_metrics(stage_episodes(ctx.rundb, ctx.run, stage), recipe.eval.k)
+    metrics = eval_metrics(stage_episodes(ctx.store, stage), recipe.eval.k)
     replace_eval(
         ctx.rundb,
         EvalResult(
@@ -293,9 +293,9 @@ class TrainingEvals:
         policy = (self.model, self.tokenizer) if in_memory and self.model is not None else None
         opponent = eval_opponents(self.ctx.recipe)[0]  # a two-player game: the first opponent
         result = evaluate_checkpoint(self.ctx, which, ckpt, self.tasks, policy, opponent)
-        rate = leading_tasks_success(self.ctx.rundb, self.ctx.run, result.stage, self.tasks)
+        rate = leading_tasks_success(self.ctx.store, result.stage, self.tasks)
         metrics = {HELDOUT_KEY: rate} if rate is not None else {}
         if step < 0 and rate is not None:  # no iteration line shows it
             self.ctx.console.print(f"eval: the starting point ({which}) has held-out success {rate:.2f}")
-        self.ctx.rundb.log_metrics(self.ctx.run, self.metrics_stage, step, dict(metrics))
+        self.ctx.store.log_metrics(self.metrics_stage, step, dict(metrics))
         return metrics

@@ -173,11 +173,11 @@ def warnings_at(ctx: RunContext, it: int) -> list[RunWarning]:
     cfg = ctx.recipe.grpo
 
     def series(key: str) -> Series:
-        return {m.step: m.value for m in ctx.rundb.metrics(ctx.run, key) if m.step <= it}
+        return {m.step: m.value for m in ctx.store.metrics(key) if m.step <= it}
 
     heldout = series(HELDOUT)
     eval_tasks = cfg.eval_tasks or ctx.recipe.eval.tasks  # the tasks grpo.eval_every's evals play
-    start = "sft" if any(c.stage == SFT_STAGE for c in checkpoints(ctx.rundb, ctx.run)) else "base"
+    start = "sft" if any(c.stage == SFT_STAGE for c in checkpoints(ctx.store)) else "base"
     found = [
         reward_up_heldout_down(series(REWARD), heldout, it, ctx.run),
         worse_than_start(heldout, it, eval_tasks * ctx.recipe.eval.k, start),
@@ -189,11 +189,7 @@ def warnings_at(ctx: RunContext, it: int) -> list[RunWarning]:
 
 def check(ctx: RunContext, it: int) -> list[RunWarning]:
     """Store the warnings that start at iteration `it` as run events; return those not stored before."""
-    return [
-        w
-        for w in warnings_at(ctx, it)
-        if add_event(ctx.rundb, ctx.run, train_stage(it), it, w.kind, w.message, w.details)
-    ]
+    return [w for w in warnings_at(ctx, it) if add_event(ctx.store, train_stage(it), it, w.kind, w.message, w.details)]
 
 
 # --- helpers --------------------------------------------------------------------------------

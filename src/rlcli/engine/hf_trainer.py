@@ -192,7 +192,7 @@ def save_trained(
     path = save_checkpoint(trainer.model, tokenizer, folder)
     kind = "lora" if ctx.recipe.lora is not None else "full"
     # A crash between this row and the stage's "done" mark re-runs the stage, which reuses the row.
-    return path, add_checkpoint(ctx.rundb, ctx.run, stage, 0, path, kind)
+    return path, add_checkpoint(ctx.store, stage, 0, path, kind)
 
 
 # --- callbacks ------------------------------------------------------------------------------------
@@ -276,7 +276,7 @@ class StageProgress(TrainerCallback):
                 f"{self.stage}: the loss is {loss} at step {state.global_step}; stopped before saving. "
                 f"Lower {self.section}.lr (or use float32 weights) and run again with --force."
             )
-        self.ctx.rundb.log_metrics(self.ctx.run, self.stage, state.global_step, values)
+        self.ctx.store.log_metrics(self.stage, state.global_step, values)
         self.tracker.log(values, step=state.global_step)
         shown = [f"{label} {values[key]:.4g}" for label, key in self.shown.items() if key in values]
         assert self.task is not None  # on_train_begin came first

@@ -67,7 +67,7 @@ def label_stage_episodes(
     from rlcli.rewards.scoring import build_reward_fns, label_episodes
 
     fns = fns if fns is not None else build_reward_fns(ctx.recipe.rewards, device=ctx.recipe.model.device)
-    episodes = [episode_dict(e) for e in stage_episodes(ctx.rundb, ctx.run, rollout_stage, finished_only=True)]
+    episodes = [episode_dict(e) for e in stage_episodes(ctx.store, rollout_stage, finished_only=True)]
     if not episodes:
         return {"episodes": 0, "label_set": label_set}
     labels = label_episodes(fns, episodes)
@@ -90,7 +90,7 @@ def label_stage_episodes(
     )
     if label_set == GRPO_LABEL_SET:
         # Inside the stage's work: a kill before the stage is marked done redoes the refresh too.
-        refresh_task_stats(ctx.rundb, ctx.run, rollout_stage, label_set)
+        refresh_task_stats(ctx.store, rollout_stage, label_set)
     totals = [v["total"] for v in labels]
     summary = {"episodes": len(episodes), "label_set": label_set, "reward_mean": sum(totals) / len(totals)}
     for component in labels[0]:
@@ -104,17 +104,17 @@ def run_label_stage(ctx: RunContext, *, label_set: str) -> list[LabelSummary]:
     from rlcli.rewards.scoring import build_reward_fns
 
     check_user_name("--label-set", label_set, reserved=RESERVED_LABEL_SETS)
-    stages = stages_with_episodes(ctx.rundb, ctx.run)
+    stages = stages_with_episodes(ctx.store)
     if not stages:
         raise UsageError(f"Run {ctx.run!r} has no episodes to label; run `rlcli rollout` first.")
     fns = build_reward_fns(ctx.recipe.rewards, device=ctx.recipe.model.device)
     summaries = []
     for stage in stages:
         name = label_stage(label_set, stage)
-        row = ctx.rundb.stage(ctx.run, name)
-        if row is not None and row.done and unlabelled_count(ctx.rundb, ctx.run, stage, label_set):
+        row = ctx.store.stage(name)
+        if row is not None and row.done and unlabelled_count(ctx.store, stage, label_set):
             # The stage gained episodes since it was labelled (a raised eval.tasks): label it again.
-            ctx.rundb.mark_stage(ctx.run, name, "pending")
+            ctx.store.mark_stage(name, "pending")
         result = ctx.stage(
             name,
             functools.partial(label_stage_episodes, ctx, stage, label_set, fns),

@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 from itertools import groupby
 
 from rlcli.errors import UsageError
-from rlcli.store.db import RunDB
 from rlcli.store.episodes import episodes_for_training, stages_with_episodes
 from rlcli.store.pairs import PairRecord
 from rlcli.store.records import Episode, LabelledEpisode, Turn
+from rlcli.store.run_store import AcceptsRunPair, RunStore
 
 
 @dataclass(frozen=True)
@@ -46,25 +46,27 @@ class MiningReport:
     no_shared_prompt: int = 0  # pairs whose prompts part first, or whose actions never differ
 
 
-def source_stages(rundb: RunDB, run: str, patterns: list[str]) -> list[str]:
+@AcceptsRunPair
+def source_stages(store: RunStore, patterns: list[str]) -> list[str]:
     """The run's stages with episodes that dpo.source names (names or glob patterns), in order."""
-    stages = stages_with_episodes(rundb, run)
+    stages = stages_with_episodes(store)
     chosen = [s for s in stages if any(fnmatch.fnmatchcase(s, p) for p in patterns)]
     if not chosen:
         known = ", ".join(stages) or "none"
         raise UsageError(
-            f"dpo.source {patterns} matches no stage of run {run!r} with episodes (stages with episodes: {known})."
+            f"dpo.source {patterns} matches no stage of run {store.run!r} with episodes (stages with episodes: {known})."
         )
     return chosen
 
 
+@AcceptsRunPair
 def mine_pairs(
-    rundb: RunDB, run: str, stages: list[str], label_set: str, margin: float, max_pairs: int | None
+    store: RunStore, stages: list[str], label_set: str, margin: float, max_pairs: int | None
 ) -> MiningReport:
     """Pairs from every labelled group of `stages`; with max_pairs, those with the largest reward gap."""
     report = MiningReport()
     for stage in stages:
-        episodes = episodes_for_training(rundb, run, stage, label_set)  # by task, then sample
+        episodes = episodes_for_training(store, stage, label_set)  # by task, then sample
         for task, members in groupby(episodes, key=lambda e: e.episode.task_index):
             group = list(members)
             if len(group) < 2:

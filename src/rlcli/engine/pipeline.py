@@ -52,7 +52,7 @@ def run_all(ctx: RunContext, on_summary: Callable[[StageSummary], None] | None =
             raise
         if index + 1 < len(stages):  # after the last, the command ends and frees (cli/common.py, stage_run)
             release_stage_memory(keep_engine=keeps_engine(stages[index + 1], _samples_with_vllm(recipe)))
-    ending = best_and_latest(ctx.rundb, ctx.run)
+    ending = best_and_latest(ctx.store)
     if ending.latest is not None or ending.best is not None:
         show(ending)
     return ending

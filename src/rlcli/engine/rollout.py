@@ -128,7 +128,7 @@ def collect(
     # With a model opponent a spec is a game (sample index g), whose seats' episodes are stored together.
     specs = episode_specs(recipe.run.seed, stage, task_indices, group_size, split, recipe.env.eval_seed_start)
     self_play = opponent is not None and opponent.self_play
-    have = stored_episode_keys(ctx.rundb, ctx.run, stage)
+    have = stored_episode_keys(ctx.store, stage)
     # A killed stage never leaves a chunk half stored (one transaction per chunk); a chunk is only
     # partly stored when the stage was asked for more tasks (eval.tasks raised): play the missing ones.
     todo = []
@@ -161,7 +161,7 @@ def collect(
                         advance(len(chunk), 0)
             finally:
                 close_toolboxes()  # the MCP servers that envs in this process started (env.workers 0)
-    return asdict(episode_summary(ctx.rundb, ctx.run, stage))
+    return asdict(episode_summary(ctx.store, stage))
 
 
 class _progress:
@@ -212,7 +212,7 @@ def load_rollout_policy(
         return EXPERT, None, None
     from rlcli.models.loading import load_policy
 
-    row = resolve_checkpoint(ctx.rundb, ctx.run, ref)
+    row = resolve_checkpoint(ctx.store, ref)
     recipe = ctx.recipe
     model, tokenizer = load_policy(
         recipe.model, recipe.lora, recipe.quantization, adapter=row.path if row else None, trainable=False
@@ -228,7 +228,7 @@ def run_rollout_stage(ctx: RunContext, *, stage: str, policy: str, split: str) -
     recipe = ctx.recipe
     asked = PolicyRef.from_cli(policy)
     # The weights, resolved now, define the stage: `latest` after more training is another policy.
-    checkpoint = resolve_checkpoint(ctx.rundb, ctx.run, asked) if asked != EXPERT else None
+    checkpoint = resolve_checkpoint(ctx.store, asked) if asked != EXPERT else None
     weights = EXPERT if asked == EXPERT else PolicyRef.of_checkpoint(checkpoint)
 
     def load_and_collect() -> dict[str, Any]:
@@ -259,4 +259,4 @@ def run_rollout_stage(ctx: RunContext, *, stage: str, policy: str, split: str) -
         identity={"policy": str(weights), "split": split},
         new_stage_hint="use another --stage name for a new stage",
     )
-    return episode_summary(ctx.rundb, ctx.run, stage)
+    return episode_summary(ctx.store, stage)

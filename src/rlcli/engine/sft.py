@@ -38,6 +38,7 @@ from rlcli.errors import UsageError
 from rlcli.models import vision
 from rlcli.store.episodes import episodes_for_sft, stage_episodes
 from rlcli.store.names import EXPERT, SFT_DEMOS_STAGE, SFT_STAGE
+from rlcli.store.run_store import RunStore
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase, ProcessorMixin, TrainerCallback
@@ -198,7 +199,7 @@ def expert_conversations(ctx: RunContext) -> list[Conversation]:
         ),
         {"demos": demos},
     )
-    episodes = stage_episodes(ctx.rundb, ctx.run, SFT_DEMOS_STAGE)
+    episodes = stage_episodes(ctx.store, SFT_DEMOS_STAGE)
     ok = [e for e in episodes if e.status == "ok"]
     if not ok:
         first_error = next((e.error for e in episodes if e.error), "no episodes")
@@ -218,21 +219,21 @@ def episode_conversations(ctx: RunContext) -> list[Conversation]:
     group's samples that answered the same task the same way) are kept once.
     """
     cfg = ctx.recipe.sft
-    run = cfg.from_run or ctx.run
-    ctx.rundb.require_run(run)
+    source = RunStore(ctx.rundb, cfg.from_run) if cfg.from_run else ctx.store  # sft.from_run: another run's
+    source.require_run()
     seen: set[str] = set()
     conversations = []
-    tools = _env_tools(ctx.rundb.run_recipe(run).env)
-    for labelled in episodes_for_sft(ctx.rundb, run):
+    tools = _env_tools(source.recipe().env)
+    for labelled in episodes_for_sft(source):
         episode, transcript = labelled.episode, json.dumps(labelled.episode.messages)
         assert labelled.reward is not None  # episodes_for_sft falls back to the env return, then 0
         if labelled.reward < cfg.min_reward or transcript in seen:
             continue
         seen.add(transcript)
-        conversations.append(Conversation(episode.messages, f"episode {episode.id} of run {run}", tools))
+        conversations.append(Conversation(episode.messages, f"episode {episode.id} of run {source.run}", tools))
     if not conversations:
         raise UsageError(
-            f"sft.source episodes: run {run!r} has no finished training episode with total reward >= "
+            f"sft.source episodes: run {source.run!r} has no finished training episode with total reward >= "
             f"sft.min_reward ({cfg.min_reward}); roll some out, or lower sft.min_reward."
         )
     return conversations

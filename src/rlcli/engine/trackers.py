@@ -11,7 +11,7 @@ beside every `rundb.log_metrics` call, with the same keys and steps:
 
     with stage_tracker(ctx, "sft") as tracker:
         ...
-        ctx.rundb.log_metrics(ctx.run, "sft", step, values)
+        ctx.store.log_metrics("sft", step, values)
         tracker.log(values, step=step)
 
 With an empty run.trackers the tracker does nothing, so the call needs no `if`.

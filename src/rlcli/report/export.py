@@ -10,15 +10,14 @@ from typing import Any
 
 from rlcli.export_folder import export_folder
 from rlcli.report.views import run_details
-from rlcli.store.db import RunDB
 from rlcli.store.dump import TableDump, run_tables
+from rlcli.store.run_store import RunStore
 
 CHUNK_ROWS = 1000
 
 
 def export_run(
-    rundb: RunDB,
-    name: str,
+    store: RunStore,
     fmt: str,
     out: Path,
     overwrite: bool = False,
@@ -34,14 +33,14 @@ def export_run(
     process is writing to is one moment of it, never a table from before a write and one from after.
     `extra(counts)` gives more files (name -> bytes: a dataset card) to write beside them, in that moment too.
     """
-    rundb.require_run(name)  # before the folder is made
+    store.require_run()  # before the folder is made
     counts = {}
-    with export_folder(out, "--out", overwrite) as staging, rundb.snapshot():
-        run = rundb.require_run(name)
-        for table in run_tables(rundb, name):
+    with export_folder(out, "--out", overwrite) as staging, store.rundb.snapshot():
+        run = store.require_run()
+        for table in run_tables(store):
             path = staging / f"{table.name}.{fmt}"
             counts[table.name] = _write_jsonl(path, table.rows) if fmt == "jsonl" else _write_parquet(path, table)
-        details = run_details(rundb, name)
+        details = run_details(store)
         details["recipe"] = run.recipe
         (staging / "run.json").write_text(json.dumps(details, indent=2))
         for file, data in (extra(counts) if extra else {}).items():

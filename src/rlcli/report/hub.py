@@ -22,9 +22,9 @@ from rlcli.export_folder import MARKER
 from rlcli.recipe import Recipe
 from rlcli.report.tables import eval_cells
 from rlcli.report.views import HELDOUT_KEY, REWARD_KEY, SUCCESS_KEY, eval_view, metric_series
-from rlcli.store.db import RunDB
 from rlcli.store.evals import eval_results
 from rlcli.store.records import Checkpoint
+from rlcli.store.run_store import RunStore
 
 CARD = "README.md"
 CURVES = "curves.png"
@@ -135,15 +135,15 @@ def base_model_id(name: str) -> str | None:
     return None if (models_dir() / name / "config.json").is_file() else name  # else a folder of rlcli's cache
 
 
-def model_card_files(rundb: RunDB, run: str, repo_id: str, checkpoint: Checkpoint, folder: Path) -> dict[str, bytes]:
+def model_card_files(store: RunStore, repo_id: str, checkpoint: Checkpoint, folder: Path) -> dict[str, bytes]:
     """The card (README.md), the recipe and the curves' PNG for a merged model written in `folder`
     (whose config.json says whether it is a vision-language model)."""
-    recipe = rundb.run_recipe(run)
+    recipe = store.recipe()
     config = json.loads((folder / "config.json").read_text()) if (folder / "config.json").is_file() else {}
     vision = "vision_config" in config
     base = base_model_id(recipe.model.name)
     hub_data = recipe.sft.source.removeprefix("hub:") if recipe.sft.source.startswith("hub:") else None
-    files = _run_files(rundb, run, recipe)
+    files = _run_files(store, recipe)
     front = _front_matter(
         "model",
         recipe,
@@ -151,7 +151,7 @@ def model_card_files(rundb: RunDB, run: str, repo_id: str, checkpoint: Checkpoin
         datasets=[hub_data] if hub_data else None,
         library_name="transformers",
         pipeline_tag="image-text-to-text" if vision else "text-generation",
-        tags=["rlcli", "reinforcement-learning", *_methods(rundb, run)],
+        tags=["rlcli", "reinforcement-learning", *_methods(store)],
     )
     auto = "AutoModelForImageTextToText" if vision else "AutoModelForCausalLM"
     tokenizer = "AutoProcessor" if vision else "AutoTokenizer"
@@ -161,7 +161,7 @@ def model_card_files(rundb: RunDB, run: str, repo_id: str, checkpoint: Checkpoin
         "",
         *([recipe.run.description, ""] if recipe.run.description else []),
         f"`{recipe.model.name}`{f' ([{base}](https://huggingface.co/{base}))' if base else ''} trained by "
-        f"rlcli run `{run}` on the `{recipe.env.name}` environment: {stage}, "
+        f"rlcli run `{store.run}` on the `{recipe.env.name}` environment: {stage}, "
         f"{'its LoRA adapter merged into the base model' if checkpoint.kind == 'lora' else 'every weight trained'}.",
         "",
         "## Use",
@@ -173,8 +173,8 @@ def model_card_files(rundb: RunDB, run: str, repo_id: str, checkpoint: Checkpoin
         f'{"processor" if vision else "tokenizer"} = {tokenizer}.from_pretrained("{repo_id}")',
         "```",
         "",
-        *_evaluation(rundb, run),
-        *_curves(rundb, run, CURVES in files),
+        *_evaluation(store),
+        *_curves(store, CURVES in files),
         *_license(recipe),
         *_recipe_section(recipe),
     ]
@@ -184,10 +184,10 @@ def model_card_files(rundb: RunDB, run: str, repo_id: str, checkpoint: Checkpoin
 # --- the dataset card ------------------------------------------------------------------------------
 
 
-def dataset_card_files(rundb: RunDB, run: str, repo_id: str, fmt: str, counts: dict[str, int]) -> dict[str, bytes]:
+def dataset_card_files(store: RunStore, repo_id: str, fmt: str, counts: dict[str, int]) -> dict[str, bytes]:
     """The card (README.md, with one config per non-empty table, episodes the default) and the recipe,
     for a `runs export` folder of <table>.<fmt> files and run.json."""
-    recipe = rundb.run_recipe(run)
+    recipe = store.recipe()
     configs = [
         {
             "config_name": table,
@@ -200,7 +200,7 @@ def dataset_card_files(rundb: RunDB, run: str, repo_id: str, fmt: str, counts: d
     front = _front_matter(
         "dataset",
         recipe,
-        pretty_name=f"rlcli run {run}",
+        pretty_name=f"rlcli run {store.run}",
         tags=["rlcli", "reinforcement-learning", "agent-trajectories"],
         configs=configs,
     )
@@ -209,7 +209,7 @@ def dataset_card_files(rundb: RunDB, run: str, repo_id: str, fmt: str, counts: d
         f"# {repo_id.split('/')[-1]}",
         "",
         *([recipe.run.description, ""] if recipe.run.description else []),
-        f"The episodes of rlcli run `{run}`: `{recipe.model.name}` acting in the "
+        f"The episodes of rlcli run `{store.run}`: `{recipe.model.name}` acting in the "
         f"`{recipe.env.name}` environment, with their turns (token ids and logprobs), reward components, metrics "
         "and evals. Each table is a config; `episodes` is the default:",
         "",
@@ -227,7 +227,7 @@ def dataset_card_files(rundb: RunDB, run: str, repo_id: str, fmt: str, counts: d
         "`run.json` holds the run's details (stages, checkpoints, evals) and its recipe. Columns holding JSON "
         "(messages, task, info, details) are JSON text; rlcli's docs/database.md describes every column.",
         "",
-        *_evaluation(rundb, run),
+        *_evaluation(store),
         *_license(recipe),
         *_recipe_section(recipe),
     ]
@@ -256,12 +256,12 @@ def _card(front: str, lines: list[str]) -> bytes:
     return ("---\n" + front.rstrip("\n") + "\n---\n\n" + "\n".join(lines).rstrip("\n") + "\n").encode()
 
 
-def _run_files(rundb: RunDB, run: str, recipe: Recipe) -> dict[str, bytes]:
+def _run_files(store: RunStore, recipe: Recipe) -> dict[str, bytes]:
     from rlcli.report import plot
 
     files = {RECIPE: _recipe_yaml(recipe)}
     try:
-        figure, _, _ = plot.run_figure(rundb, run)
+        figure, _, _ = plot.run_figure(store)
     except UsageError:  # nothing to plot yet: no metrics, no evals
         return files
     files[CURVES] = plot.figure_bytes(figure)
@@ -272,9 +272,9 @@ def _recipe_yaml(recipe: Recipe) -> bytes:
     return yaml.safe_dump(recipe.to_dict(), sort_keys=False, allow_unicode=True).encode()
 
 
-def _methods(rundb: RunDB, run: str) -> list[str]:
+def _methods(store: RunStore) -> list[str]:
     """sft, grpo, dpo: the training stages the run finished, in that order, as hub tags."""
-    done = [s.name for s in rundb.stages(run) if s.status == "done"]
+    done = [s.name for s in store.stages() if s.status == "done"]
     found = {
         "sft": any(n == "sft" for n in done),
         "grpo": any(n.startswith("train/") for n in done),
@@ -283,8 +283,8 @@ def _methods(rundb: RunDB, run: str) -> list[str]:
     return [tag for tag, present in found.items() if present]
 
 
-def _evaluation(rundb: RunDB, run: str) -> list[str]:
-    rows = [eval_view(r) for r in eval_results(rundb, run)]
+def _evaluation(store: RunStore) -> list[str]:
+    rows = [eval_view(r) for r in eval_results(store)]
     if not rows:
         return ["## Evaluation", "", "No held-out evaluation recorded (`rlcli eval` adds one).", ""]
     columns, cells = eval_cells(rows)
@@ -300,14 +300,14 @@ def _evaluation(rundb: RunDB, run: str) -> list[str]:
     ]
 
 
-def _curves(rundb: RunDB, run: str, png: bool) -> list[str]:
-    series = metric_series(rundb, run)
+def _curves(store: RunStore, png: bool) -> list[str]:
+    series = metric_series(store)
     present = [key for key in CURVE_KEYS if key in series]
     if not present and not png:
         return []
     lines = ["## Training curves", ""]
     if png:
-        lines += [f"![Training curves of run {run}]({CURVES})", ""]
+        lines += [f"![Training curves of run {store.run}]({CURVES})", ""]
     if present:
         lines += [
             _row(["metric", "stage", "points", "first", "last", "min", "max"]),

@@ -21,8 +21,8 @@ from rlcli.report.html import STYLE as EPISODE_STYLE
 from rlcli.report.html import episode_section
 from rlcli.report.tables import eval_cells, fmt
 from rlcli.report.tasks import tasks_view
-from rlcli.store.db import RunDB
 from rlcli.store.names import GRPO_LABEL_SET
+from rlcli.store.run_store import RunStore
 
 STYLE = """
 .part { margin: 0 0 2.5em 0; } .part > h2 { font-size: 1.35em; border-bottom: 1px solid #ccc; padding-bottom: 0.2em; }
@@ -49,18 +49,18 @@ PARTS = (
 )
 
 
-def report_page(rundb: RunDB, run: str, episodes: int = 3) -> tuple[str, dict[str, Any]]:
+def report_page(store: RunStore, episodes: int = 3) -> tuple[str, dict[str, Any]]:
     """The page, and what it holds as `runs report --json` prints it: the ids of the episodes shown
     ("best", "worst") and how many evals, warnings and tasks."""
-    data = views.run_details(rundb, run)
-    recipe = rundb.require_run(run).recipe
-    best, worst = _episodes(rundb, run, episodes)
-    pngs = views.episode_pngs(rundb, best + worst)
-    tasks = tasks_view(rundb, run, GRPO_LABEL_SET)
+    data = views.run_details(store)
+    recipe = store.require_run().recipe
+    best, worst = _episodes(store, episodes)
+    pngs = views.episode_pngs(store.rundb, best + worst)
+    tasks = tasks_view(store, GRPO_LABEL_SET)
     bodies = {
         "summary": _summary(data),
         "evals": _evals(data),
-        "curves": _curves(rundb, run),
+        "curves": _curves(store),
         "warnings": _warnings(data["events"]),
         "tasks": _tasks(tasks),
         "best": _episode_list(best, pngs, "highest"),
@@ -71,7 +71,7 @@ def report_page(rundb: RunDB, run: str, episodes: int = 3) -> tuple[str, dict[st
     parts = "\n".join(
         f'<div class="part" id="{key}">\n<h2>{_e(title)}</h2>\n{bodies[key]}\n</div>' for key, title in PARTS
     )
-    title = f"Run {run}: report"
+    title = f"Run {store.run}: report"
     page = (
         f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
         f'<meta name="viewport" content="width=device-width, initial-scale=1"><title>{_e(title)}</title>'
@@ -142,15 +142,15 @@ def _evals(data: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-def _curves(rundb: RunDB, run: str) -> str:
+def _curves(store: RunStore) -> str:
     try:
-        fig, drawn, _ = plot.run_figure(rundb, run)
+        fig, drawn, _ = plot.run_figure(store)
     except UsageError as exc:
         return f'<p class="muted">{_e(exc)}</p>'
     png = base64.b64encode(plot.figure_bytes(fig, "png")).decode("ascii")
     keys = ", ".join(drawn) or "none"
     return (
-        f'<img class="curves" src="data:image/png;base64,{png}" alt="training curves of {_e(run)}: {_e(keys)}">\n'
+        f'<img class="curves" src="data:image/png;base64,{png}" alt="training curves of {_e(store.run)}: {_e(keys)}">\n'
         '<p class="muted">Reward and train success: faint points per iteration, the line a moving mean; a line '
         "breaks at iterations without a value (no update: every group had equal rewards). Held-out success "
         "(squares) from step -1, the starting point. What <code>rlcli runs plot</code> draws.</p>"
@@ -208,14 +208,14 @@ def _tasks(view: dict[str, Any]) -> str:
     )
 
 
-def _episodes(rundb: RunDB, run: str, n: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def _episodes(store: RunStore, n: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The n best and the n worst by total reward (as `runs episodes --best/--worst`), none twice."""
     if n == 0:
         return [], []
     try:
-        best = views.select_episodes(rundb, run, order="best", limit=n)
+        best = views.select_episodes(store, order="best", limit=n)
         shown = {ep["id"] for ep in best}
-        worst = [ep for ep in views.select_episodes(rundb, run, order="worst", limit=2 * n) if ep["id"] not in shown]
+        worst = [ep for ep in views.select_episodes(store, order="worst", limit=2 * n) if ep["id"] not in shown]
     except UsageError:  # no episodes yet
         return [], []
     return best, worst[:n]

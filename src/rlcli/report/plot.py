@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING, Any
 from rlcli.errors import UsageError
 from rlcli.export_folder import write_file
 from rlcli.report.views import HELDOUT_KEY, REWARD_KEY, SUCCESS_KEY, metric_series
-from rlcli.store.db import RunDB
 from rlcli.store.evals import eval_results
 from rlcli.store.records import EvalResult
+from rlcli.store.run_store import RunStore
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -32,9 +32,7 @@ DEFAULT_PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
 SMOOTHED = (REWARD_KEY, SUCCESS_KEY)
 
 
-def plot_run(
-    rundb: RunDB, name: str, out: Path, metrics: list[str] | None = None, overwrite: bool = False
-) -> dict[str, Any]:
+def plot_run(store: RunStore, out: Path, metrics: list[str] | None = None, overwrite: bool = False) -> dict[str, Any]:
     """Write a PNG (or any format matplotlib knows by the suffix) of a run's curves and evals; an
     existing `out` is replaced only with `overwrite`, and whole (export_folder.write_file).
 
@@ -45,7 +43,7 @@ def plot_run(
     suffix = out.suffix.lstrip(".").lower()
     if suffix not in FigureCanvasAgg.get_supported_filetypes():
         raise UsageError(f"Cannot write {out}: give --out a file ending in .png (or .pdf, .svg).")
-    fig, drawn, evals = run_figure(rundb, name, metrics)
+    fig, drawn, evals = run_figure(store, metrics)
     write_file(out, figure_bytes(fig, suffix), "--out", overwrite)
     return {
         "series": {
@@ -71,26 +69,28 @@ def figure_bytes(fig: Figure, fmt: str = "png", dpi: int = 110) -> bytes:
 
 
 def run_figure(
-    rundb: RunDB, name: str, metrics: list[str] | None = None
+    store: RunStore, metrics: list[str] | None = None
 ) -> tuple[Figure, dict[str, dict[str, Any]], list[EvalResult]]:
     """The figure of a run's curves (one panel each) and evals, the series it draws ({key: {"stage",
     "steps", "values"}}, as views.metric_series gives them) and the evals it draws as bars.
 
     Refused in one sentence (UsageError): an unknown metric key, or a run with no metrics and no evals."""
-    run = rundb.require_run(name)
-    series = metric_series(rundb, name)
-    evals = eval_results(rundb, name)
+    run = store.require_run()
+    series = metric_series(store)
+    evals = eval_results(store)
     if metrics:
         missing = [key for key in metrics if key not in series]
         if missing:
             known = ", ".join(series) or "none"
-            raise UsageError(f"Run {name!r} has no metric {missing[0]!r}; its metrics: {known}.")
+            raise UsageError(f"Run {store.run!r} has no metric {missing[0]!r}; its metrics: {known}.")
         panels: list[tuple[str, tuple[str, ...]]] = [(key, (key,)) for key in metrics]
     else:
         panels = [(title, keys) for title, keys in DEFAULT_PANELS if any(k in series for k in keys)]
     show_evals = bool(evals) and not metrics
     if not panels and not show_evals:
-        raise UsageError(f"Run {name!r} has nothing to plot yet: no metrics and no evals; train or evaluate it first.")
+        raise UsageError(
+            f"Run {store.run!r} has nothing to plot yet: no metrics and no evals; train or evaluate it first."
+        )
 
     # The object API with an explicit Agg canvas: no pyplot global state, no GUI backend.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -102,7 +102,7 @@ def run_figure(
     rows = math.ceil(count / cols)
     fig = Figure(figsize=(6.0 * cols, 3.4 * rows), layout="constrained")
     FigureCanvasAgg(fig)
-    fig.suptitle(f"{name} ({run.status})")
+    fig.suptitle(f"{store.run} ({run.status})")
     axes = fig.subplots(rows, cols, squeeze=False).flatten()
     for ax in axes:
         # Tick labels show the values themselves: an entropy between 6.2120 and 6.2125 is not

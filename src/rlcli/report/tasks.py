@@ -7,7 +7,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from rlcli.store.db import RunDB
+from rlcli.store.run_store import RunStore
 from rlcli.store.tasks import TaskStats, stored_task_stats
 
 # Success-rate bins of the summary: never solved, hard, medium, easy, always solved.
@@ -20,12 +20,12 @@ BINS = (
 )
 
 
-def tasks_view(rundb: RunDB, run: str, label_set: str) -> dict[str, Any]:
+def tasks_view(store: RunStore, label_set: str) -> dict[str, Any]:
     """Every task's statistics and a count of tasks per success-rate bin."""
-    rundb.require_run(run)
-    stats = stored_task_stats(rundb, run, label_set)
+    store.require_run()
+    stats = stored_task_stats(store, label_set)
     return {
-        "run": run,
+        "run": store.run,
         "label_set": label_set,
         "tasks": [_task_row(s) for s in stats],
         "summary": {

@@ -17,6 +17,7 @@ from rlcli.store.evals import eval_results
 from rlcli.store.events import list_events
 from rlcli.store.images import image_sizes, load_images
 from rlcli.store.records import GPU_MEMORY_KEYS, Checkpoint, EvalResult, LabelledEpisode, Run
+from rlcli.store.run_store import RunStore
 from rlcli.store.stages import displayed_status
 
 KEY_METRICS = ("rollout/reward_mean", "rollout/success_rate", "train/loss")
@@ -45,12 +46,12 @@ def runs_summary(rundb: RunDB) -> list[dict[str, Any]]:
     ]
 
 
-def run_details(rundb: RunDB, name: str) -> dict[str, Any]:
-    run = rundb.require_run(name)
-    status = _status(rundb, run)
+def run_details(store: RunStore) -> dict[str, Any]:
+    run = store.require_run()
+    status = _status(store.rundb, run)
     # Recorded on a GPU only (engine/context.py): the stage's peaks (allocated, reserved; the largest
     # GPU's), and the vLLM engine's share.
-    memory = {key: {m.stage: m.value for m in rundb.metrics(name, key)} for key in GPU_MEMORY_KEYS}
+    memory = {key: {m.stage: m.value for m in store.metrics(key)} for key in GPU_MEMORY_KEYS}
     stages = [
         {
             "name": s.name,
@@ -65,9 +66,9 @@ def run_details(rundb: RunDB, name: str) -> dict[str, Any]:
             "gpu_mem_reserved_gb": memory["perf/gpu_mem_reserved_gb"].get(s.name),
             "vllm_mem_gb": memory["perf/vllm_mem_gb"].get(s.name),
         }
-        for s in rundb.stages(name)
+        for s in store.stages()
     ]
-    total, failed, replayed_lost = episode_counts(rundb, name)
+    total, failed, replayed_lost = episode_counts(store)
     return {
         "name": run.name,
         "status": status,
@@ -82,19 +83,19 @@ def run_details(rundb: RunDB, name: str) -> dict[str, Any]:
         "versions": run.versions,
         "stages": stages,
         "episodes": {"total": total, "failed": failed, "replayed_lost": replayed_lost},
-        "latest_metrics": rundb.latest_metrics(name),
-        "reward_curve": _curve(rundb, name, REWARD_KEY),
-        "success_curve": _curve(rundb, name, SUCCESS_KEY),
-        "heldout_curve": _curve(rundb, name, HELDOUT_KEY),
-        "checkpoints": [asdict(c) for c in checkpoints(rundb, name)],
-        "evals": [eval_view(r) for r in eval_results(rundb, name)],
+        "latest_metrics": store.latest_metrics(),
+        "reward_curve": _curve(store, REWARD_KEY),
+        "success_curve": _curve(store, SUCCESS_KEY),
+        "heldout_curve": _curve(store, HELDOUT_KEY),
+        "checkpoints": [asdict(c) for c in checkpoints(store)],
+        "evals": [eval_view(r) for r in eval_results(store)],
         # two-player games: Elo ratings fitted to the held-out games of every eval stage
-        "ratings": [asdict(r) for r in elo_ratings(eval_games(rundb, name))],
-        "ending": ending_view(best_and_latest(rundb, name)),
-        "events": [asdict(e) for e in list_events(rundb, name)],  # warnings raised while it trained
+        "ratings": [asdict(r) for r in elo_ratings(eval_games(store))],
+        "ending": ending_view(best_and_latest(store)),
+        "events": [asdict(e) for e in list_events(store)],  # warnings raised while it trained
         "recipe_history": [
             {"created_at": h.created_at, "reason": h.reason, "recipe_sha256": h.recipe_sha256, "code": h.code}
-            for h in rundb.recipe_history(name)
+            for h in store.rundb.recipe_history(store.run)
         ],
     }
 
@@ -129,10 +130,10 @@ def eval_view(result: EvalResult) -> dict[str, Any]:
     return {**asdict(result), "label": result.label, "decoding": result.decoding, "opponent": result.opponent}
 
 
-def metric_series(rundb: RunDB, run: str) -> dict[str, dict[str, Any]]:
+def metric_series(store: RunStore) -> dict[str, dict[str, Any]]:
     """Every metric of a run as {key: {"stage", "steps", "values"}}, in step order."""
     series: dict[str, dict[str, Any]] = {}
-    for metric in rundb.metrics(run):
+    for metric in store.metrics():
         entry = series.setdefault(metric.key, {"stage": metric.stage, "steps": [], "values": []})
         entry["steps"].append(metric.step)
         entry["values"].append(metric.value)
@@ -145,10 +146,11 @@ OTHER_CHECKPOINTS = "other checkpoints"  # `runs compare`'s row for the best of 
 def compare_runs(rundb: RunDB, names: list[str]) -> list[dict[str, Any]]:
     out = []
     for name in names:
-        run = rundb.require_run(name)
-        latest = rundb.latest_metrics(name)
+        store = RunStore(rundb, name)
+        run = store.require_run()
+        latest = store.latest_metrics()
         best: dict[str, dict[str, Any]] = {}
-        for result in eval_results(rundb, name):
+        for result in eval_results(store):
             # The named labels (base, sft, latest, best, expert) are what runs share. Checkpoints asked
             # for by id, as grpo.eval_every's evals are, fold into one row: each run has its own ids.
             label = OTHER_CHECKPOINTS if result.checkpoint.isdigit() else result.checkpoint
@@ -163,23 +165,23 @@ def compare_runs(rundb: RunDB, names: list[str]) -> list[dict[str, Any]]:
                 "status": _status(rundb, run),
                 "created_at": run.created_at,
                 "recipe_sha256": run.recipe_sha256,
-                "episodes": episode_counts(rundb, name)[0],
+                "episodes": episode_counts(store)[0],
                 "latest_metrics": {k: latest[k] for k in COMPARE_METRICS if k in latest},
                 "best_evals": best,
-                "reward_curve": _curve(rundb, name, REWARD_KEY),
+                "reward_curve": _curve(store, REWARD_KEY),
             }
         )
     return out
 
 
-def select_episodes(rundb: RunDB, run: str, **filters: Any) -> list[dict[str, Any]]:
+def select_episodes(store: RunStore, **filters: Any) -> list[dict[str, Any]]:
     """Episodes to read, with their reward components (see store.episodes.labelled_episodes).
 
     A message's image part keeps the sha256 of its stored image (a vision-language model's run) and
     gains that image's width and height; a part without a sha256 is an image the policy never read.
     """
-    episodes = [episode_view(e) for e in labelled_episodes(rundb, run, **filters)]
-    sizes = image_sizes(rundb, [h for ep in episodes for h in image_hashes(ep["messages"])])
+    episodes = [episode_view(e) for e in labelled_episodes(store, **filters)]
+    sizes = image_sizes(store.rundb, [h for ep in episodes for h in image_hashes(ep["messages"])])
     for ep in episodes:
         ep["messages"] = [_with_sizes(m, sizes) for m in ep["messages"]]
     return episodes
@@ -231,5 +233,5 @@ def episode_view(labelled: LabelledEpisode) -> dict[str, Any]:
     }
 
 
-def _curve(rundb: RunDB, run: str, key: str) -> list[float]:
-    return [metric.value for metric in rundb.metrics(run, key)]
+def _curve(store: RunStore, key: str) -> list[float]:
+    return [metric.value for metric in store.metrics(key)]

@@ -16,30 +16,42 @@ from rlcli.store.db import RunDB, now
 from rlcli.store.evals import eval_decoding, eval_results, leading_tasks_success
 from rlcli.store.names import EXPERT, SFT_STAGE, PolicyRef, TrainStage, eval_stage, try_parse_stage
 from rlcli.store.records import Checkpoint
+from rlcli.store.run_store import AcceptsRunPair, RunStore
 
 
-def add_checkpoint(rundb: RunDB, run: str, stage: str, iteration: int, path: str | Path, kind: str) -> int:
+@AcceptsRunPair
+def add_checkpoint(store: RunStore, stage: str, iteration: int, path: str | Path, kind: str) -> int:
     """Record the folder `path` (as the caller sees it) and return the row's id.
 
     A stage that is redone writes the same folder again: its row is reused, so that evals and
     exports that point at the id stay valid.
     """
-    stored = _stored_path(rundb, Path(path))
-    with rundb.transaction() as db:
-        same = list(db.table("checkpoints").rows_where("run = ? and stage = ? and path = ?", [run, stage, stored]))
+    stored = _stored_path(store.rundb, Path(path))
+    with store.rundb.transaction() as db:
+        same = list(
+            db.table("checkpoints").rows_where("run = ? and stage = ? and path = ?", [store.run, stage, stored])
+        )
         if same:
             db.table("checkpoints").update(same[-1]["id"], {"iteration": iteration, "kind": kind, "created_at": now()})
             return same[-1]["id"]
-        row = {"run": run, "stage": stage, "iteration": iteration, "path": stored, "kind": kind, "created_at": now()}
+        row = {
+            "run": store.run,
+            "stage": stage,
+            "iteration": iteration,
+            "path": stored,
+            "kind": kind,
+            "created_at": now(),
+        }
         pk = db.table("checkpoints").insert(row).last_pk
         assert isinstance(pk, int)  # the table's integer primary key
         return pk
 
 
-def checkpoints(rundb: RunDB, run: str) -> list[Checkpoint]:
+@AcceptsRunPair
+def checkpoints(store: RunStore) -> list[Checkpoint]:
     """The run's checkpoints, oldest first, with absolute paths."""
-    rows = rundb.db.table("checkpoints").rows_where("run = ?", [run], order_by="id")
-    return [Checkpoint(**{**row, "path": str(_resolved_path(rundb, row["path"], run))}) for row in rows]
+    rows = store.rundb.db.table("checkpoints").rows_where("run = ?", [store.run], order_by="id")
+    return [Checkpoint(**{**row, "path": str(_resolved_path(store.rundb, row["path"], store.run))}) for row in rows]
 
 
 def checkpoint_run(rundb: RunDB, checkpoint_id: int) -> str | None:
@@ -48,7 +60,8 @@ def checkpoint_run(rundb: RunDB, checkpoint_id: int) -> str | None:
     return rows[0]["run"] if rows else None
 
 
-def resolve_checkpoint(rundb: RunDB, run: str, which: str | PolicyRef) -> Checkpoint | None:
+@AcceptsRunPair
+def resolve_checkpoint(store: RunStore, which: str | PolicyRef) -> Checkpoint | None:
     """base -> None (the base model); sft / latest / best / a numeric id -> that checkpoint (`which`
     in the CLI form, PolicyRef.from_cli).
 
@@ -58,29 +71,31 @@ def resolve_checkpoint(rundb: RunDB, run: str, which: str | PolicyRef) -> Checkp
     ref = which if isinstance(which, PolicyRef) else PolicyRef.from_cli(which)
     if ref.kind == "base":
         return None
-    rows = checkpoints(rundb, run)
+    rows = checkpoints(store)
     if ref.kind == "best":
-        best = best_checkpoint(rundb, run)
+        best = best_checkpoint(store)
         if best is None:
             raise UsageError(
-                f"Run {run!r} has no held-out eval results to pick the best checkpoint from; "
+                f"Run {store.run!r} has no held-out eval results to pick the best checkpoint from; "
                 "run with grpo.eval_every or rlcli eval first."
             )
         return best.checkpoint
     if ref.kind == "latest":
-        if rundb.run_recipe(run).grpo.keep_best and (best := best_checkpoint(rundb, run)) is not None:
+        if store.recipe().grpo.keep_best and (best := best_checkpoint(store)) is not None:
             return best.checkpoint
         return rows[-1] if rows else None
     if ref.kind == "sft":
         sft_rows = [r for r in rows if r.stage == SFT_STAGE]
         if not sft_rows:
-            raise UsageError(f"Run {run!r} has no SFT checkpoint; run `rlcli sft` first or choose base/latest.")
+            raise UsageError(f"Run {store.run!r} has no SFT checkpoint; run `rlcli sft` first or choose base/latest.")
         return sft_rows[-1]
     if ref.kind == "checkpoint":
         for row in rows:
             if row.id == ref.number:
                 return row
-        raise UsageError(f"Run {run!r} has no checkpoint with id {ref}; `rlcli runs show {run}` lists them.")
+        raise UsageError(
+            f"Run {store.run!r} has no checkpoint with id {ref}; `rlcli runs show {store.run}` lists them."
+        )
     assert ref == EXPERT, f"from_cli gives no {ref.kind} reference"
     raise UsageError(f"Unknown checkpoint {str(ref)!r}: expected base, sft, latest, best or a checkpoint id.")
 
@@ -108,7 +123,7 @@ class RankedCheckpoint:
         return f"checkpoint {c.id} ({where}, held-out {self.success_rate:.2f})"
 
 
-def ranked_checkpoints(rundb: RunDB, run: str) -> list[RankedCheckpoint]:
+def ranked_checkpoints(store: RunStore) -> list[RankedCheckpoint]:
     """The base model and checkpoints with comparable held-out evals, in training order (base,
     then by checkpoint id).
 
@@ -117,11 +132,11 @@ def ranked_checkpoints(rundb: RunDB, run: str) -> list[RankedCheckpoint]:
     reached that many, on as many as the largest eval has. An eval of more tasks (a later `rlcli
     eval` with a larger eval.tasks) still compares: its first tasks are the same episodes.
     """
-    recipe = rundb.run_recipe(run)
+    recipe = store.recipe()
     temperature, k = eval_decoding(recipe)
-    by_id = {c.id: c for c in checkpoints(rundb, run)}
+    by_id = {c.id: c for c in checkpoints(store)}
     found: list[tuple[Checkpoint | None, int, str]] = []
-    for result in eval_results(rundb, run):
+    for result in eval_results(store):
         ckpt = by_id.get(result.checkpoint_id) if result.checkpoint_id is not None else None
         if result.checkpoint_id is not None and ckpt is None:
             continue  # a checkpoint row that is gone
@@ -134,16 +149,16 @@ def ranked_checkpoints(rundb: RunDB, run: str) -> list[RankedCheckpoint]:
     tasks = min(recipe.grpo.eval_tasks or recipe.eval.tasks or most, most)
     ranked = []
     for ckpt, have, stage in found:
-        rate = leading_tasks_success(rundb, run, stage, tasks) if have >= tasks else None
+        rate = leading_tasks_success(store, stage, tasks) if have >= tasks else None
         if rate is not None:
             ranked.append(RankedCheckpoint(ckpt, rate, tasks, stage))
     return sorted(ranked, key=lambda r: -1 if r.checkpoint is None else r.checkpoint.id)
 
 
-def best_checkpoint(rundb: RunDB, run: str) -> RankedCheckpoint | None:
+def best_checkpoint(store: RunStore) -> RankedCheckpoint | None:
     """The best held-out success among comparable evals; a tie goes to the later checkpoint (the
     base model counts as the earliest). None when nothing has been evaluated comparably."""
-    return _best(ranked_checkpoints(rundb, run))
+    return _best(ranked_checkpoints(store))
 
 
 def _best(ranked: list[RankedCheckpoint]) -> RankedCheckpoint | None:
@@ -151,10 +166,10 @@ def _best(ranked: list[RankedCheckpoint]) -> RankedCheckpoint | None:
     return max(enumerate(ranked), key=lambda pair: (pair[1].success_rate, pair[0]))[1] if ranked else None
 
 
-def checkpoint_note(rundb: RunDB, run: str, which: str) -> str | None:
+def checkpoint_note(store: RunStore, which: str) -> str | None:
     """What `best`, or `latest` under grpo.keep_best, meant this time; None when it names itself."""
-    if which == "best" or (which == "latest" and rundb.run_recipe(run).grpo.keep_best):
-        best = best_checkpoint(rundb, run)
+    if which == "best" or (which == "latest" and store.recipe().grpo.keep_best):
+        best = best_checkpoint(store)
         if best is not None:
             return f"{'latest = best' if which == 'latest' else 'best'} = {best.describe()}"
     return None
@@ -171,8 +186,8 @@ class BestAndLatest:
     keep_best: bool  # grpo.keep_best: `latest` means best
 
 
-def best_and_latest(rundb: RunDB, run: str) -> BestAndLatest:
-    rows, ranked = checkpoints(rundb, run), ranked_checkpoints(rundb, run)
+def best_and_latest(store: RunStore) -> BestAndLatest:
+    rows, ranked = checkpoints(store), ranked_checkpoints(store)
     latest = rows[-1] if rows else None
     latest_rank = next((r for r in ranked if latest is not None and r.name == str(latest.id)), None)
     return BestAndLatest(
@@ -180,13 +195,14 @@ def best_and_latest(rundb: RunDB, run: str) -> BestAndLatest:
         latest,
         latest_rank.success_rate if latest_rank else None,
         ranked[0].tasks if ranked else None,
-        rundb.run_recipe(run).grpo.keep_best,
+        store.recipe().grpo.keep_best,
     )
 
 
-def train_checkpoints(rundb: RunDB, run: str) -> list[Checkpoint]:
+@AcceptsRunPair
+def train_checkpoints(store: RunStore) -> list[Checkpoint]:
     """GRPO's checkpoints (stages train/<i>), oldest first."""
-    return [c for c in checkpoints(rundb, run) if isinstance(try_parse_stage(c.stage), TrainStage)]
+    return [c for c in checkpoints(store) if isinstance(try_parse_stage(c.stage), TrainStage)]
 
 
 def require_folder(checkpoint: Checkpoint) -> Path:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlcli.store.blobs import BLOB_COLUMNS
-from rlcli.store.db import RunDB
+from rlcli.store.run_store import RunStore
 
 SQL_DTYPES = {"INTEGER": "int64", "FLOAT": "float64", "REAL": "float64", "TEXT": "string"}
 # Each table's rows for one run, in a stable order.
@@ -33,16 +33,16 @@ class TableDump:
     rows: Iterator[dict[str, Any]]  # streamed: a long run's turns need not fit in memory
 
 
-def run_tables(rundb: RunDB, run: str) -> Iterator[TableDump]:
+def run_tables(store: RunStore) -> Iterator[TableDump]:
     """One dump per table, as in the database (turns join episodes on episode_id); columns holding
     JSON text (messages, task, info, details) stay text."""
     for table, sql in TABLE_QUERIES.items():
-        columns = rundb.db[table].columns
+        columns = store.rundb.db[table].columns
         dtypes = {
             c.name: BLOB_COLUMNS[c.name][0] if c.name in BLOB_COLUMNS else SQL_DTYPES[c.type.upper()] for c in columns
         }
         lists = frozenset(c.name for c in columns if c.name in BLOB_COLUMNS)
-        yield TableDump(table, dtypes, lists, _decoded(rundb.db.query(sql, [run])))
+        yield TableDump(table, dtypes, lists, _decoded(store.rundb.db.query(sql, [store.run])))
 
 
 def _decoded(rows: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:

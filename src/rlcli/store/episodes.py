@@ -21,6 +21,7 @@ from rlcli.store.names import (
     try_parse_stage,
 )
 from rlcli.store.records import EndReason, Episode, EpisodeSummary, LabelledEpisode, PlayedGame, RewardRow, Turn
+from rlcli.store.run_store import AcceptsRunPair, RunStore
 
 TOTAL = "total"  # the reward component that holds a label set's weighted sum
 
@@ -59,13 +60,14 @@ def store_episodes(rundb: RunDB, episodes: list[Episode]) -> None:
             )
 
 
-def set_aside_episodes(rundb: RunDB, run: str, stage: str, episode_ids: list[int]) -> str:
+def set_aside_episodes(store: RunStore, stage: str, episode_ids: list[int]) -> str:
     """Move episodes out of `stage` into a stage of their own, stale/<stage>/<n>, kept with their turns
     and labels: asynchronous GRPO sets aside a rollout's episodes that are too stale to train on, so
     that the stage plays them again; return the new stage's name."""
-    with rundb.transaction() as db:
+    with store.rundb.transaction() as db:
         (earlier,) = db.execute(
-            "select count(distinct stage) from episodes where run = ? and stage like ?", [run, stale_stages_like(stage)]
+            "select count(distinct stage) from episodes where run = ? and stage like ?",
+            [store.run, stale_stages_like(stage)],
         ).fetchone()
         aside = stale_stage(stage, earlier + 1)
         # One JSON parameter, not one per episode: a large rollout would pass SQLite's parameter cap.
@@ -76,30 +78,32 @@ def set_aside_episodes(rundb: RunDB, run: str, stage: str, episode_ids: list[int
     return aside
 
 
-def supersede_stage(rundb: RunDB, run: str, stage: str, stage_rows: list[str]) -> tuple[str, int]:
+def supersede_stage(store: RunStore, stage: str, stage_rows: list[str]) -> tuple[str, int]:
     """A GRPO resume redoes rollout `stage` from scratch (engine/grpo/resume.py, supersede_lost_rollouts), in one
     transaction: its episodes move, with their turns and labels, into superseded/<stage>/<n>, where nothing
     that trains or draws tasks reads them (ANY_SUPERSEDED_LIKE), and the rows of `stage_rows` (the stage and
     its label stages) are removed, so that each runs again as the first time, its tasks drawn again. Return
     the stage the episodes went to and how many they were."""
-    with rundb.transaction() as db:
+    with store.rundb.transaction() as db:
         (earlier,) = db.execute(
             "select count(distinct stage) from episodes where run = ? and stage like ?",
-            [run, superseded_stages_like(stage)],
+            [store.run, superseded_stages_like(stage)],
         ).fetchone()
         aside = superseded_stage(stage, earlier + 1)
-        moved = db.execute("update episodes set stage = ? where run = ? and stage = ?", [aside, run, stage]).rowcount
+        moved = db.execute(
+            "update episodes set stage = ? where run = ? and stage = ?", [aside, store.run, stage]
+        ).rowcount
         db.execute(
             "delete from stages where run = ? and name in (select value from json_each(?))",
-            [run, json.dumps(stage_rows)],
+            [store.run, json.dumps(stage_rows)],
         )
     return aside, moved
 
 
-def set_aside_count(rundb: RunDB, run: str, stage: str) -> int:
+def set_aside_count(store: RunStore, stage: str) -> int:
     """How many of `stage`'s episodes were set aside as stale (set_aside_episodes)."""
-    (count,) = rundb.db.execute(
-        "select count(*) from episodes where run = ? and stage like ?", [run, stale_stages_like(stage)]
+    (count,) = store.rundb.db.execute(
+        "select count(*) from episodes where run = ? and stage like ?", [store.run, stale_stages_like(stage)]
     ).fetchone()
     return count
 
@@ -115,32 +119,35 @@ def store_rewards(rundb: RunDB, rewards: list[RewardRow]) -> None:
 # --- reading ----------------------------------------------------------------------------------
 
 
-def stored_episode_keys(rundb: RunDB, run: str, stage: str) -> set[tuple[int, int]]:
+def stored_episode_keys(store: RunStore, stage: str) -> set[tuple[int, int]]:
     """(task_index, sample_index) of every episode a stage has stored."""
-    rows = rundb.db.execute("select task_index, sample_index from episodes where run = ? and stage = ?", [run, stage])
+    rows = store.rundb.db.execute(
+        "select task_index, sample_index from episodes where run = ? and stage = ?", [store.run, stage]
+    )
     return {(t, s) for t, s in rows.fetchall()}
 
 
-def stage_episodes(rundb: RunDB, run: str, stage: str, *, finished_only: bool = False) -> list[Episode]:
+@AcceptsRunPair
+def stage_episodes(store: RunStore, stage: str, *, finished_only: bool = False) -> list[Episode]:
     """A stage's episodes in the order they were stored; finished_only leaves out failed ones."""
     status = " and status = 'ok'" if finished_only else ""
     return [
         _episode(row)
-        for row in rundb.db.query(
-            f"select * from episodes where run = ? and stage = ?{status} order by id", [run, stage]
+        for row in store.rundb.db.query(
+            f"select * from episodes where run = ? and stage = ?{status} order by id", [store.run, stage]
         )
     ]
 
 
-def eval_games(rundb: RunDB, run: str) -> list[PlayedGame]:
+def eval_games(store: RunStore) -> list[PlayedGame]:
     """Every finished game of the run's eval stages against an opponent (eval/<policy>/vs-<opponent>, and
     eval stages of games against opponents inside the env), scored from the player's zero-sum return.
     A game cut off before it ended (env.max_turns, the token cap) says nothing about who is stronger."""
     games = []
-    rows = rundb.db.query(
+    rows = store.rundb.db.query(
         "select stage, task, env_return, end_reason from episodes where run = ? and stage like 'eval/%' "
         "and status = 'ok' order by id",
-        [run],
+        [store.run],
     )
     for row in rows:
         stage, task = try_parse_stage(row["stage"]), json.loads(row["task"] or "{}")
@@ -154,31 +161,31 @@ def eval_games(rundb: RunDB, run: str) -> list[PlayedGame]:
     return games
 
 
-def unlabelled_count(rundb: RunDB, run: str, stage: str, label_set: str) -> int:
+def unlabelled_count(store: RunStore, stage: str, label_set: str) -> int:
     """How many of a stage's finished episodes have no total under `label_set`."""
-    (count,) = rundb.db.execute(
+    (count,) = store.rundb.db.execute(
         f"""select count(*) from episodes e where e.run = ? and e.stage = ? and e.status = 'ok' and not exists (
                select 1 from rewards r where r.episode_id = e.id and r.label_set = ? and r.component = '{TOTAL}')""",
-        [run, stage, label_set],
+        [store.run, stage, label_set],
     ).fetchone()
     return count
 
 
-def stages_with_episodes(rundb: RunDB, run: str) -> list[str]:
+def stages_with_episodes(store: RunStore) -> list[str]:
     """The run's stages that stored episodes, in the order they first did."""
     return [
         stage
-        for (stage,) in rundb.db.execute(
-            "select stage from episodes where run = ? group by stage order by min(id)", [run]
+        for (stage,) in store.rundb.db.execute(
+            "select stage from episodes where run = ? group by stage order by min(id)", [store.run]
         ).fetchall()
     ]
 
 
-def episode_summary(rundb: RunDB, run: str, stage: str) -> EpisodeSummary:
-    row = rundb.db.execute(
+def episode_summary(store: RunStore, stage: str) -> EpisodeSummary:
+    row = store.rundb.db.execute(
         """select count(*), sum(status = 'failed'), avg(env_return), avg(success), avg(num_turns), sum(num_tokens),
            sum(lost) from episodes where run = ? and stage = ?""",
-        [run, stage],
+        [store.run, stage],
     ).fetchone()
     return EpisodeSummary(
         episodes=row[0] or 0,
@@ -191,25 +198,25 @@ def episode_summary(rundb: RunDB, run: str, stage: str) -> EpisodeSummary:
     )
 
 
-def episode_counts(rundb: RunDB, run: str) -> tuple[int, int, int]:
+def episode_counts(store: RunStore) -> tuple[int, int, int]:
     """(all, failed, replayed_lost) episodes of a run: the last counts the plays lost with a killed env
     worker and played again (episodes.lost), as rollout/replayed_lost does an iteration's."""
-    total, failed, lost = rundb.db.execute(
-        "select count(*), sum(status = 'failed'), sum(lost) from episodes where run = ?", [run]
+    total, failed, lost = store.rundb.db.execute(
+        "select count(*), sum(status = 'failed'), sum(lost) from episodes where run = ?", [store.run]
     ).fetchone()
     return total or 0, failed or 0, lost or 0
 
 
-def episodes_for_training(rundb: RunDB, run: str, stage: str, label_set: str) -> list[LabelledEpisode]:
+def episodes_for_training(store: RunStore, stage: str, label_set: str) -> list[LabelledEpisode]:
     """A rollout stage's finished episodes that the label set labelled, with their turns, grouped
     by task (task_index, then sample_index) as GRPO's advantages need."""
-    rows = rundb.db.query(
+    rows = store.rundb.db.query(
         """select e.*, r.value as total from episodes e
            join rewards r on r.episode_id = e.id and r.label_set = ? and r.component = ?
            where e.run = ? and e.stage = ? and e.status = 'ok' order by e.task_index, e.sample_index""",
-        [label_set, TOTAL, run, stage],
+        [label_set, TOTAL, store.run, stage],
     )
-    return labelled_with_turns(rundb, rows, label_set)
+    return labelled_with_turns(store.rundb, rows, label_set)
 
 
 def labelled_with_turns(rundb: RunDB, rows: Iterable[dict[str, Any]], label_set: str) -> list[LabelledEpisode]:
@@ -225,17 +232,18 @@ def labelled_with_turns(rundb: RunDB, rows: Iterable[dict[str, Any]], label_set:
     return out
 
 
-def episodes_for_sft(rundb: RunDB, run: str) -> list[LabelledEpisode]:
+@AcceptsRunPair
+def episodes_for_sft(store: RunStore) -> list[LabelledEpisode]:
     """A run's finished training episodes (eval episodes are held out, and superseded ones left out), each
     with the total of the newest label set that covers it, else its env return."""
-    rows = rundb.db.query(
+    rows = store.rundb.db.query(
         """select e.*, coalesce(
                (select r.value from rewards r where r.episode_id = e.id and r.component = ?
                 order by r.id desc limit 1),
                e.env_return, 0) as total
            from episodes e where e.run = ? and e.status = 'ok' and e.split = 'train' and e.stage not like ?
            order by e.id""",
-        [TOTAL, run, ANY_SUPERSEDED_LIKE],
+        [TOTAL, store.run, ANY_SUPERSEDED_LIKE],
     )
     out = []
     for row in rows:
@@ -245,8 +253,7 @@ def episodes_for_sft(rundb: RunDB, run: str) -> list[LabelledEpisode]:
 
 
 def labelled_episodes(
-    rundb: RunDB,
-    run: str,
+    store: RunStore,
     *,
     order: str = "id",
     iteration: int | None = None,
@@ -258,9 +265,9 @@ def labelled_episodes(
 
     Without a label set, the one that labelled most of the chosen episodes is used.
     """
-    rundb.require_run(run)
+    store.require_run()
     where: list[str] = ["e.run = ?"]
-    params: list[str | int] = [run]
+    params: list[str | int] = [store.run]
     if stage is not None:
         where.append("e.stage = ?")
         params.append(stage)
@@ -268,12 +275,12 @@ def labelled_episodes(
         where.append("e.iteration = ?")
         params.append(iteration)
     condition = " and ".join(where)
-    if not rundb.db.execute(f"select 1 from episodes e where {condition} limit 1", params).fetchone():
-        raise UsageError(_no_episodes(rundb, run, stage, iteration))
+    if not store.rundb.db.execute(f"select 1 from episodes e where {condition} limit 1", params).fetchone():
+        raise UsageError(_no_episodes(store, stage, iteration))
 
     label_sets = [
         name
-        for name, _ in rundb.db.execute(
+        for name, _ in store.rundb.db.execute(
             f"select r.label_set, count(*) from rewards r join episodes e on e.id = r.episode_id "
             f"where {condition} and r.component = '{TOTAL}' group by r.label_set order by count(*) desc, r.label_set",
             params,
@@ -282,7 +289,7 @@ def labelled_episodes(
     if label_set is not None and label_set not in label_sets:
         known = ", ".join(label_sets) or "none"
         raise UsageError(
-            f"No rewards under label set {label_set!r} for these episodes of run {run!r}; label sets: {known}."
+            f"No rewards under label set {label_set!r} for these episodes of run {store.run!r}; label sets: {known}."
         )
     label_set = label_set or (label_sets[0] if label_sets else None)
 
@@ -293,7 +300,7 @@ def labelled_episodes(
         "worst": "total is null, total asc, e.id",
     }[order]
     rows = list(
-        rundb.db.query(
+        store.rundb.db.query(
             f"select e.*, r.value as total from episodes e left join rewards r "
             f"on r.episode_id = e.id and r.label_set = ? and r.component = '{TOTAL}' "
             f"where {condition} order by {order_by} limit ?",
@@ -304,7 +311,7 @@ def labelled_episodes(
     if rows and label_set is not None:
         # The ids travel as one JSON parameter: one parameter each would pass SQLite's cap on a
         # query's parameters (32766, or 999 before 3.32) for `runs episodes -n 40000`.
-        for r in rundb.db.query(
+        for r in store.rundb.db.query(
             "select * from rewards where label_set = ? and episode_id in (select value from json_each(?)) order by id",
             [label_set, json.dumps(list(components))],
         ):
@@ -317,14 +324,14 @@ def labelled_episodes(
     return out
 
 
-def _no_episodes(rundb: RunDB, run: str, stage: str | None, iteration: int | None) -> str:
-    stages = stages_with_episodes(rundb, run)
+def _no_episodes(store: RunStore, stage: str | None, iteration: int | None) -> str:
+    stages = stages_with_episodes(store)
     if not stages:
-        return f"Run {run!r} has no episodes yet; run `rlcli rollout` or `rlcli train grpo` first."
+        return f"Run {store.run!r} has no episodes yet; run `rlcli rollout` or `rlcli train grpo` first."
     asked = [f"stage {stage!r}"] if stage else []
     if iteration is not None:
         asked.append(f"iteration {iteration}")
-    return f"Run {run!r} has no episodes for {' and '.join(asked)}; stages with episodes: {', '.join(stages)}."
+    return f"Run {store.run!r} has no episodes for {' and '.join(asked)}; stages with episodes: {', '.join(stages)}."
 
 
 # --- rows -> records ------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from rlcli.store.db import RunDB
 from rlcli.store.records import EvalResult
+from rlcli.store.run_store import RunStore
 
 if TYPE_CHECKING:
     from rlcli.recipe import Recipe
@@ -31,16 +32,16 @@ def replace_eval(rundb: RunDB, result: EvalResult) -> None:
         db.table("evals").insert(row)
 
 
-def eval_result(rundb: RunDB, run: str, stage: str) -> EvalResult | None:
-    rows = list(rundb.db.table("evals").rows_where("run = ? and stage = ?", [run, stage]))
+def eval_result(store: RunStore, stage: str) -> EvalResult | None:
+    rows = list(store.rundb.db.table("evals").rows_where("run = ? and stage = ?", [store.run, stage]))
     return _eval(rows[0]) if rows else None
 
 
-def eval_results(rundb: RunDB, run: str) -> list[EvalResult]:
-    return [_eval(row) for row in rundb.db.table("evals").rows_where("run = ?", [run], order_by="id")]
+def eval_results(store: RunStore) -> list[EvalResult]:
+    return [_eval(row) for row in store.rundb.db.table("evals").rows_where("run = ?", [store.run], order_by="id")]
 
 
-def leading_tasks_success(rundb: RunDB, run: str, stage: str, tasks: int) -> float | None:
+def leading_tasks_success(store: RunStore, stage: str, tasks: int) -> float | None:
     """The success rate of an eval stage over its first `tasks` tasks (None when none of their
     episodes ran).
 
@@ -48,9 +49,9 @@ def leading_tasks_success(rundb: RunDB, run: str, stage: str, tasks: int) -> flo
     the very episodes an eval of `tasks` tasks plays: evals run on more tasks compare with it.
     Like eval_metrics, the rate is over the episodes that ran (a failed env says nothing).
     """
-    n, successes = rundb.db.execute(
+    n, successes = store.rundb.db.execute(
         "select count(*), sum(success) from episodes where run = ? and stage = ? and status = 'ok' and task_index < ?",
-        [run, stage, tasks],
+        [store.run, stage, tasks],
     ).fetchone()
     return successes / n if n else None
 

@@ -6,7 +6,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from rlcli.store.db import RunDB, now
+from rlcli.store.db import now
+from rlcli.store.run_store import AcceptsRunPair, RunStore
 
 
 @dataclass(frozen=True)
@@ -21,13 +22,12 @@ class RunEvent:
     created_at: str
 
 
-def add_event(
-    rundb: RunDB, run: str, stage: str, iteration: int, kind: str, message: str, details: dict[str, Any]
-) -> bool:
+@AcceptsRunPair
+def add_event(store: RunStore, stage: str, iteration: int, kind: str, message: str, details: dict[str, Any]) -> bool:
     """Store an event unless the run already has one of this kind for this iteration (a resumed
     iteration checks again); True when it is new."""
-    row = [run, stage, iteration, kind, message, json.dumps(details), now()]
-    with rundb.transaction() as db:
+    row = [store.run, stage, iteration, kind, message, json.dumps(details), now()]
+    with store.rundb.transaction() as db:
         cursor = db.execute(
             "insert or ignore into run_events (run, stage, iteration, kind, message, details, created_at) "
             "values (?, ?, ?, ?, ?, ?, ?)",
@@ -36,10 +36,10 @@ def add_event(
         return cursor.rowcount == 1
 
 
-def list_events(rundb: RunDB, run: str, kind: str | None = None) -> list[RunEvent]:
+def list_events(store: RunStore, kind: str | None = None) -> list[RunEvent]:
     """The run's events in the order they were raised."""
-    where, params = "run = ?", [run]
+    where, params = "run = ?", [store.run]
     if kind is not None:
         where, params = where + " and kind = ?", params + [kind]
-    rows = rundb.db.table("run_events").rows_where(where, params, order_by="id")
+    rows = store.rundb.db.table("run_events").rows_where(where, params, order_by="id")
     return [RunEvent(**{**row, "details": json.loads(row["details"] or "{}")}) for row in rows]

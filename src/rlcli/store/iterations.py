@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from rlcli.store.db import RunDB
+    from rlcli.store.run_store import RunStore
 
 
 @dataclass(frozen=True)
@@ -49,9 +49,9 @@ class RolloutPlan:
         )
 
 
-def rollout_plan(rundb: RunDB, run: str, stage: str) -> RolloutPlan | None:
+def rollout_plan(store: RunStore, stage: str) -> RolloutPlan | None:
     """The plan rollout stage `stage` recorded; None when it has not begun or recorded none."""
-    row = rundb.stage(run, stage)
+    row = store.stage(stage)
     return RolloutPlan.from_params(row.params) if row is not None else None
 
 

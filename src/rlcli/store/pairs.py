@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass
 from rlcli.store.db import RunDB, now
 from rlcli.store.episodes import _episode, _turn
 from rlcli.store.records import Episode
+from rlcli.store.run_store import AcceptsRunPair, RunStore
 
 
 @dataclass(frozen=True)
@@ -26,15 +27,19 @@ class PairRecord:
     rejected_tokens: int
 
 
-def record_pairs(rundb: RunDB, run: str, stage: str, pairs: list[PairRecord]) -> None:
+@AcceptsRunPair
+def record_pairs(store: RunStore, stage: str, pairs: list[PairRecord]) -> None:
     """A stage's pairs, all in one transaction (a kill records all of them or none)."""
-    with rundb.transaction() as db:
-        db.table("dpo_pairs").insert_all({"run": run, "stage": stage, **asdict(p), "created_at": now()} for p in pairs)
+    with store.rundb.transaction() as db:
+        db.table("dpo_pairs").insert_all(
+            {"run": store.run, "stage": stage, **asdict(p), "created_at": now()} for p in pairs
+        )
 
 
-def stage_pairs(rundb: RunDB, run: str, stage: str) -> list[PairRecord]:
+@AcceptsRunPair
+def stage_pairs(store: RunStore, stage: str) -> list[PairRecord]:
     """The pairs a stage recorded, in the order it recorded them."""
-    rows = rundb.db.query("select * from dpo_pairs where run = ? and stage = ? order by id", [run, stage])
+    rows = store.rundb.db.query("select * from dpo_pairs where run = ? and stage = ? order by id", [store.run, stage])
     fields = PairRecord.__dataclass_fields__
     return [PairRecord(**{k: v for k, v in row.items() if k in fields}) for row in rows]
 

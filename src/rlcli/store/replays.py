@@ -7,44 +7,46 @@ records the same replays once.
 
 from __future__ import annotations
 
-from rlcli.store.db import RunDB, now
+from rlcli.store.db import now
 from rlcli.store.episodes import TOTAL, labelled_with_turns
 from rlcli.store.names import ANY_SUPERSEDED_LIKE
 from rlcli.store.records import LabelledEpisode
+from rlcli.store.run_store import RunStore
 
 
 def replay_candidates(
-    rundb: RunDB, run: str, task_index: int, before_iteration: int, label_set: str, min_reward: float, limit: int
+    store: RunStore, task_index: int, before_iteration: int, label_set: str, min_reward: float, limit: int
 ) -> list[LabelledEpisode]:
     """Up to `limit` finished training episodes of a task from GRPO iterations before `before_iteration`
     whose total under the label set is at least `min_reward`, best first (the newest among equals),
     with their turns; never one a GRPO resume superseded (played with weights it recomputed)."""
-    rows = rundb.db.query(
+    rows = store.rundb.db.query(
         """select e.*, r.value as total from episodes e
            join rewards r on r.episode_id = e.id and r.label_set = ? and r.component = ?
            where e.run = ? and e.task_index = ? and e.split = 'train' and e.status = 'ok'
              and e.iteration is not null and e.iteration < ? and r.value >= ? and e.stage not like ?
            order by r.value desc, e.id desc limit ?""",
-        [label_set, TOTAL, run, task_index, before_iteration, min_reward, ANY_SUPERSEDED_LIKE, limit],
+        [label_set, TOTAL, store.run, task_index, before_iteration, min_reward, ANY_SUPERSEDED_LIKE, limit],
     )
-    return labelled_with_turns(rundb, rows, label_set)
+    return labelled_with_turns(store.rundb, rows, label_set)
 
 
-def record_replays(rundb: RunDB, run: str, iteration: int, episodes: list[tuple[int, int]]) -> None:
+def record_replays(store: RunStore, iteration: int, episodes: list[tuple[int, int]]) -> None:
     """Record that GRPO iteration `iteration` trained again on these (episode id, task index)."""
     rows = [
-        {"run": run, "iteration": iteration, "episode_id": e, "task_index": t, "created_at": now()} for e, t in episodes
+        {"run": store.run, "iteration": iteration, "episode_id": e, "task_index": t, "created_at": now()}
+        for e, t in episodes
     ]
     if rows:
-        rundb.db.table("replays").upsert_all(rows, pk=("run", "iteration", "episode_id"), alter=False)
+        store.rundb.db.table("replays").upsert_all(rows, pk=("run", "iteration", "episode_id"), alter=False)
 
 
-def replays(rundb: RunDB, run: str) -> list[tuple[int, int, int]]:
+def replays(store: RunStore) -> list[tuple[int, int, int]]:
     """(iteration, episode id, task index) of every replay of a run, in iteration order."""
     return [
         (r["iteration"], r["episode_id"], r["task_index"])
-        for r in rundb.db.query(
+        for r in store.rundb.db.query(
             "select iteration, episode_id, task_index from replays where run = ? order by iteration, episode_id",
-            [run],
+            [store.run],
         )
     ]

@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import IO, Any
 
 from rlcli.errors import RlcliError, UsageError
-from rlcli.store.db import RunDB, now
+from rlcli.store.db import now
 from rlcli.store.records import Run, Stage
+from rlcli.store.run_store import RunStore
 
 NEW_STAGE_HINT = "give the new work another stage name"
 
@@ -129,8 +130,7 @@ def displayed_status(runs_dir: Path, run: Run) -> str:
 
 
 def run_stage(
-    rundb: RunDB,
-    run: str,
+    store: RunStore,
     name: str,
     work: Callable[[], dict[str, Any] | None],
     params: dict[str, Any] | None = None,
@@ -148,24 +148,24 @@ def run_stage(
     asked again under the same name with other values, the stage is refused, done or interrupted
     (whose episodes would mix). `params` holds the rest, such as a task count that may grow.
     """
-    row = rundb.stage(run, name)
+    row = store.stage(name)
     identity = json.loads(json.dumps(identity or {}))  # compared as stored: tuples become lists
     if row is not None:
-        _check_identity(run, row, identity, new_stage_hint)
+        _check_identity(store.run, row, identity, new_stage_hint)
     if row is not None and row.done:
         return row.result or {}
     started = row.started_at if row and row.started_at else now()
     stored = {**(params or {}), **identity}
-    rundb.mark_stage(run, name, "running", started_at=started, params=stored, error=None, pid=os.getpid())
+    store.mark_stage(name, "running", started_at=started, params=stored, error=None, pid=os.getpid())
     try:
         result = work() or {}
-        with rundb.transaction():
+        with store.rundb.transaction():
             if commit is not None:
                 commit(result)
-            rundb.mark_stage(run, name, "done", result=result, finished_at=now())
+            store.mark_stage(name, "done", result=result, finished_at=now())
     except BaseException as exc:
         reason = "interrupted" if isinstance(exc, KeyboardInterrupt) else (str(exc) or type(exc).__name__)
-        rundb.mark_stage(run, name, "failed", error=reason, finished_at=now())
+        store.mark_stage(name, "failed", error=reason, finished_at=now())
         raise
     return result
 
@@ -179,6 +179,6 @@ def _check_identity(run: str, row: Stage, identity: dict[str, Any], new_stage_hi
         raise UsageError(f"Stage {row.name!r} of run {run!r} was run with {was}, not {asked}; {new_stage_hint}.")
 
 
-def stage_done(rundb: RunDB, run: str, name: str) -> bool:
-    row = rundb.stage(run, name)
+def stage_done(store: RunStore, name: str) -> bool:
+    row = store.stage(name)
     return row is not None and row.done

@@ -10,9 +10,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from rlcli.store.db import RunDB, now
+from rlcli.store.db import now
 from rlcli.store.episodes import TOTAL
 from rlcli.store.names import ANY_SUPERSEDED_LIKE
+from rlcli.store.run_store import RunStore
 
 
 @dataclass(frozen=True)
@@ -41,12 +42,12 @@ _AGGREGATE = """
 
 
 def compute_task_stats(
-    rundb: RunDB, run: str, label_set: str, *, before_iteration: int | None = None, tasks: list[int] | None = None
+    store: RunStore, label_set: str, *, before_iteration: int | None = None, tasks: list[int] | None = None
 ) -> list[TaskStats]:
     """The stats straight from the episodes and labels; `before_iteration` counts only GRPO
     iterations before it (what a draw for that iteration may know), `tasks` only those tasks."""
     extra = ""
-    params: list[str | int] = [label_set, TOTAL, run, ANY_SUPERSEDED_LIKE]
+    params: list[str | int] = [label_set, TOTAL, store.run, ANY_SUPERSEDED_LIKE]
     if before_iteration is not None:
         extra += " and e.iteration is not null and e.iteration < ?"
         params.append(before_iteration)
@@ -54,33 +55,34 @@ def compute_task_stats(
         # One JSON parameter, not one per task: a large task set would pass SQLite's parameter cap.
         extra += " and e.task_index in (select value from json_each(?))"
         params.append(json.dumps(tasks))
-    rows = rundb.db.execute(_AGGREGATE.format(extra=extra), params).fetchall()
+    rows = store.rundb.db.execute(_AGGREGATE.format(extra=extra), params).fetchall()
     return [TaskStats(t, n, int(s or 0), float(r), it) for t, n, s, r, it in rows]
 
 
-def refresh_task_stats(rundb: RunDB, run: str, stage: str, label_set: str) -> int:
+def refresh_task_stats(store: RunStore, stage: str, label_set: str) -> int:
     """Recompute the stored stats of the tasks a stage played, from every episode of those tasks (a task
     with none left that counts, its episodes all superseded, loses its row); return how many tasks were
     updated. Idempotent: running it again changes nothing."""
     tasks = [
         t
-        for (t,) in rundb.db.execute(
-            "select distinct task_index from episodes where run = ? and stage = ? and split = 'train'", [run, stage]
+        for (t,) in store.rundb.db.execute(
+            "select distinct task_index from episodes where run = ? and stage = ? and split = 'train'",
+            [store.run, stage],
         ).fetchall()
     ]
     if not tasks:
         return 0
-    stats = compute_task_stats(rundb, run, label_set, tasks=tasks)
-    with rundb.transaction() as db:
+    stats = compute_task_stats(store, label_set, tasks=tasks)
+    with store.rundb.transaction() as db:
         gone = sorted(set(tasks) - {s.task_index for s in stats})
         db.execute(
             "delete from task_stats where run = ? and label_set = ? and task_index in (select value from json_each(?))",
-            [run, label_set, json.dumps(gone)],
+            [store.run, label_set, json.dumps(gone)],
         )
         db.table("task_stats").upsert_all(
             [
                 {
-                    "run": run,
+                    "run": store.run,
                     "label_set": label_set,
                     "task_index": s.task_index,
                     "attempts": s.attempts,
@@ -97,11 +99,11 @@ def refresh_task_stats(rundb: RunDB, run: str, stage: str, label_set: str) -> in
     return len(stats)
 
 
-def stored_task_stats(rundb: RunDB, run: str, label_set: str) -> list[TaskStats]:
+def stored_task_stats(store: RunStore, label_set: str) -> list[TaskStats]:
     """The `task_stats` rows of a run, by task."""
-    rows = rundb.db.execute(
+    rows = store.rundb.db.execute(
         "select task_index, attempts, successes, reward_mean, last_iteration from task_stats "
         "where run = ? and label_set = ? order by task_index",
-        [run, label_set],
+        [store.run, label_set],
     ).fetchall()
     return [TaskStats(*row) for row in rows]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlcli.store.db import RunDB
+from rlcli.store.run_store import RunStore
 
 
 @dataclass(frozen=True)
@@ -20,11 +20,11 @@ class TurnTimes:
     env_s: float  # turns.env_time_s: the env step after each turn (resets are not timed per turn)
 
 
-def turn_times(rundb: RunDB, run: str) -> dict[str, TurnTimes]:
+def turn_times(store: RunStore) -> dict[str, TurnTimes]:
     """Per stage of `run` that has episodes with turns: its turns' count, generation and env-step seconds."""
-    rows = rundb.db.execute(
+    rows = store.rundb.db.execute(
         "select e.stage, count(*), coalesce(sum(t.gen_time_s), 0), coalesce(sum(t.env_time_s), 0) "
         "from episodes e join turns t on t.episode_id = e.id where e.run = ? group by e.stage",
-        [run],
+        [store.run],
     ).fetchall()
     return {stage: TurnTimes(int(n), float(gen), float(env)) for stage, n, gen, env in rows}

@@ -57,7 +57,7 @@ def build_batch(ctx: RunContext, chosen: Selection, rae_baselines: dict[str, flo
         played = lags[: len(episodes) - len(chosen.replayed)]
         metrics["train/staleness_mean"] = sum(played) / len(played)
         metrics["train/staleness_max"] = max(played)
-    if discarded := set_aside_count(ctx.rundb, ctx.run, rollout_stage(it)):
+    if discarded := set_aside_count(ctx.store, rollout_stage(it)):
         metrics["train/discarded_episodes"] = discarded
     turn_adv, rae = turn_advantages(cfg, episodes, rewards, groups, rae_baselines, metrics)
 

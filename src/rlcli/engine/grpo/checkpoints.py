@@ -27,5 +27,5 @@ def checkpoint_folder(ctx: RunContext, it: int) -> Path:
 
 
 def newest_sft(ctx: RunContext) -> Checkpoint | None:
-    sft = [c for c in checkpoints(ctx.rundb, ctx.run) if c.stage == SFT_STAGE]
+    sft = [c for c in checkpoints(ctx.store) if c.stage == SFT_STAGE]
     return sft[-1] if sft else None

@@ -39,7 +39,7 @@ class HeldOutEvals:
         resumed, cfg = trainer.resumed, self.ctx.recipe.grpo
         if trainer.first == 0:
             self.evals.evaluate(trainer.origin, -1, in_memory=resumed is None)
-        for ckpt in train_checkpoints(self.ctx.rundb, self.ctx.run):
+        for ckpt in train_checkpoints(self.ctx.store):
             done = trainer.first <= ckpt.iteration < min(trainer.next_iteration, trainer.end)
             if done and evaluates_after(cfg, ckpt.iteration):
                 self.evals.evaluate(ckpt, ckpt.iteration, in_memory=resumed is not None and ckpt.id == resumed.id)
@@ -48,7 +48,7 @@ class HeldOutEvals:
         """The held-out metrics of iteration it's checkpoint, when its eval is due (with the model in memory)."""
         if self.evals is None or not evaluates_after(self.ctx.recipe.grpo, it):
             return {}
-        saved = [c for c in train_checkpoints(self.ctx.rundb, self.ctx.run) if c.stage == train_stage(it)]
+        saved = [c for c in train_checkpoints(self.ctx.store) if c.stage == train_stage(it)]
         return self.evals.evaluate(saved[-1], it, in_memory=True)
 
 

@@ -108,8 +108,8 @@ class GrpoTrainer:
             apply_recipe_hyperparameters(self.optimizer, self.scheduler, cfg, self.schedule)
         # Stages after the checkpoint were done with weights that were not saved: redo them.
         for it in range(self.next_iteration, self.end):
-            if stage_done(self.ctx.rundb, self.ctx.run, train_stage(it)):
-                self.ctx.rundb.mark_stage(self.ctx.run, train_stage(it), "pending")
+            if stage_done(self.ctx.store, train_stage(it)):
+                self.ctx.store.mark_stage(train_stage(it), "pending")
         supersede_lost_rollouts(self.ctx, self.next_iteration, self.end)
         self.ctx.console.print(
             f"{self.title}: iterations {self.next_iteration}..{self.end - 1}, starting from {self._starting_point()}"
@@ -176,8 +176,8 @@ class GrpoTrainer:
         """train/it's closing writes, made in the transaction that marks it done once its checkpoint
         folder is durable: the replays it trained on, its checkpoint's row and its metrics."""
         ctx = self.ctx
-        record_replays(ctx.rundb, ctx.run, it, stats.replayed or [])
+        record_replays(ctx.store, it, stats.replayed or [])
         if saves_checkpoint(self.cfg, it):
             kind = "lora" if ctx.recipe.lora is not None else "full"
-            add_checkpoint(ctx.rundb, ctx.run, train_stage(it), it, checkpoint_folder(ctx, it), kind)
-        ctx.rundb.log_metrics(ctx.run, METRICS_STAGE, it, metrics)
+            add_checkpoint(ctx.store, train_stage(it), it, checkpoint_folder(ctx, it), kind)
+        ctx.store.log_metrics(METRICS_STAGE, it, metrics)

@@ -93,8 +93,8 @@ def run_grpo(ctx: RunContext, phase: int = 0) -> None:
         return
     n = ctx.recipe.grpo.iterations
     first, name = phase * n, grpo_phase_stage(phase)
-    row = ctx.rundb.stage(ctx.run, name)
-    if row is None and ctx.rundb.stage(ctx.run, rollout_stage(first)) is not None:
+    row = ctx.store.stage(name)
+    if row is None and ctx.store.stage(rollout_stage(first)) is not None:
         raise UsageError(
             f"Run {ctx.run!r}: GRPO phase {phase} would start at iteration {first}, which an earlier phase has "
             "already run (grpo.iterations was larger then); set grpo.iterations back, or start a new run."
@@ -111,7 +111,7 @@ def run_grpo(ctx: RunContext, phase: int = 0) -> None:
 def check_phases(ctx: RunContext) -> None:
     """Refuse a grpo.iterations that would move the iterations of a GRPO phase already begun."""
     n = ctx.recipe.grpo.iterations
-    for row in ctx.rundb.stages(ctx.run):
+    for row in ctx.store.stages():
         stage = try_parse_stage(row.name)
         if isinstance(stage, GrpoStage) and stage.phase and "first_iteration" in row.params:
             phase, first, last = stage.phase, row.params["first_iteration"], row.params["last_iteration"]
@@ -126,7 +126,7 @@ def check_phases(ctx: RunContext) -> None:
 def phase_start(ctx: RunContext, row: Stage | None) -> Checkpoint | None:
     """The checkpoint a GRPO phase >= 1 starts from: the one its stage `row` recorded when it began,
     else the run's newest (None: the base model)."""
-    known = checkpoints(ctx.rundb, ctx.run)
+    known = checkpoints(ctx.store)
     if row is not None and "start" in row.params:
         if row.params["start"] is None:
             return None

@@ -23,7 +23,7 @@ def resume_point(ctx: RunContext, first: int = 0) -> tuple[Checkpoint | None, di
     """The newest GRPO checkpoint from iteration `first` on (the phase's first) whose trainer state
     reads back, with that state; (None, None) to start the phase afresh. One that a crash left
     unreadable is passed over, saying so: its iterations are redone."""
-    own = [c for c in train_checkpoints(ctx.rundb, ctx.run) if c.iteration >= first]
+    own = [c for c in train_checkpoints(ctx.store) if c.iteration >= first]
     for checkpoint in reversed(own):
         state_file = require_folder(checkpoint) / TRAINER_STATE
         try:
@@ -56,19 +56,19 @@ def supersede_lost_rollouts(ctx: RunContext, next_iteration: int, end: int) -> N
     from rlcli.store.names import GrpoLabelStage, LabelStage, RolloutStage, try_parse_stage
     from rlcli.store.tasks import refresh_task_stats
 
-    rows = {row.name: try_parse_stage(row.name) for row in ctx.rundb.stages(ctx.run)}
+    rows = {row.name: try_parse_stage(row.name) for row in ctx.store.stages()}
     for name, parsed in rows.items():
         if not isinstance(parsed, RolloutStage) or not next_iteration <= parsed.iteration < end:
             continue
-        played = {episode.policy for episode in stage_episodes(ctx.rundb, ctx.run, name)}
+        played = {episode.policy for episode in stage_episodes(ctx.store, name)}
         versions = [v for v in map(policy_version, played) if v is not None]
         if not any(v >= next_iteration for v in versions) and (played or parsed.iteration == next_iteration):
             continue
         labels = [GrpoLabelStage(parsed.iteration, parsed.round).name]
         labels += [other for other, p in rows.items() if isinstance(p, LabelStage) and p.stage == name]
-        aside, moved = supersede_stage(ctx.rundb, ctx.run, name, [name, *labels])
+        aside, moved = supersede_stage(ctx.store, name, [name, *labels])
         if moved:
-            refresh_task_stats(ctx.rundb, ctx.run, aside, GRPO_LABEL_SET)  # counted without them
+            refresh_task_stats(ctx.store, aside, GRPO_LABEL_SET)  # counted without them
         kept = f"its {moved} episodes set aside as {aside}" if moved else "it had stored no episode yet"
         ctx.console.print(
             f"train grpo: {name} was begun with weights that this resume recomputes from the last checkpoint "
@@ -83,7 +83,7 @@ def reference_checkpoint(ctx: RunContext, state: dict[str, Any] | None) -> Check
     KL term means the same thing throughout (checkpoints from before rlcli recorded it anchored to the
     base); a recipe that now names the other one is refused."""
     choice = ctx.recipe.grpo.reference
-    run_checkpoints = checkpoints(ctx.rundb, ctx.run)
+    run_checkpoints = checkpoints(ctx.store)
     if state is not None:
         recorded = state.get("reference")
         found = next((c for c in run_checkpoints if c.id == recorded), None)

@@ -28,7 +28,7 @@ def rollout_stages(ctx: RunContext, it: int) -> list[str]:
     stages = [rollout_stage(it)]
     if ctx.recipe.grpo.dynamic_sampling:
         for r in range(1, ctx.recipe.grpo.max_rollout_rounds):
-            if not stage_done(ctx.rundb, ctx.run, rollout_stage(it, r)):
+            if not stage_done(ctx.store, rollout_stage(it, r)):
                 break
             stages.append(rollout_stage(it, r))
     return stages
@@ -82,7 +82,7 @@ def choose_groups(ctx: RunContext, it: int, first: int) -> Selection:
 
 def informative_groups(ctx: RunContext, stages: list[str]) -> int:
     """How many groups of these rollout stages (of one iteration) have unequal rewards under the GRPO labels."""
-    episodes = [e for stage in stages for e in episodes_for_training(ctx.rundb, ctx.run, stage, GRPO_LABEL_SET)]
+    episodes = [e for stage in stages for e in episodes_for_training(ctx.store, stage, GRPO_LABEL_SET)]
     groups: dict[tuple[int, int], list[LabelledEpisode]] = {}
     for e in episodes:
         groups.setdefault(_group_key(e), []).append(e)
@@ -110,7 +110,7 @@ def carried_groups(ctx: RunContext, it: int, first: int) -> list[LabelledEpisode
     start = max(first, it - ctx.recipe.grpo.carry_staleness)
     trained: set[tuple[int, int]] = set()
     for k in range(start, it):
-        row = ctx.rundb.stage(ctx.run, train_stage(k))
+        row = ctx.store.stage(train_stage(k))
         stats = (
             IterationStats.from_dict(row.result) if row is not None and row.status == "done" and row.result else None
         )
@@ -131,8 +131,8 @@ def carried_groups(ctx: RunContext, it: int, first: int) -> list[LabelledEpisode
 def drawn_episodes(ctx: RunContext, stage: str) -> list[LabelledEpisode]:
     """A rollout stage's labelled episodes for training, their groups in the order the stage drew its
     tasks (its recorded list), so that grpo.dynamic_sampling prefers the first drawn, as a draw means."""
-    episodes = episodes_for_training(ctx.rundb, ctx.run, stage, GRPO_LABEL_SET)
-    plan = rollout_plan(ctx.rundb, ctx.run, stage)
+    episodes = episodes_for_training(ctx.store, stage, GRPO_LABEL_SET)
+    plan = rollout_plan(ctx.store, stage)
     if plan is None:
         return episodes
     position = {task: i for i, task in reversed(list(enumerate(plan.tasks)))}
@@ -159,7 +159,7 @@ def hard_tasks(ctx: RunContext, stages: list[str]) -> set[int]:
     """The tasks these rollout stages played with rollout.group_size_hard samples (their recorded sizes)."""
     hard = set()
     for stage in stages:
-        plan = rollout_plan(ctx.rundb, ctx.run, stage)
+        plan = rollout_plan(ctx.store, stage)
         assert plan is not None  # rollout_stages names only stages that were played, which record their plan
         sizes = plan.group_sizes or []
         hard |= {t for t, n in zip(plan.tasks, sizes) if n == ctx.recipe.rollout.group_size_hard}
@@ -177,7 +177,7 @@ def replays_for(ctx: RunContext, it: int, episodes: list[LabelledEpisode]) -> li
     out = []
     for task, reward in best.items():
         if reward < cfg.min_reward:
-            out += replay_candidates(ctx.rundb, ctx.run, task, it, GRPO_LABEL_SET, cfg.min_reward, cfg.max_per_group)
+            out += replay_candidates(ctx.store, task, it, GRPO_LABEL_SET, cfg.min_reward, cfg.max_per_group)
     return out
 
 

@@ -155,7 +155,7 @@ class SyncRollouts:
         tasks = iteration_tasks(ctx, it)  # grpo.sampling; a resumed iteration reuses its recorded draw
         sizes = group_sizes(ctx, it, rollout_stage(it), tasks)  # rollout.group_size_hard, recorded likewise
         set_aside_stale(ctx, it, 0)  # sampled ahead by an asynchronous run that is resumed synchronously
-        fresh = not stage_done(ctx.rundb, ctx.run, rollout_stage(it))
+        fresh = not stage_done(ctx.store, rollout_stage(it))
         sync_s = self._sync_engine(it) if self.engine is not None else None
         start = time.perf_counter()
         summary = EpisodeSummary.from_dict(self._collect(it, rollout_stage(it), tasks, sizes, f"rollout {it}"))

@@ -53,22 +53,22 @@ def set_aside_stale(ctx: RunContext, it: int, bound: int) -> int:
     from rlcli.store.events import add_event
 
     stage = rollout_stage(it)
-    stale = [e for e in stage_episodes(ctx.rundb, ctx.run, stage) if staleness(it, e.policy) > bound]
+    stale = [e for e in stage_episodes(ctx.store, stage) if staleness(it, e.policy) > bound]
     if not stale:
         return 0
     ids = [e.id for e in stale if e.id is not None]
     assert len(ids) == len(stale)  # read from the database: every stored episode has its id
-    aside = set_aside_episodes(ctx.rundb, ctx.run, stage, ids)
+    aside = set_aside_episodes(ctx.store, stage, ids)
     # The stage plays them again; its labels (GRPO's, and any `rlcli label` set's) must cover the new ones.
-    for row in ctx.rundb.stages(ctx.run):
+    for row in ctx.store.stages():
         if row.done and _labels_or_plays(row.name, it):
-            ctx.rundb.mark_stage(ctx.run, row.name, "pending")
+            ctx.store.mark_stage(row.name, "pending")
     worst = max(staleness(it, e.policy) for e in stale)
     message = (
         f"{len(stale)} episodes of {stage} were sampled up to {worst} updates before iteration {it} and "
         f"grpo.max_staleness is {bound}: set aside as {aside} and played again"
     )
-    add_event(ctx.rundb, ctx.run, stage, it, STALE_EVENT, message, {"episodes": len(stale), "moved_to": aside})
+    add_event(ctx.store, stage, it, STALE_EVENT, message, {"episodes": len(stale), "moved_to": aside})
     ctx.console.print(f"train grpo: {message}.", highlight=False)
     return len(stale)
 

@@ -181,7 +181,7 @@ class RolloutWorker:
             if j in self.asked:
                 continue
             set_aside_stale(self.ctx, j, self.k)
-            self.fresh[j] = not stage_done(self.ctx.rundb, self.ctx.run, rollout_stage(j))
+            self.fresh[j] = not stage_done(self.ctx.store, rollout_stage(j))
             self._send(("rollout", j, iteration_tasks(self.ctx, j)))
             self.asked.add(j)
 
@@ -195,7 +195,7 @@ class RolloutWorker:
         seconds, version = self.finished.pop(it)
         self.used_version = max(self.used_version, version)
         prune_pushes(self.ctx, self.used_version)
-        row = self.ctx.rundb.stage(self.ctx.run, rollout_stage(it))
+        row = self.ctx.store.stage(rollout_stage(it))
         assert row is not None and row.result  # the worker reports a rollout done once its stage is stored
         timings = {"perf/time_rollout_s": seconds, "perf/time_wait_s": waited}
         return EpisodeSummary.from_dict(row.result), timings, self.fresh[it]
