@@ -18,7 +18,7 @@ import pytest
 
 from helpers import cli, write_recipe
 from rlcli.cli.app import main
-from rlcli.cli.common import open_run
+from rlcli.engine.opening import open_run
 from rlcli.engine.context import RunContext
 from rlcli.errors import RlcliError, UsageError
 from rlcli.recipe import Recipe

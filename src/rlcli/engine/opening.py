@@ -1,0 +1,109 @@
+"""Opening a run for a command that works on it: the recipe validated (and planned against the GPU),
+the run database opened, the run locked, created or resumed with its recipe recorded; and its status
+following the command. A command that fails before any stage has started leaves the run as it found it."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+from rlcli.console import err_console
+from rlcli.engine.context import RunContext
+from rlcli.errors import RlcliError, UsageError
+
+
+@contextlib.contextmanager
+def open_run(
+    recipe_path: Path | None,
+    run: str | None,
+    runs_dir: Path | None,
+    overrides: list[str] | None,
+    force: bool = False,
+    stages: list[str] | None = None,
+) -> Iterator[RunContext]:
+    """Validate the recipe, open the database, lock the run, record it; yield a RunContext.
+    stages: what the command runs (sft, grpo, dpo, eval), for the memory plan on a GPU; None: the recipe's.
+
+    A command that fails before any stage of the run has started leaves the run as it found it (or
+    absent, if it made it): a typo in a command line must not mark a run failed or rewrite its recipe.
+    """
+    from rlcli.engine.games import check_opponents
+    from rlcli.engine.preflight import check_recipe
+    from rlcli.recipe import load_recipe, recipe_file
+    from rlcli.store.db import RunDB, check_run_name, default_runs_dir
+    from rlcli.store.stages import RunLock
+    from rlcli.usercode import code_hashes
+
+    if recipe_path is None and run is None:
+        raise UsageError("Give a recipe with --recipe/-r FILE (or --run NAME to continue a recorded run).")
+    # A bad recipe or run name must fail before anything is written, the database file included.
+    if run is not None:
+        check_run_name(run)
+    if recipe_path is not None:
+        recipe_path = recipe_file(recipe_path)  # a shipped recipe's name (-r quickstart): its file
+    recipe = load_recipe(recipe_path, overrides or []) if recipe_path is not None else None
+    if recipe is not None:
+        recipe.run.name = check_run_name(run or recipe.run.name)
+        check_recipe(recipe, stages)
+    runs_dir = Path(runs_dir) if runs_dir else default_runs_dir()
+    rundb = RunDB.open(runs_dir)
+    try:
+        if recipe is None:
+            # Continue a recorded run with its stored recipe.
+            assert run is not None  # no recipe path, so a run name (checked above)
+            from rlcli.recipe import apply_override, validate_recipe
+
+            data = rundb.run_recipe(run).to_dict()
+            for item in overrides or []:
+                apply_override(data, item)
+            recipe = validate_recipe(data, f"run {run!r}")
+            recipe.run.name = run
+            check_recipe(recipe, stages)
+        name = recipe.run.name
+        rundb.check_case_twin(name)  # before the lock, which makes the run's folder
+        new_folder = not (runs_dir / name).exists()
+        with RunLock(runs_dir, name) as lock:
+            # User env and reward files are loaded from the working directory, like the recipe's paths.
+            code = code_hashes(recipe.env.name, [r.fn for r in recipe.rewards], Path.cwd())
+            for path in rundb.code_changes(name, code):
+                err_console.print(
+                    f"warning: {path} changed since run {name!r} last used it; "
+                    "the new hash is recorded in its recipe history (rlcli runs show).",
+                    highlight=False,
+                )
+            before = rundb.run_state(name)
+            try:
+                rundb.start_run(name, recipe, str(recipe_path) if recipe_path else None, force=force, code=code)
+                try:
+                    ctx = RunContext(recipe, rundb, name, runs_dir, console=err_console)
+                    check_opponents(ctx)  # needs the run's checkpoints; before any work
+                    yield ctx
+                except BaseException:
+                    rundb.restore_run(before)
+                    raise
+            except BaseException:
+                if new_folder and rundb.get_run(name) is None:
+                    lock.remove_folder()  # no run, no folder: as the command found them
+                raise
+    finally:
+        rundb.close()
+
+
+@contextlib.contextmanager
+def tracked(ctx: RunContext) -> Iterator[None]:
+    """The run's status follows the command: running, then done or failed."""
+    ctx.store.set_status("running")
+    try:
+        yield
+    except KeyboardInterrupt:
+        # Typer turns Ctrl-C into exit 130 before main() could say how to go on.
+        ctx.store.set_status("failed", "interrupted")
+        err_console.print("Interrupted; run the same command again to resume.")
+        raise
+    except BaseException as exc:
+        # As main() reports it: an RlcliError's sentence, else the exception's type too.
+        error = str(exc) if isinstance(exc, RlcliError) else f"{type(exc).__name__}: {exc}"
+        ctx.store.set_status("failed", error)
+        raise
+    ctx.store.set_status("done")
