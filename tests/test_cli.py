@@ -18,8 +18,8 @@ import pytest
 
 from helpers import cli, write_recipe
 from rlcli.cli.app import main
-from rlcli.engine.opening import open_run
 from rlcli.engine.context import RunContext
+from rlcli.engine.opening import open_run
 from rlcli.errors import RlcliError, UsageError
 from rlcli.recipe import Recipe
 from rlcli.store.checkpoints import add_checkpoint
