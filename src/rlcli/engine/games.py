@@ -305,7 +305,7 @@ def resolve_opponent(
         if drawn is None:
             return Opponent("self", policy_sampler)
         return Opponent(f"ckpt-{drawn.id}", _checkpoint_sampler(ctx, drawn, sampling))
-    ckpt = resolve_checkpoint(ctx.rundb, ctx.run, PolicyRef.from_cli(str(kind)))
+    ckpt = resolve_checkpoint(ctx.store, PolicyRef.from_cli(str(kind)))
     name = "base" if ckpt is None else f"ckpt-{ckpt.id}"
     return Opponent(name, _checkpoint_sampler(ctx, ckpt, sampling))
 
@@ -318,7 +318,7 @@ def check_opponents(ctx: RunContext) -> None:
         ("env.opponent", recipe.env.opponent),
         *(("eval.opponents", o) for o in recipe.eval.opponents or []),
     ]:
-        if isinstance(kind, int) and not any(c.id == kind for c in checkpoints(ctx.rundb, ctx.run)):
+        if isinstance(kind, int) and not any(c.id == kind for c in checkpoints(ctx.store)):
             owner = checkpoint_run(ctx.rundb, kind)
             where = f"belongs to run {owner!r}" if owner else "does not exist"
             raise UsageError(
@@ -330,13 +330,12 @@ def check_opponents(ctx: RunContext) -> None:
 def draw_from_pool(ctx: RunContext, kind: str, stage: str, iteration: int | None) -> Checkpoint | None:
     """pool: one of the run's GRPO checkpoints saved before `iteration` (all, outside GRPO), uniformly;
     pool:K among the last K. None, with a run event, while there is none."""
-    pool = [c for c in train_checkpoints(ctx.rundb, ctx.run) if iteration is None or c.iteration < iteration]
+    pool = [c for c in train_checkpoints(ctx.store) if iteration is None or c.iteration < iteration]
     if kind != "pool":
         pool = pool[-int(kind.split(":")[1]) :]
     if not pool:
         add_event(
-            ctx.rundb,
-            ctx.run,
+            ctx.store,
             stage,
             iteration if iteration is not None else -1,
             POOL_EVENT,

@@ -24,7 +24,7 @@ from rlcli.errors import UsageError
 from rlcli.store.episodes import episodes_for_training, stages_with_episodes
 from rlcli.store.pairs import PairRecord
 from rlcli.store.records import Episode, LabelledEpisode, Turn
-from rlcli.store.run_store import AcceptsRunPair, RunStore
+from rlcli.store.run_store import RunStore
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,6 @@ class MiningReport:
     no_shared_prompt: int = 0  # pairs whose prompts part first, or whose actions never differ
 
 
-@AcceptsRunPair
 def source_stages(store: RunStore, patterns: list[str]) -> list[str]:
     """The run's stages with episodes that dpo.source names (names or glob patterns), in order."""
     stages = stages_with_episodes(store)
@@ -59,7 +58,6 @@ def source_stages(store: RunStore, patterns: list[str]) -> list[str]:
     return chosen
 
 
-@AcceptsRunPair
 def mine_pairs(
     store: RunStore, stages: list[str], label_set: str, margin: float, max_pairs: int | None
 ) -> MiningReport:

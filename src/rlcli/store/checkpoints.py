@@ -16,10 +16,9 @@ from rlcli.store.db import RunDB, now
 from rlcli.store.evals import eval_decoding, eval_results, leading_tasks_success
 from rlcli.store.names import EXPERT, SFT_STAGE, PolicyRef, TrainStage, eval_stage, try_parse_stage
 from rlcli.store.records import Checkpoint
-from rlcli.store.run_store import AcceptsRunPair, RunStore
+from rlcli.store.run_store import RunStore
 
 
-@AcceptsRunPair
 def add_checkpoint(store: RunStore, stage: str, iteration: int, path: str | Path, kind: str) -> int:
     """Record the folder `path` (as the caller sees it) and return the row's id.
 
@@ -47,7 +46,6 @@ def add_checkpoint(store: RunStore, stage: str, iteration: int, path: str | Path
         return pk
 
 
-@AcceptsRunPair
 def checkpoints(store: RunStore) -> list[Checkpoint]:
     """The run's checkpoints, oldest first, with absolute paths."""
     rows = store.rundb.db.table("checkpoints").rows_where("run = ?", [store.run], order_by="id")
@@ -60,7 +58,6 @@ def checkpoint_run(rundb: RunDB, checkpoint_id: int) -> str | None:
     return rows[0]["run"] if rows else None
 
 
-@AcceptsRunPair
 def resolve_checkpoint(store: RunStore, which: str | PolicyRef) -> Checkpoint | None:
     """base -> None (the base model); sft / latest / best / a numeric id -> that checkpoint (`which`
     in the CLI form, PolicyRef.from_cli).
@@ -199,7 +196,6 @@ def best_and_latest(store: RunStore) -> BestAndLatest:
     )
 
 
-@AcceptsRunPair
 def train_checkpoints(store: RunStore) -> list[Checkpoint]:
     """GRPO's checkpoints (stages train/<i>), oldest first."""
     return [c for c in checkpoints(store) if isinstance(try_parse_stage(c.stage), TrainStage)]

@@ -21,7 +21,7 @@ from rlcli.store.names import (
     try_parse_stage,
 )
 from rlcli.store.records import EndReason, Episode, EpisodeSummary, LabelledEpisode, PlayedGame, RewardRow, Turn
-from rlcli.store.run_store import AcceptsRunPair, RunStore
+from rlcli.store.run_store import RunStore
 
 TOTAL = "total"  # the reward component that holds a label set's weighted sum
 
@@ -127,7 +127,6 @@ def stored_episode_keys(store: RunStore, stage: str) -> set[tuple[int, int]]:
     return {(t, s) for t, s in rows.fetchall()}
 
 
-@AcceptsRunPair
 def stage_episodes(store: RunStore, stage: str, *, finished_only: bool = False) -> list[Episode]:
     """A stage's episodes in the order they were stored; finished_only leaves out failed ones."""
     status = " and status = 'ok'" if finished_only else ""
@@ -232,7 +231,6 @@ def labelled_with_turns(rundb: RunDB, rows: Iterable[dict[str, Any]], label_set:
     return out
 
 
-@AcceptsRunPair
 def episodes_for_sft(store: RunStore) -> list[LabelledEpisode]:
     """A run's finished training episodes (eval episodes are held out, and superseded ones left out), each
     with the total of the newest label set that covers it, else its env return."""

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlcli.store.db import now
-from rlcli.store.run_store import AcceptsRunPair, RunStore
+from rlcli.store.run_store import RunStore
 
 
 @dataclass(frozen=True)
@@ -22,7 +22,6 @@ class RunEvent:
     created_at: str
 
 
-@AcceptsRunPair
 def add_event(store: RunStore, stage: str, iteration: int, kind: str, message: str, details: dict[str, Any]) -> bool:
     """Store an event unless the run already has one of this kind for this iteration (a resumed
     iteration checks again); True when it is new."""

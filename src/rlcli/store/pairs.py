@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 from rlcli.store.db import RunDB, now
 from rlcli.store.episodes import _episode, _turn
 from rlcli.store.records import Episode
-from rlcli.store.run_store import AcceptsRunPair, RunStore
+from rlcli.store.run_store import RunStore
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,6 @@ class PairRecord:
     rejected_tokens: int
 
 
-@AcceptsRunPair
 def record_pairs(store: RunStore, stage: str, pairs: list[PairRecord]) -> None:
     """A stage's pairs, all in one transaction (a kill records all of them or none)."""
     with store.rundb.transaction() as db:
@@ -36,7 +35,6 @@ def record_pairs(store: RunStore, stage: str, pairs: list[PairRecord]) -> None:
         )
 
 
-@AcceptsRunPair
 def stage_pairs(store: RunStore, stage: str) -> list[PairRecord]:
     """The pairs a stage recorded, in the order it recorded them."""
     rows = store.rundb.db.query("select * from dpo_pairs where run = ? and stage = ? order by id", [store.run, stage])

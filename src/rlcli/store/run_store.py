@@ -10,19 +10,14 @@ it, migrations, listing, comparing or deleting runs) stays on RunDB.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, TypeVar, overload
+from typing import TYPE_CHECKING, Any
 
 from rlcli.store.db import RunDB
 
 if TYPE_CHECKING:
     from rlcli.recipe import Recipe
     from rlcli.store.records import Metric, Run, Stage
-
-P = ParamSpec("P")
-R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -59,26 +54,3 @@ class RunStore:
 
     def latest_metrics(self) -> dict[str, float]:
         return self.rundb.latest_metrics(self.run)
-
-
-class AcceptsRunPair(Generic[P, R]):
-    """Temporary: a function that takes a RunStore first, callable with the database and the run's name
-    in its place too.
-
-    Files other changes are editing at the same time (engine/sft.py, dpo.py, hf_trainer.py, games.py)
-    still pass the pair to the functions wrapped with this; remove it once they pass a RunStore."""
-
-    def __init__(self, fn: Callable[Concatenate[RunStore, P], R]) -> None:
-        self.fn = fn
-        functools.update_wrapper(self, fn)
-
-    @overload
-    def __call__(self, store: RunStore, /, *args: P.args, **kwargs: P.kwargs) -> R: ...
-
-    @overload
-    def __call__(self, rundb: RunDB, run: str, /, *args: P.args, **kwargs: P.kwargs) -> R: ...
-
-    def __call__(self, first: Any, /, *args: Any, **kwargs: Any) -> R:
-        if isinstance(first, RunStore):
-            return self.fn(first, *args, **kwargs)
-        return self.fn(RunStore(first, args[0]), *args[1:], **kwargs)
