@@ -17,7 +17,7 @@ from rlcli.envs.loading import load_env  # noqa: E402
 
 
 def test_engine_mode_serves_the_seat_to_move_and_scores_both_at_the_end():
-    env = load_env("textarena:TicTacToe-v0", {"opponent": "engine"})()
+    env = load_env("textarena:TicTacToe-v0", {"opponent": "caller"})()
     obs, info = env.reset(3)
     to_move, seen = info["to_move"], {0: [obs], 1: []}
     assert to_move == env.inner.state.current_player_id and "Tic Tac Toe" in obs

@@ -341,12 +341,12 @@ class EnvSection(Section):
 
     def factory_kwargs(self, opponent: str | list[str] | None = None) -> dict[str, Any]:
         """env.kwargs as the env's factory takes them: with env.opponent (or `opponent` instead), a model's
-        seat as `engine` (the engine plays it, engine/games.py)."""
+        seat as `caller` (rlcli plays every seat itself, engine/games.py)."""
         chosen = opponent if opponent is not None else self.opponent
         if chosen is None:
             return dict(self.kwargs)
         inside = isinstance(chosen, list) or chosen in ENV_OPPONENTS
-        return {**self.kwargs, "opponent": chosen if inside else "engine"}
+        return {**self.kwargs, "opponent": chosen if inside else "caller"}
 
     def tool_time_limit(self) -> float:
         """env.tool_timeout_s, or half of env.step_timeout_s: a slow call is reported and the turn goes on."""

@@ -1,4 +1,5 @@
-"""Playing episodes: live episodes advance one turn per batched sampling call (EpisodeRunner).
+"""Playing episodes: live episodes advance one turn per batched sampling call (EpisodeRunner), through
+the turn loop that engine/games.py's GameRunner shares (play_in_passes, EnvRounds, TurnPlayer).
 
 Token exactness: each turn's prompt is the previous turn's prompt plus the tokens sampled
 plus the tokenised *suffix* that the chat template adds (end of turn, env feedback, next
@@ -9,7 +10,7 @@ extends what the model saw), the whole prompt is re-rendered and the episode is 
 
 Failures are settled within the stage, so that a stage run once and a stage resumed store the
 same episodes: an episode whose env was lost with a worker killed during another episode's call is
-played again from its start, in the same chunk, with the same seeds (EpisodeRunner.run); one whose
+played again from its start, in the same chunk, with the same seeds (play_in_passes); one whose
 own call timed out is played again env.timeout_retries times, then stored as env_timeout. A stored
 episode is final: running its stage again plays only the episodes it has not stored.
 """
@@ -19,9 +20,9 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Protocol, TypeVar, cast
 
 from rlcli.envs.protocol import EnvFailure, EnvTimeout, as_messages
 from rlcli.envs.workers import EnvHost, EnvLost, EnvReply
@@ -33,7 +34,7 @@ from rlcli.store.records import EndReason, Episode, Turn
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-LINGER = 0.1  # share of the last sampling call's time spent waiting for more envs to answer
+LINGER = 0.1  # share of the last round's time (its sampling calls, mostly) spent waiting for more envs to answer
 
 
 @dataclass
@@ -84,6 +85,14 @@ class LiveEpisode:
         # A timeout, or an env lost with a worker that another episode's call killed, need not recur.
         self.transient = isinstance(exc, (EnvTimeout, EnvLost))
         self.env_lost = isinstance(exc, EnvLost)
+
+    def plays_again(self, timeout_retries: int) -> bool:
+        """Whether this attempt is played again: its env was lost, or it timed out and env.timeout_retries
+        allows another try."""
+        if self.env_lost:
+            return True
+        timeouts = self.spec.attempt - self.lost  # this attempt's included
+        return self.end_reason == EndReason.ENV_TIMEOUT and timeouts <= timeout_retries
 
     def again(self) -> LiveEpisode:
         """The next attempt at this episode: played from its start with the same seeds."""
@@ -164,99 +173,96 @@ class RolloutLimits:
     timeout_retries: int = 0  # env.timeout_retries: plays again, in the stage, of an episode that timed out
 
 
-class EpisodeRunner:
-    """Plays a chunk of episodes to the end with one policy (a model's sampler, or the env's expert).
+# --- the turn loop both runners share ---------------------------------------------------------------
+#
+# EpisodeRunner (below) plays single-agent episodes, GameRunner (engine/games.py) the seats of two-player
+# games. Both run an env per episode or game through the same three pieces: `play_in_passes` plays a
+# chunk again until no failure that need not recur is left, `EnvRounds` resets the envs of one pass and
+# hands back, round by round, the ones whose env has answered, and `TurnPlayer` turns one episode's
+# replies into its conversation, its prompts and its recorded turns. What differs stays in the
+# runners: which episodes a reply is for, and which sampler plays whose turn.
 
-    The envs live in `envs` (see envs/workers.py): in this process, or in worker processes that
-    answer as they finish. Each sampling call takes the episodes whose env has answered since the
-    last one, so with workers a slow env holds up only its own episode (continuous batching of
-    turns); in this process every env answers at once and every live episode shares each call.
-    An episode's tokens depend on its seeds and prompts only (the Sampler contract), so which
-    episodes share a call changes nothing in what is sampled.
+_Played = TypeVar("_Played", bound="Replayable")
+
+
+class Replayable(Protocol):
+    """What `play_in_passes` plays: an episode, or a game (its seats' episodes)."""
+
+    def again(self: _Played) -> _Played: ...
+
+
+def play_in_passes(
+    chunk: list[_Played],
+    play: Callable[[list[_Played]], None],
+    episodes: Callable[[_Played], list[LiveEpisode]],
+    timeout_retries: int,
+) -> list[_Played]:
+    """Play a chunk (each item at an env of its own, its `episodes` the ones it plays) to its end, in
+    order. An item one of whose episodes lost its env with a worker killed during another episode's call
+    is played again from its start, on a fresh worker, as is one that timed out while
+    env.timeout_retries allows; its seeds make it sample what the lost attempt would have, so the chunk
+    ends as if nothing had been lost. A pass loses envs when one of its episodes' calls times out or
+    crashes, and that episode ends (or is retried a bounded number of times), so the passes end; a
+    worker that dies between calls loses envs with no episode to blame, so a pass whose every item was
+    lost stores them as failed rather than playing them again for ever."""
+    items = list(chunk)
+    todo = list(range(len(items)))
+    while todo:
+        play([items[i] for i in todo])
+        if all(any(ep.env_lost for ep in episodes(items[i])) for i in todo):
+            break
+        todo = [i for i in todo if any(ep.plays_again(timeout_retries) for ep in episodes(items[i]))]
+        for i in todo:
+            items[i] = items[i].again()
+    return items
+
+
+class EnvRounds:
+    """The envs of one pass, an env per episode or game, named by its index in the pass.
+
+    `rounds` yields, round after round, the envs whose reply made them ready for a turn; in between,
+    the runner samples their turns and sends each its `step` (or `expert_step`), or `release`s it.
+    Making the pass resets the envs: with workers, they reset while the runner starts its sampler.
     """
 
-    def __init__(
-        self,
-        envs: EnvHost,
-        limits: RolloutLimits,
-        sampler: Sampler | None = None,
-        tokenizer: PreTrainedTokenizerBase | None = None,
-    ) -> None:
+    def __init__(self, envs: EnvHost, seeds: list[int]) -> None:
         self.envs = envs
-        self.limits = limits
-        self.sampler = sampler
-        self.tokenizer = tokenizer
-        self.processor = vision.processor_of(tokenizer)  # None for a text model
+        self.index_of = {envs.reset(seed): i for i, seed in enumerate(seeds)}
+        self.key_of = {i: key for key, i in self.index_of.items()}
+        self.in_env = len(seeds)  # calls sent and not answered yet
+        self.round_s = 0.0  # how long the runner took over the last round: its sampling calls, mostly
 
-    def run(self, specs: list[EpisodeSpec], on_turns: Callable[[int], None] | None = None) -> list[LiveEpisode]:
-        """Play these episodes to their end, in order. An episode whose env was lost with a worker killed
-        during another episode's call is played again from its start, on a fresh worker, as is one that
-        timed out while env.timeout_retries allows; its seeds make it sample what the lost attempt would
-        have, so the chunk ends as if nothing had been lost. A pass loses envs when one of its episodes'
-        calls times out or crashes, and that episode ends (or is retried a bounded number of times), so
-        the passes end; a worker that dies between calls loses envs with no episode to blame, so a pass
-        whose every episode was lost stores them as failed rather than playing them again for ever."""
-        episodes = [LiveEpisode(spec) for spec in specs]
-        todo = list(range(len(episodes)))
-        while todo:
-            self._play([episodes[i] for i in todo], on_turns)
-            if all(episodes[i].env_lost for i in todo):
-                break
-            todo = [i for i in todo if self._again(episodes[i])]
-            for i in todo:
-                episodes[i] = episodes[i].again()
-        return episodes
-
-    def _again(self, ep: LiveEpisode) -> bool:
-        if ep.env_lost:
-            return True
-        timeouts = ep.spec.attempt - ep.lost  # this attempt's included
-        return ep.end_reason == EndReason.ENV_TIMEOUT and timeouts <= self.limits.timeout_retries
-
-    def _play(self, episodes: list[LiveEpisode], on_turns: Callable[[int], None] | None) -> None:
-        """One pass: every episode from its reset to its end, the sampler started afresh for them."""
-        by_key = {self.envs.reset(ep.spec.env_seed): ep for ep in episodes}
-        key_of = {id(ep): key for key, ep in by_key.items()}
-        if self.sampler is not None:
-            self.sampler.start([ep.spec.sample_seed for ep in episodes])
-        rows = {id(ep): row for row, ep in enumerate(episodes)}
-        acted: dict[int, Action] = {}  # key -> the action its env is stepping on
-        in_env, last_sample_s = len(episodes), 0.0
-        while in_env:
-            replies = self._gather(in_env, LINGER * last_sample_s)
-            in_env -= len(replies)
+    def rounds(self, answer: Callable[[int, EnvReply], bool]) -> Iterator[list[int]]:
+        """Until every call has been answered: take each reply in with `answer(index, reply)`, which
+        says whether that env's play is over (it is then released), and yield the others, in index
+        order."""
+        while self.in_env:
+            replies = self._gather(self.in_env, LINGER * self.round_s)
+            self.in_env -= len(replies)
             ready = []
             for reply in replies:
-                ep = by_key[reply.key]
-                if reply.op == "reset":
-                    self._begin(ep, reply)
-                else:
-                    self._step(ep, acted.pop(reply.key, None), reply)
-                if ep.done:
+                index = self.index_of[reply.key]
+                if answer(index, reply):
                     self.envs.release(reply.key)
                 else:
-                    ready.append(ep)
-            if not ready:
-                continue
-            batch = sorted(ready, key=lambda ep: rows[id(ep)])
-            if self.sampler is None:  # the expert acts inside the env's host, right before its step
-                for ep in batch:
-                    self.envs.expert_step(key_of[id(ep)])
-                in_env += len(batch)
-                continue
-            start = time.perf_counter()
-            actions = self._act(batch, rows)
-            last_sample_s = time.perf_counter() - start
-            for ep, action in zip(batch, actions):
-                key = key_of[id(ep)]
-                if ep.done:  # ended while building its prompt (context budget)
-                    self.envs.release(key)
-                    continue
-                acted[key] = action
-                self.envs.step(key, action.text)
-                in_env += 1
-            if on_turns:
-                on_turns(sum(len(a.ids) for a in actions))
+                    ready.append(index)
+            if ready:
+                start = time.perf_counter()
+                yield sorted(ready)
+                self.round_s = time.perf_counter() - start
+
+    def step(self, index: int, action: str) -> None:
+        self.envs.step(self.key_of[index], action)
+        self.in_env += 1
+
+    def expert_step(self, index: int) -> None:
+        """The expert acts inside the env's host, right before its step."""
+        self.envs.expert_step(self.key_of[index])
+        self.in_env += 1
+
+    def release(self, index: int) -> None:
+        """An env whose play ended during the runner's turn (the context budget)."""
+        self.envs.release(self.key_of[index])
 
     def _gather(self, waiting: int, linger_s: float) -> list[EnvReply]:
         """Replies to some of the `waiting` calls: wait for a first one, then up to linger_s for more,
@@ -270,7 +276,26 @@ class EpisodeRunner:
             replies += more
         return replies
 
-    def _begin(self, ep: LiveEpisode, reply: EnvReply) -> None:
+
+class TurnPlayer:
+    """One episode's side of a turn, for whichever runner plays it: the reset's reply read into the
+    conversation (`begin`), the prompt built and the reply sampled (`act`), the env's answer recorded
+    as a turn (`record`), an observation's images named (`observe`).
+
+    `expert`: the env's expert plays, in text: no tokens are kept, and its actions come with the
+    env's replies.
+    """
+
+    def __init__(
+        self, limits: RolloutLimits, tokenizer: PreTrainedTokenizerBase | None = None, expert: bool = False
+    ) -> None:
+        self.limits = limits
+        self.tokenizer = tokenizer
+        self.expert = expert
+        self.processor = vision.processor_of(tokenizer)  # None for a text model
+
+    def begin(self, ep: LiveEpisode, reply: EnvReply) -> None:
+        """The reset's reply: the first observation, the task and the tools, or how the env failed."""
         if reply.failure is not None:
             if reply.failed_in == "create":
                 ep.finish(EndReason.ERROR, f"env could not be created: {reply.failure}")
@@ -279,7 +304,7 @@ class EpisodeRunner:
             return
         try:
             (obs, info), tools = reply.value
-            ep.messages = self._observe(ep, as_messages(obs))
+            ep.messages = self.observe(ep, as_messages(obs))
             ep.task = dict((info or {}).get("task", {}))
             ep.tools = tools or None
         except EnvFailure as exc:
@@ -289,13 +314,11 @@ class EpisodeRunner:
 
     # --- acting ---------------------------------------------------------------
 
-    def _act(self, live: list[LiveEpisode], rows: dict[int, int], sampler: Sampler | None = None) -> list[Action]:
-        """One turn of these episodes from `sampler` (default: the policy's); `rows` maps an episode (by
-        id) to its row in it."""
-        sampler = sampler or self.sampler
-        assert sampler is not None  # the expert's actions come with the env's replies
-        prompts, budgets, asking = [], [], []
-        for ep in live:
+    def act(self, live: list[LiveEpisode], rows: list[int], sampler: Sampler) -> list[Action]:
+        """One turn of these episodes from `sampler`, episode k in its row rows[k]. An episode whose
+        prompt leaves no room under model.max_length ends here (its action is empty)."""
+        prompts, budgets, asking, rows_asked = [], [], [], []
+        for ep, row in zip(live, rows):
             prompt = self._prompt_ids(ep)
             budget = min(sampler.config.max_new_tokens, self.limits.max_length - len(prompt))
             if budget <= 0:
@@ -311,10 +334,10 @@ class EpisodeRunner:
             prompts.append(prompt)
             budgets.append(budget)
             asking.append(ep)
+            rows_asked.append(row)
         results: dict[int, Action] = {}
         if asking:
             start = time.perf_counter()
-            rows_asked = [rows[id(ep)] for ep in asking]
             if self.processor is not None:
                 images = [list(ep.images) for ep in asking]
                 samples = sampler.sample(rows_asked, prompts, budgets, images=images)
@@ -327,8 +350,19 @@ class EpisodeRunner:
                 results[id(ep)] = Action(text, sample.ids, sample.logprobs, prompt, elapsed, sample.finished, hashes)
         return [results.get(id(ep), Action("")) for ep in live]
 
+    def observe(self, ep: LiveEpisode, messages: list[dict]) -> list[dict]:
+        """A vision-language model's observation: each image as a PIL image named by its hash (its PNG
+        kept for the database). The expert's screenshots are kept the same way, so that SFT on its demos
+        can show them to a vision model. A text model's messages stay as they are (images unseen)."""
+        if self.processor is None and not self.expert:
+            return messages
+        try:
+            return vision.name_images(messages, ep.pngs)
+        except (ValueError, OSError) as exc:
+            raise EnvFailure(f"an image in the observation cannot be read: {exc}") from None
+
     def _policy_tokenizer(self) -> PreTrainedTokenizerBase:
-        """The policy's tokenizer: a runner with a sampler has one (the expert's plays text)."""
+        """The policy's tokenizer: a model's turns have one (the expert's plays text)."""
         assert self.tokenizer is not None
         return self.tokenizer
 
@@ -345,17 +379,6 @@ class EpisodeRunner:
             tokenize=False,
         )
         return cast(str, text)  # tokenize=False: the text
-
-    def _observe(self, ep: LiveEpisode, messages: list[dict]) -> list[dict]:
-        """A vision-language model's observation: each image as a PIL image named by its hash (its PNG
-        kept for the database). The expert's screenshots are kept the same way, so that SFT on its demos
-        can show them to a vision model. A text model's messages stay as they are (images unseen)."""
-        if self.processor is None and self.sampler is not None:
-            return messages
-        try:
-            return vision.name_images(messages, ep.pngs)
-        except (ValueError, OSError) as exc:
-            raise EnvFailure(f"an image in the observation cannot be read: {exc}") from None
 
     def _vision_prompt_ids(self, ep: LiveEpisode) -> list[int]:
         """_prompt_ids through the processor: image placeholders expanded into the image tokens; the
@@ -376,6 +399,8 @@ class EpisodeRunner:
         return ids
 
     def _prompt_ids(self, ep: LiveEpisode) -> list[int]:
+        """The episode's next prompt: the tokens seen so far plus the template's suffix (the module
+        docstring says why), or the whole conversation again when the template rewrote the past."""
         if self.processor is not None:
             return self._vision_prompt_ids(ep)
         rendered = self._render(ep)
@@ -391,8 +416,9 @@ class EpisodeRunner:
 
     # --- the env's answer to a step ---------------------------------------------
 
-    def _step(self, ep: LiveEpisode, action: Action | None, reply: EnvReply) -> None:
-        """Record one turn: the action taken (the expert's comes with the reply) and the env's answer."""
+    def record(self, ep: LiveEpisode, action: Action | None, reply: EnvReply) -> None:
+        """Record one turn: the action taken (the expert's comes with the reply) and the env's answer;
+        end the episode when the env, env.max_turns or the token cap says so."""
         if reply.op == "expert_step":
             if reply.failed_in == "expert":
                 ep.finish(EndReason.ERROR, f"expert_action failed: {reply.failure}")
@@ -400,29 +426,10 @@ class EpisodeRunner:
             action = Action(reply.action, gen_time_s=reply.expert_time_s)
         assert action is not None  # a sampled turn's action, or the expert's (above)
         ep.messages.append({"role": "assistant", "content": action.text})
-        if self.sampler is not None:
+        if not self.expert:
             ep.ids = ep.ids + action.ids
             ep.text = ep.text + self._decode(action.ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        try:
-            if reply.failure is not None:
-                raise reply.failure
-            obs, reward, terminated, truncated, info = reply.value
-            feedback = self._observe(ep, as_messages(obs)) if obs else []
-            reward = float(reward)
-            if not math.isfinite(reward):
-                # SQLite would store NaN as NULL, later read as a reward of 0: fail the episode instead.
-                raise ValueError(f"reward {reward} is not a finite number")
-        except EnvFailure as exc:
-            ep.env_failed("env step", exc)
-            feedback, reward, terminated, truncated, info = [], 0.0, False, False, {}
-        except (TypeError, ValueError) as exc:
-            ep.finish(
-                EndReason.ERROR,
-                f"env step returned {type(exc).__name__}: {exc}; expected "
-                "(observation, reward, terminated, truncated, info)",
-            )
-            feedback, reward, terminated, truncated, info = [], 0.0, False, False, {}
-        info = info or {}
+        feedback, reward, terminated, truncated, info = self._outcome(ep, reply)
         ep.turns.append(
             Turn(
                 turn_index=len(ep.turns),
@@ -432,8 +439,8 @@ class EpisodeRunner:
                 text=action.text,
                 observation=json.dumps(_jsonable_messages(feedback), default=str),
                 reward=reward,
-                terminated=bool(terminated),
-                truncated=bool(truncated),
+                terminated=terminated,
+                truncated=truncated,
                 info=json.dumps(info, default=str),
                 gen_time_s=action.gen_time_s,
                 env_time_s=reply.env_time_s,
@@ -456,3 +463,91 @@ class EpisodeRunner:
                 ep.finish(EndReason.TRUNCATED)
             else:
                 ep.finish(EndReason.MAX_TURNS)
+
+    def _outcome(self, ep: LiveEpisode, reply: EnvReply) -> tuple[list[dict], float, bool, bool, dict]:
+        """A step's reply as (feedback, reward, terminated, truncated, info); a failed or malformed one
+        fails the episode and reads as nothing."""
+        try:
+            if reply.failure is not None:
+                raise reply.failure
+            obs, reward, terminated, truncated, info = reply.value
+            feedback = self.observe(ep, as_messages(obs)) if obs else []
+            reward = float(reward)
+            if not math.isfinite(reward):
+                # SQLite would store NaN as NULL, later read as a reward of 0: fail the episode instead.
+                raise ValueError(f"reward {reward} is not a finite number")
+        except EnvFailure as exc:
+            ep.env_failed("env step", exc)
+            return [], 0.0, False, False, {}
+        except (TypeError, ValueError) as exc:
+            ep.finish(
+                EndReason.ERROR,
+                f"env step returned {type(exc).__name__}: {exc}; expected "
+                "(observation, reward, terminated, truncated, info)",
+            )
+            return [], 0.0, False, False, {}
+        return feedback, reward, bool(terminated), bool(truncated), info or {}
+
+
+# --- single-agent episodes --------------------------------------------------------------------------
+
+
+class EpisodeRunner:
+    """Plays a chunk of episodes to the end with one policy (a model's sampler, or the env's expert).
+
+    The envs live in `envs` (see envs/workers.py): in this process, or in worker processes that
+    answer as they finish. Each sampling call takes the episodes whose env has answered since the
+    last one, so with workers a slow env holds up only its own episode (continuous batching of
+    turns); in this process every env answers at once and every live episode shares each call.
+    An episode's tokens depend on its seeds and prompts only (the Sampler contract), so which
+    episodes share a call changes nothing in what is sampled.
+    """
+
+    def __init__(
+        self,
+        envs: EnvHost,
+        limits: RolloutLimits,
+        sampler: Sampler | None = None,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+    ) -> None:
+        self.envs = envs
+        self.limits = limits
+        self.sampler = sampler
+        self.turns = TurnPlayer(limits, tokenizer, expert=sampler is None)
+
+    def run(self, specs: list[EpisodeSpec], on_turns: Callable[[int], None] | None = None) -> list[LiveEpisode]:
+        """Play these episodes to their end, in order, each played again as `play_in_passes` says."""
+        episodes = [LiveEpisode(spec) for spec in specs]
+        return play_in_passes(
+            episodes, lambda todo: self._play(todo, on_turns), lambda ep: [ep], self.limits.timeout_retries
+        )
+
+    def _play(self, episodes: list[LiveEpisode], on_turns: Callable[[int], None] | None) -> None:
+        """One pass: every episode from its reset to its end, the sampler started afresh for them
+        (episode k in its row k)."""
+        envs = EnvRounds(self.envs, [ep.spec.env_seed for ep in episodes])
+        if self.sampler is not None:
+            self.sampler.start([ep.spec.sample_seed for ep in episodes])
+        acted: dict[int, Action] = {}  # episode -> the action its env is stepping on
+
+        def answer(i: int, reply: EnvReply) -> bool:
+            if reply.op == "reset":
+                self.turns.begin(episodes[i], reply)
+            else:
+                self.turns.record(episodes[i], acted.pop(i, None), reply)
+            return episodes[i].done
+
+        for ready in envs.rounds(answer):
+            if self.sampler is None:  # the expert acts inside the env's host, right before its step
+                for i in ready:
+                    envs.expert_step(i)
+                continue
+            actions = self.turns.act([episodes[i] for i in ready], ready, self.sampler)
+            for i, action in zip(ready, actions):
+                if episodes[i].done:  # ended while building its prompt (context budget)
+                    envs.release(i)
+                    continue
+                acted[i] = action
+                envs.step(i, action.text)
+            if on_turns:
+                on_turns(sum(len(a.ids) for a in actions))

@@ -1,6 +1,6 @@
 """Two-player games where a model plays the other seat (env.opponent self, pool, base, sft or an id).
 
-The env (the TextArena adapter with `opponent: engine`) serves whichever seat is to move; this module
+The env (the TextArena adapter with `opponent: caller`) serves whichever seat is to move; this module
 plays both seats of many games at once. Each seat is an episode of its own: its conversation holds
 what that seat was shown and what it replied, its turns record the seat that acted (info `player`),
 and its return is its zero-sum score. Every live game whose seat to move is the policy's shares one
@@ -26,14 +26,21 @@ HF sampler (the vLLM engine holds the policy's weights only).
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from rlcli.engine.episode_runner import LINGER, Action, EpisodeRunner, EpisodeSpec, LiveEpisode
+from rlcli.engine.episode_runner import (
+    Action,
+    EnvRounds,
+    EpisodeSpec,
+    LiveEpisode,
+    RolloutLimits,
+    TurnPlayer,
+    play_in_passes,
+)
 from rlcli.envs.protocol import as_messages
-from rlcli.envs.workers import EnvReply
+from rlcli.envs.workers import EnvHost, EnvReply
 from rlcli.errors import UsageError
 from rlcli.generation.sampler import sampling_config
 from rlcli.generation.seeds import derive_seed
@@ -43,6 +50,8 @@ from rlcli.store.names import PolicyRef
 from rlcli.store.records import EndReason
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from rlcli.engine.context import RunContext
     from rlcli.generation.sampler import Sampler, SamplingConfig
     from rlcli.store.records import Checkpoint
@@ -109,29 +118,40 @@ class Game:
         return Game(self.spec, [ep.again() for ep in self.seats], self.trained)
 
 
-class GameRunner(EpisodeRunner):
-    """Plays chunks of two-player games, both seats sampled (see the module docstring)."""
+class GameRunner:
+    """Plays chunks of two-player games, both seats sampled (see the module docstring), through the turn
+    loop EpisodeRunner uses (engine/episode_runner.py): a game is played at one env, its seats' episodes
+    take their turns as a single-agent episode does, and a reply goes to the seat it is for."""
 
-    def __init__(self, *args: Any, opponent: Opponent, run_seed: int, stage: str, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        if self.sampler is None:
+    def __init__(
+        self,
+        envs: EnvHost,
+        limits: RolloutLimits,
+        sampler: Sampler | None,
+        tokenizer: PreTrainedTokenizerBase | None,
+        *,
+        opponent: Opponent,
+        run_seed: int,
+        stage: str,
+    ) -> None:
+        if sampler is None:
             raise UsageError(
                 f"the expert plays two-player games against random or bot only, not against {opponent.name}"
             )
+        self.envs, self.limits, self.sampler = envs, limits, sampler
+        self.turns = TurnPlayer(limits, tokenizer)
         self.opponent, self.run_seed, self.stage = opponent, run_seed, stage
 
     def run_games(self, specs: list[EpisodeSpec], on_turns: Callable[[int], None] | None = None) -> list[LiveEpisode]:
         """Play these games to their end; return the episodes of the seats the policy played, in order.
-        A game that lost its env (or timed out, within env.timeout_retries) is played again from its start."""
-        games = [self._new_game(spec) for spec in specs]
-        todo = list(range(len(games)))
-        while todo:
-            self._play_games([games[i] for i in todo], on_turns)
-            if all(any(ep.env_lost for ep in games[i].seats) for i in todo):
-                break
-            todo = [i for i in todo if any(self._again(ep) for ep in games[i].seats)]
-            for i in todo:
-                games[i] = games[i].again()
+        A game that lost its env (or timed out, within env.timeout_retries) is played again from its start
+        (`play_in_passes`)."""
+        games = play_in_passes(
+            [self._new_game(spec) for spec in specs],
+            lambda todo: self._play_games(todo, on_turns),
+            lambda game: game.seats,
+            self.limits.timeout_retries,
+        )
         return [ep for game in games for seat, ep in enumerate(game.seats) if game.trained[seat]]
 
     def _new_game(self, spec: EpisodeSpec) -> Game:
@@ -140,8 +160,9 @@ class GameRunner(EpisodeRunner):
         return Game(spec, [LiveEpisode(s) for s in seats], trained)
 
     def _play_games(self, games: list[Game], on_turns: Callable[[int], None] | None) -> None:
-        by_key = {self.envs.reset(game.spec.env_seed): game for game in games}
-        key_of = {id(game): key for key, game in by_key.items()}
+        """One pass: every game from its reset to its end. Each round, the games whose seat to move is
+        the policy's share one sampling call, and those whose seat to move is the opponent model's another."""
+        envs = EnvRounds(self.envs, [game.spec.env_seed for game in games])
         # One sampler per side, each started with the seeds of the seats it plays (the Sampler contract:
         # a row's tokens depend on its seed and prompts only).
         opponent_sampler = self.opponent.sampler if not self.opponent.self_play else None
@@ -151,45 +172,45 @@ class GameRunner(EpisodeRunner):
             if sampler is not None and seats:
                 sampler.start([ep.spec.sample_seed for ep in seats])
                 sides.append((sampler, trained, {id(ep): row for row, ep in enumerate(seats)}))
-        in_env, last_sample_s = len(games), 0.0
-        while in_env:
-            replies = self._gather(in_env, LINGER * last_sample_s)
-            in_env -= len(replies)
-            ready = []
-            for reply in replies:
-                game = by_key[reply.key]
-                if reply.op == "reset":
-                    self._open_game(game, reply)
-                else:
-                    self._answer(game, reply)
-                if game.over:
-                    self.envs.release(reply.key)
-                else:
-                    ready.append(game)
-            last_sample_s = 0.0
+
+        def answer(i: int, reply: EnvReply) -> bool:
+            if reply.op == "reset":
+                self._open_game(games[i], reply)
+            else:
+                self._answer(games[i], reply)
+            return games[i].over
+
+        for ready in envs.rounds(answer):
             for sampler, trained, rows in sides:
-                batch = [game for game in ready if game.trained[game.to_move] == trained]
+                batch = [i for i in ready if games[i].trained[games[i].to_move] == trained]
                 if not batch:
                     continue
-                batch.sort(key=lambda game: rows[id(game.seats[game.to_move])])
-                start = time.perf_counter()
-                actions = self._act([game.seats[game.to_move] for game in batch], rows, sampler)
-                last_sample_s += time.perf_counter() - start
-                for game, action in zip(batch, actions):
-                    if game.seats[game.to_move].done:  # ended while building its prompt (context budget)
-                        self._end_early(game)
-                        self.envs.release(key_of[id(game)])
-                        continue
-                    game.pending[game.to_move] = action
-                    self.envs.step(key_of[id(game)], action.text)
-                    in_env += 1
+                batch.sort(key=lambda i: rows[id(games[i].seats[games[i].to_move])])
+                actions = self._move(envs, [games[i] for i in batch], batch, sampler, rows)
                 if on_turns and trained:
                     on_turns(sum(len(a.ids) for a in actions))
+
+    def _move(
+        self, envs: EnvRounds, games: list[Game], indices: list[int], sampler: Sampler, rows: dict[int, int]
+    ) -> list[Action]:
+        """One side's turn in these games (at envs `indices`): their seats to move sample together, in
+        the side's `rows` (by episode id); each reply goes to its env, and a game whose seat to move has
+        no room left for one ends."""
+        movers = [game.seats[game.to_move] for game in games]
+        actions = self.turns.act(movers, [rows[id(ep)] for ep in movers], sampler)
+        for game, index, ep, action in zip(games, indices, movers, actions):
+            if ep.done:  # ended while building its prompt (context budget)
+                self._end_early(game)
+                envs.release(index)
+                continue
+            game.pending[game.to_move] = action
+            envs.step(index, action.text)
+        return actions
 
     def _open_game(self, game: Game, reply: EnvReply) -> None:
         """The reset's answer: the first seat to move gets its observation; both seats learn the task."""
         first = game.seats[0]
-        self._begin(first, reply)  # parses the reply, or fails the episode with why
+        self.turns.begin(first, reply)  # parses the reply, or fails the episode with why
         if first.done:
             for ep in game.seats[1:]:
                 ep.finish(first.end_reason or EndReason.ERROR, first.error)
@@ -236,25 +257,25 @@ class GameRunner(EpisodeRunner):
                 game, game.to_move, replace(reply, value=(obs, reward, False, False, {"player": game.to_move}))
             )
         else:  # this seat's first turn
-            ep.messages = self._observe(ep, as_messages(obs))
+            ep.messages = self.turns.observe(ep, as_messages(obs))
         if ep.done:  # env.max_turns, a reply cut by the token cap, or an env failure
             self._end_early(game)
 
     def _close_turn(self, game: Game, seat: int, reply: EnvReply) -> None:
-        """Record seat's pending turn with this answer (EpisodeRunner._step ends the episode when it says so)."""
+        """Record seat's pending turn with this answer (TurnPlayer.record ends the episode when it says so)."""
         ep = game.seats[seat]
         if ep.done:
             return
         action = game.pending.pop(seat, None)
         if action is not None:
-            self._step(ep, action, reply)
+            self.turns.record(ep, action, reply)
         if ep.done:
             return
         if reply.failure is not None:
             ep.env_failed("env step", reply.failure)
         elif action is None:  # the game ended before this seat moved: what it was shown, and its score
             obs, reward, _, _, info = reply.value
-            ep.messages.extend(self._observe(ep, as_messages(obs)) if obs else [])
+            ep.messages.extend(self.turns.observe(ep, as_messages(obs)) if obs else [])
             ep.env_return += float(reward)
             ep.success = bool(info.get("success", False))
             ep.finish(EndReason.TERMINATED)

@@ -40,7 +40,7 @@ MIN_EXPECTED = 5.0
 def first_prompt_ids(
     tokenizer: PreTrainedTokenizerBase, env_name: str, env_kwargs: dict | None = None, seed: int = 0
 ) -> list[int]:
-    """An env's first prompt as the rollout gives it to either engine (EpisodeRunner._prompt_ids):
+    """An env's first prompt as the rollout gives it to either engine (TurnPlayer._prompt_ids):
     its first observation through the chat template with the generation prompt, then tokenised."""
     from rlcli.envs.loading import load_env
 

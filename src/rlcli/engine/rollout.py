@@ -121,7 +121,7 @@ def collect(
     recipe = ctx.recipe
     if opponent is None and recipe.env.model_opponent() is not None:
         raise AssertionError(f"{stage}: env.opponent {recipe.env.model_opponent()} is a model; collect needs it")
-    seat = None if opponent is None else "engine" if opponent.by_model else opponent.name
+    seat = None if opponent is None else "caller" if opponent.by_model else opponent.name
     kwargs = recipe.env.factory_kwargs(seat)
     tools = tool_use_spec(recipe.env, Path.cwd(), tokenizer)
     env_factory = load_env(recipe.env.name, kwargs, tools=tools)

@@ -35,7 +35,7 @@ from typing import Any
 
 from rlcli.envs.protocol import EnvFactory, EnvFailure
 from rlcli.envs.tool_use import ToolUseSpec
-from rlcli.envs.workers import EnvReply, RemoteEnvs, WorkerSpec, _handle, _Request, _text
+from rlcli.envs.workers import RemoteEnvs, WorkerSpec, _handle, _Request, _text
 from rlcli.errors import UsageError
 
 START_TIMEOUT_S = 300.0  # how long the first actors may take to be placed and to build their env factory
@@ -108,7 +108,7 @@ class _Actor:
     hosted: set[int] = field(default_factory=set)
 
 
-class RayEnvHost(RemoteEnvs):
+class RayEnvHost(RemoteEnvs[_Actor]):
     """env.workers_backend: ray: envs in env.workers Ray actors (see the module docstring)."""
 
     def __init__(
@@ -143,24 +143,6 @@ class RayEnvHost(RemoteEnvs):
 
     def slots(self) -> list[_Actor]:
         return self.actors
-
-    # --- calls ------------------------------------------------------------------
-
-    def replies(self, timeout: float | None = None) -> list[EnvReply]:
-        """The replies that have come. With none yet, wait for one up to `timeout` seconds (None: as
-        long as it takes, unless nothing is asked)."""
-        until = None if timeout is None else time.monotonic() + timeout
-        while True:
-            for actor in list(self.actors):
-                self._read(actor)
-            self._expire()
-            now = time.monotonic()
-            if self.answered or not any(a.queue for a in self.actors) or (until is not None and now >= until):
-                out, self.answered = self.answered, []
-                return out
-            wake = [a.deadline for a in self.actors if a.deadline is not None] + ([until] if until else [])
-            refs = [a.ready_ref if a.ready_ref is not None else a.queue[0].ref for a in self.actors if a.queue]
-            self.ray.wait(refs, num_returns=1, timeout=max(min(wake) - now, 0) if wake else None)
 
     def close(self) -> None:
         for actor in self.actors:
@@ -197,6 +179,17 @@ class RayEnvHost(RemoteEnvs):
             raise UsageError(usage)
         actor.ready_ref = None
         self._send_next(actor)
+
+    def _wait(self, timeout: float | None) -> None:
+        """Until an actor with calls answers its running one (or its `ready`), or `timeout` seconds."""
+        refs = [a.ready_ref if a.ready_ref is not None else a.queue[0].ref for a in self.actors if a.queue]
+        self.ray.wait(refs, num_returns=1, timeout=timeout)
+
+    def _asked(self, actor: _Actor) -> list[_Request]:
+        return [p.request for p in actor.queue]
+
+    def _stop(self, actor: _Actor) -> None:
+        self.ray.kill(actor.handle, no_restart=True)
 
     def _close(self, actor: _Actor, key: int) -> None:
         actor.handle.close.remote(key)  # no answer needed; a dead actor just drops it
@@ -238,19 +231,6 @@ class RayEnvHost(RemoteEnvs):
             actor.deadline = None
             self._send_next(actor)
             self._answer(request, message)
-
-    def _expire(self) -> None:
-        now = time.monotonic()
-        for actor in list(self.actors):
-            if actor.deadline is not None and now >= actor.deadline:
-                self._replace(actor, self._timed_out(actor.queue[0].request), "timed out")
-
-    def _replace(self, actor: _Actor, failure: EnvFailure, what: str) -> None:
-        """Kill an actor, fail the call it was running, lose its other envs, start a fresh one."""
-        self.ray.kill(actor.handle, no_restart=True)
-        self._fail_queued([p.request for p in actor.queue], actor.hosted, failure, what)
-        self.actors[self.actors.index(actor)] = self._start(actor.slot)
-        self._place()
 
 
 def _start_ray(ray: ModuleType, address: str | None, workers: int) -> None:

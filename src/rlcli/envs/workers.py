@@ -48,7 +48,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from rlcli.envs.protocol import EnvFailure, EnvTimeout, call_with_timeout
 from rlcli.envs.tool_use import ToolUseSpec
@@ -191,15 +191,29 @@ class _Worker:
     hosted: set[int] = field(default_factory=set)  # keys of the live envs it holds
 
 
-_Hosts = TypeVar("_Hosts", bound="RemoteEnvs")
+class Slot(Protocol):
+    """What `RemoteEnvs` reads of a backend's slot (a worker process, a Ray actor)."""
+
+    slot: int  # its place among the slots, which its replacement takes
+    queue: deque[Any]  # the calls it was asked and has not answered yet, oldest first
+    deadline: float | None  # when the oldest call must be answered by
+    hosted: set[int]  # keys of the live envs it holds
 
 
-class RemoteEnvs:
+_S = TypeVar("_S", bound=Slot)
+_Hosts = TypeVar("_Hosts", bound="RemoteEnvs[Any]")
+
+
+class RemoteEnvs(Generic[_S]):
     """What the two remote backends (worker processes, Ray actors) share: which slot hosts which env,
     the resets waiting for a slot, the envs lost with a replaced slot, the answers waiting to be read,
-    and how an answer or a replacement becomes replies. A subclass keeps its slots (each with `.slot`
-    and `.hosted`) in `slots()`, sends with `_send(slot, request, arg)` and drops an env with
-    `_close(slot, key)`."""
+    how an answer or a replacement becomes replies, and the loop that waits for answers, expires
+    calls that outlast env.step_timeout_s and replaces their slots (`replies`).
+
+    A backend keeps its slots in `slots()` (the list itself: a replacement takes its slot's place in
+    it) and says how to start one (`_start`), send it a call (`_send`), drop an env (`_close`), take in
+    what it has answered and notice its death (`_read`), wait until one may have answered (`_wait`),
+    list the calls it was asked (`_asked`) and stop it for good (`_stop`)."""
 
     timeout_s: float
 
@@ -217,17 +231,47 @@ class RemoteEnvs:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def slots(self) -> list[Any]:
+    def slots(self) -> list[_S]:
         raise NotImplementedError
 
     def close(self) -> None:
         raise NotImplementedError
 
-    def _send(self, slot: Any, request: _Request, arg: Any) -> None:
+    def _start(self, slot: int) -> _S:
         raise NotImplementedError
 
-    def _close(self, slot: Any, key: int) -> None:
+    def _send(self, slot: _S, request: _Request, arg: Any) -> None:
         raise NotImplementedError
+
+    def _close(self, slot: _S, key: int) -> None:
+        raise NotImplementedError
+
+    def _read(self, slot: _S) -> None:
+        raise NotImplementedError
+
+    def _wait(self, timeout: float | None) -> None:
+        raise NotImplementedError
+
+    def _asked(self, slot: _S) -> list[_Request]:
+        raise NotImplementedError
+
+    def _stop(self, slot: _S) -> None:
+        raise NotImplementedError
+
+    def replies(self, timeout: float | None = None) -> list[EnvReply]:
+        """The replies that have come. With none yet, wait for one up to `timeout` seconds (None: as
+        long as it takes, unless nothing is asked)."""
+        until = None if timeout is None else time.monotonic() + timeout
+        while True:
+            for slot in list(self.slots()):
+                self._read(slot)
+            self._expire()
+            now = time.monotonic()
+            if self.answered or not any(s.queue for s in self.slots()) or (until is not None and now >= until):
+                out, self.answered = self.answered, []
+                return out
+            wake = [s.deadline for s in self.slots() if s.deadline is not None] + ([until] if until else [])
+            self._wait(max(min(wake) - now, 0) if wake else None)
 
     def reset(self, seed: int) -> int:
         key, self.next_key = self.next_key, self.next_key + 1
@@ -282,9 +326,23 @@ class RemoteEnvs:
             reply.failure, reply.failed_in = EnvFailure(value), failed_in
         self.answered.append(reply)
 
-    def _timed_out(self, request: _Request) -> EnvTimeout:
-        verb = "reset" if request.op == "reset" else "step"
-        return EnvTimeout(f"{_over_time(verb, self.timeout_s)} (its env worker was killed)")
+    def _expire(self) -> None:
+        """Replace the slots whose running call has outlasted env.step_timeout_s."""
+        now = time.monotonic()
+        for slot in list(self.slots()):
+            if slot.deadline is not None and now >= slot.deadline:
+                request = self._asked(slot)[0]
+                verb = "reset" if request.op == "reset" else "step"
+                timed_out = EnvTimeout(f"{_over_time(verb, self.timeout_s)} (its env worker was killed)")
+                self._replace(slot, timed_out, "timed out")
+
+    def _replace(self, slot: _S, failure: EnvFailure, what: str) -> None:
+        """Stop a slot, fail the call it was running, lose its other envs, start a fresh one in its place."""
+        self._stop(slot)
+        self._fail_queued(self._asked(slot), slot.hosted, failure, what)
+        slots = self.slots()
+        slots[slots.index(slot)] = self._start(slot.slot)
+        self._place()
 
     def _fail_queued(self, asked: list[_Request], hosted: set[int], failure: EnvFailure, what: str) -> None:
         """A replaced slot's calls fail: the running one with `failure`, the queued ones and the
@@ -298,7 +356,7 @@ class RemoteEnvs:
         self.lost.update({key: lost for key in hosted - keys})
 
 
-class EnvWorkerPool(RemoteEnvs):
+class EnvWorkerPool(RemoteEnvs[_Worker]):
     """env.workers: N: envs in N worker processes, each call a message (see the module docstring).
 
     Use a pool from the thread that made it: Linux kills a worker when the thread that started it
@@ -334,26 +392,6 @@ class EnvWorkerPool(RemoteEnvs):
     def slots(self) -> list[_Worker]:
         return self.workers
 
-    # --- calls ------------------------------------------------------------------
-
-    def replies(self, timeout: float | None = None) -> list[EnvReply]:
-        """The replies that have come. With none yet, wait for one up to `timeout` seconds (None: as
-        long as it takes, unless nothing is asked)."""
-        until = None if timeout is None else time.monotonic() + timeout
-        while True:
-            for worker in list(self.workers):
-                self._read(worker)
-            self._expire()
-            now = time.monotonic()
-            if self.answered or not any(w.queue for w in self.workers) or (until is not None and now >= until):
-                out, self.answered = self.answered, []
-                return out
-            wake = [w.deadline for w in self.workers if w.deadline is not None] + ([until] if until else [])
-            wait(
-                [w.conn for w in self.workers] + [w.process.sentinel for w in self.workers],
-                max(min(wake) - now, 0) if wake else None,
-            )
-
     def close(self) -> None:
         for worker in self.workers:
             _kill(worker)
@@ -367,6 +405,16 @@ class EnvWorkerPool(RemoteEnvs):
         process.start()
         theirs.close()  # only the worker holds its end now: its death reads as EOF here
         return _Worker(slot, process, mine)
+
+    def _wait(self, timeout: float | None) -> None:
+        """Until a worker sends something or dies, or `timeout` seconds."""
+        wait([w.conn for w in self.workers] + [w.process.sentinel for w in self.workers], timeout)
+
+    def _asked(self, worker: _Worker) -> list[_Request]:
+        return list(worker.queue)
+
+    def _stop(self, worker: _Worker) -> None:
+        _kill(worker)
 
     def _close(self, worker: _Worker, key: int) -> None:
         with contextlib.suppress(OSError):  # a dead worker: the next read notices
@@ -392,7 +440,16 @@ class EnvWorkerPool(RemoteEnvs):
             except (EOFError, OSError):
                 message = None
             if message is None:
-                self._replace(worker, _death(worker, self.spec))
+                failure = _death(worker, self.spec)
+                # A worker is asked nothing with a deadline before it is ready, so only its death can
+                # end it then: it could not build the env factory, which no episode would fix.
+                if not worker.ready:
+                    _kill(worker)
+                    raise UsageError(
+                        f"an env worker for env.name {self.spec.env_name!r} stopped before it was ready: {failure} "
+                        "(is env.worker_memory_mb too low?)"
+                    )
+                self._replace(worker, failure, "crashed")
                 return
             if message[0] == "ready":
                 worker.ready = True
@@ -405,32 +462,12 @@ class EnvWorkerPool(RemoteEnvs):
                 worker.deadline = time.monotonic() + self.timeout_s if worker.queue else None
                 self._answer(request, message)
 
-    def _expire(self) -> None:
-        now = time.monotonic()
-        for worker in list(self.workers):
-            if worker.deadline is not None and now >= worker.deadline:
-                self._replace(worker, (self._timed_out(worker.queue[0]), "timed out"))
-
-    def _replace(self, worker: _Worker, cause: tuple[EnvFailure, str]) -> None:
-        """Kill a worker, fail the call it was running, lose its other envs, start a fresh one."""
-        failure, what = cause
-        _kill(worker)
-        if not worker.ready:
-            raise UsageError(
-                f"an env worker for env.name {self.spec.env_name!r} stopped before it was ready: {failure} "
-                "(is env.worker_memory_mb too low?)"
-            )
-        self._fail_queued(list(worker.queue), worker.hosted, failure, what)
-        fresh = self._start(worker.slot)
-        self.workers[self.workers.index(worker)] = fresh
-        self._place()
-
 
 def _over_time(verb: str, timeout_s: float) -> str:
     return f"{verb} exceeded the {timeout_s:g}s step time limit"
 
 
-def _death(worker: _Worker, spec: WorkerSpec) -> tuple[EnvFailure, str]:
+def _death(worker: _Worker, spec: WorkerSpec) -> EnvFailure:
     worker.process.join(5)
     code = worker.process.exitcode
     if code is not None and code < 0:
@@ -442,7 +479,7 @@ def _death(worker: _Worker, spec: WorkerSpec) -> tuple[EnvFailure, str]:
             how += f" (it used more than env.worker_cpu_s={spec.cpu_s:g} CPU seconds)"
     else:
         how = f"exited with status {code}"
-    return EnvFailure(f"its env worker {how}"), "crashed"
+    return EnvFailure(f"its env worker {how}")
 
 
 def _kill(worker: _Worker) -> None:

@@ -30,7 +30,7 @@ a win; info carries `player` (the seat that acted: the policy's) and `opponent_m
 seat, first and opponent. A two-player game without `opponent` is refused when the recipe is checked.
 The game's bot is also its expert (SFT demos, `envs try --policy expert`).
 
-`opponent: engine` (set by rlcli when env.opponent is a model: self, pool, base, sft or a checkpoint)
+`opponent: caller` (set by rlcli when env.opponent is a model: self, pool, base, sft or a checkpoint)
 plays no seat inside the env: reset and step serve whichever player is to move, the caller playing
 both seats (engine/games.py). Every reply's info has `to_move` (the seat whose turn it is, its
 observation the reply's) and a step's `player` (the seat that acted); the last step's info has
@@ -60,7 +60,7 @@ from rlcli.envs.adapters.textarena_opponents import GAMES, OPPONENT_KINDS, oppon
 from rlcli.errors import UsageError
 
 FULL_SCORE = 1.0 - 1e-6  # a win scores 1; allow a float rounding hair below it
-ENGINE = "engine"  # opponent: both seats played by the caller (rlcli's engine), none inside the env
+CALLER = "caller"  # opponent: every seat played by the caller (engine/games.py), none inside the env
 MAX_OPPONENT_MOVES = 20  # a bound on the opponent's moves between two of the policy's (invalid ones retried)
 _players_checked: dict[str, int] = {}  # game id -> its number of players, once found
 
@@ -125,7 +125,7 @@ class TextArenaEnv:
             if not isinstance(self.inner.state, ta.SinglePlayerState):
                 raise UsageError(_two_player_refusal(self.game_id))
             return self._new_messages(), {"task": task}
-        if self.opponents == (ENGINE,):
+        if self.opponents == (CALLER,):
             with _no_downloads(), self._own_random(seed):
                 self.game.reset(num_players=2, seed=seed)
             to_move = self.inner.state.current_player_id
@@ -139,7 +139,7 @@ class TextArenaEnv:
         return self._new_messages(), {"task": task}
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
-        if self.opponents == (ENGINE,):
+        if self.opponents == (CALLER,):
             return self._seat_step(action)
         with self._own_random():
             done, _ = self.game.step(action)
@@ -178,7 +178,7 @@ class TextArenaEnv:
         return score, ending, info
 
     def _seat_step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
-        """opponent engine: the move of the player to move; the reply is for the next player to move."""
+        """opponent caller: the move of the player to move; the reply is for the next player to move."""
         acted = self.inner.state.current_player_id
         with self._own_random():
             done, _ = self.game.step(action)
@@ -299,8 +299,8 @@ def _opponents(game_id: str, opponent: str | list[str] | None, players: int) -> 
         return ()
     if opponent is None:
         raise UsageError(_two_player_refusal(game_id))
-    if opponent == ENGINE:
-        return (ENGINE,)
+    if opponent == CALLER:
+        return (CALLER,)
     kinds = [opponent] if isinstance(opponent, str) else opponent
     if not isinstance(kinds, list) or not kinds or any(k not in OPPONENT_KINDS for k in kinds):
         raise UsageError(f"env.opponent: expected {' or '.join(OPPONENT_KINDS)} or a list of them, got {opponent!r}.")
