@@ -13,10 +13,12 @@ import typer
 from rich.panel import Panel
 
 from rlcli.cli.common import JsonOpt, RecipeOpt, RunOpt, console, open_existing
+from rlcli.console import err_console
 from rlcli.errors import RlcliError, UsageError
 from rlcli.report.text import literal
 
 if TYPE_CHECKING:
+    from rlcli.engine.audit import AuditReport
     from rlcli.recipe import Recipe
 
 app = typer.Typer(help="Environments: list them, try one in the terminal.", no_args_is_help=True)
@@ -91,22 +93,36 @@ def try_env(
     run: RunOpt = None,
 ) -> None:
     """Play or watch one episode, rendered turn by turn."""
-    import yaml
-
     if policy not in ("expert", "random", "human", "model"):
         raise UsageError(f"--policy must be expert, random, human or model, got {policy!r}.")
     if policy != "model" and (recipe or model or checkpoint or run):
         raise UsageError("--recipe, --model, --checkpoint and --run choose the model of --policy model.")
-    env_kwargs = {}
-    for item in kwargs or []:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise UsageError(f"--kwargs {item!r} is not of the form key=value.")
-        env_kwargs[key] = yaml.safe_load(value)
+    env_kwargs = _env_kwargs(kwargs)
     if policy == "model":
         _play_model(cli_ctx, name, env_kwargs, seed, max_turns, recipe, model, checkpoint, run)
         return
     _play_scripted(name, env_kwargs, policy, seed, max_turns)
+
+
+def _env_kwargs(items: list[str] | None) -> dict:
+    """--kwargs key=value items as env keyword arguments, each value read as YAML."""
+    from yaml import YAMLError
+
+    from rlcli.recipe import read_yaml
+
+    env_kwargs = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise UsageError(f"--kwargs {item!r} is not of the form key=value.")
+        try:
+            env_kwargs[key] = read_yaml(value)
+        except YAMLError as exc:
+            raise UsageError(
+                f"--kwargs {item!r}: the value is not valid YAML ({getattr(exc, 'problem', None) or exc}); expected "
+                "key=value with a YAML value, e.g. -k low=3 or -k 'words=[a, b]' (quote text holding brackets)."
+            ) from None
+    return env_kwargs
 
 
 def _play_scripted(name: str, env_kwargs: dict, policy: str, seed: int, max_turns: int) -> None:
@@ -219,3 +235,83 @@ def _show(messages: list[dict], reward: float | None = None) -> None:
         title = message["role"] + (f" (reward {reward:g})" if reward is not None else "")
         style = {"system": "dim", "tool": "magenta"}.get(message["role"], "green")
         console.print(Panel(literal(content), title=title, border_style=style, expand=False))
+
+
+@app.command("audit")
+def audit_env(
+    name: Annotated[
+        str | None,
+        typer.Argument(help="The env to audit (as in `envs try`); default: the recipe's env.name.", show_default=False),
+    ] = None,
+    kwargs: Annotated[
+        list[str] | None,
+        typer.Option("--kwargs", "-k", help="Env keyword argument key=value; repeatable (default: the recipe's)."),
+    ] = None,
+    recipe: RecipeOpt = None,
+    episodes: Annotated[
+        int,
+        typer.Option(min=1, help="Episodes per policy, on held-out tasks; also the held-out tasks checked for leaks."),
+    ] = 32,
+    train_tasks: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="Training seeds compared with the held-out ones. Default: the recipe's training pool (env.tasks, "
+            "else rollout.tasks x grpo.iterations, or sft.demos if more), at most 2000.",
+            show_default=False,
+        ),
+    ] = None,
+    max_success: Annotated[
+        float,
+        typer.Option(
+            min=0.0,
+            max=1.0,
+            help="Share of successes chance may give a knowing-nothing policy (never the empty reply).",
+        ),
+    ] = 0.25,
+    as_json: JsonOpt = False,
+) -> None:
+    """Play an env with policies that know nothing and with its expert; check that it replays and that
+    held-out tasks are not training tasks. Exit 1 when it finds a loophole, a crash, a replay that
+    differs or a leak."""
+    from dataclasses import replace
+
+    from rlcli.engine.audit import audit, settings_for
+    from rlcli.envs.loading import load_env
+    from rlcli.recipe import load_recipe
+
+    loaded = load_recipe(recipe, [])
+    if name is None and recipe is None:
+        raise UsageError("envs audit: name an env (e.g. rlcli envs audit guess_number) or give --recipe.")
+    env_name = name or loaded.env.name
+    env_kwargs = _env_kwargs(kwargs) if kwargs is not None or name is not None else dict(loaded.env.kwargs)
+    settings = replace(settings_for(loaded, episodes, train_tasks), max_success=max_success)
+    factory = load_env(env_name, env_kwargs)
+    report = audit(env_name, factory, settings, on_policy=lambda policy: err_console.print(f"playing: {policy}"))
+    if as_json:
+        print(json.dumps(report.to_json(), indent=2))
+    else:
+        _show_audit(report, settings.train_tasks)
+    if report.findings:
+        raise RlcliError(f"envs audit: {len(report.findings)} finding(s) for {env_name} (above).")
+
+
+def _show_audit(report: AuditReport, train_tasks: int) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"{report.env}: {report.scores[0].episodes} held-out episodes per policy")
+    for column in ("policy", "success", "95% interval", "mean return", "env errors"):
+        table.add_column(column)
+    for s in report.scores:
+        low, high = s.success_interval
+        table.add_row(s.policy, f"{s.success_rate:.2f}", f"{low:.2f}-{high:.2f}", f"{s.mean_return:.3g}", str(s.errors))
+    console.print(table)
+    replay = report.replay_mismatch or f"same observations, rewards and endings on {report.replays_checked} seeds"
+    console.print(f"replay: {replay}", markup=False)
+    console.print(
+        f"held-out: {len(report.leaked)} of {report.held_out} tasks are training tasks "
+        f"(compared with {train_tasks} training seeds)",
+        markup=False,
+    )
+    for finding in report.findings:
+        console.print(f"finding: {finding}", markup=False)
