@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 from rlcli.engine.grpo.advantages import (
     compute_advantages,
     discounted_turn_returns,
+    step_group_advantages,
     turn_advantages,
     zero_variance_groups,
 )
@@ -154,6 +156,50 @@ def loss_of(logprobs, old, adv, mask, **kw):
     kw.setdefault("clip_low", 0.2)
     kw.setdefault("clip_high", 0.28)
     return policy_loss(logprobs, old, adv, mask, **kw)
+
+
+# GiGPO's step groups: three episodes of one task (group 0) and one of another (group 1). The reset ("")
+# and state A repeat within group 0 with different returns; B, C, D and group 1's A are alone.
+STEP_RETURNS = [[1.0, 1.0, 1.0], [0.0, 0.0, 0.0], [1.0, 1.0], [5.0, 5.0]]
+STEP_STATES = [["", "A", "B"], ["", "A", "C"], ["", "D"], ["", "A"]]
+
+
+def test_step_groups_share_a_baseline_per_state_within_a_group():
+    adv, live = step_group_advantages(STEP_RETURNS, STEP_STATES, [0, 0, 0, 1], "grpo", eps=0.0)
+    reset_std, a_std = math.sqrt(1 / 3), math.sqrt(0.5)  # unbiased std of {1, 0, 1} and {1, 0}
+    assert adv[0] == pytest.approx([(1 - 2 / 3) / reset_std, 0.5 / a_std, 0.0])
+    assert adv[1] == pytest.approx([-2 / 3 / reset_std, -0.5 / a_std, 0.0])
+    assert adv[2] == pytest.approx([(1 - 2 / 3) / reset_std, 0.0])
+    assert adv[3] == [0.0, 0.0]  # its own group: alone at the reset and at A
+    assert live == pytest.approx(5 / 10)  # group 0's reset (3 turns) and A (2) of the 10 turns
+
+
+def test_step_groups_centre_only_under_dr_grpo_and_normalise_per_state_under_batch():
+    centred, _ = step_group_advantages(STEP_RETURNS, STEP_STATES, [0, 0, 0, 1], "dr_grpo")
+    assert centred[0] == pytest.approx([1 / 3, 0.5, 0.0])
+    batch, _ = step_group_advantages(STEP_RETURNS, STEP_STATES, [0, 0, 0, 1], "batch", eps=0.0)
+    grpo, _ = step_group_advantages(STEP_RETURNS, STEP_STATES, [0, 0, 0, 1], "grpo", eps=0.0)
+    assert batch == grpo
+
+
+def test_a_turn_acted_on_the_reset_or_on_the_answer_before_it_without_the_tool_call_timing():
+    from rlcli.engine.grpo.batch import acted_on
+    from rlcli.store.records import Turn
+
+    answer = [{"role": "tool", "name": "calc", "content": "4", "call": {"latency_s": 0.01}}]
+    again = [{**answer[0], "call": {"latency_s": 0.02}}]
+    keys = acted_on([Turn(0, [], [], [], observation=json.dumps(m)) for m in (answer, [], [])])
+    keys_again = acted_on([Turn(0, [], [], [], observation=json.dumps(m)) for m in (again, [], [])])
+    assert keys[0] == "" and keys == keys_again and keys[1] != keys[2]
+
+
+def test_step_groups_are_refused_with_role_baselines():
+    from pydantic import ValidationError
+
+    from rlcli.recipe import GrpoSection
+
+    with pytest.raises(ValidationError, match="grpo.advantage rae has no groups"):
+        GrpoSection(step_groups=1.0, advantage="rae")
 
 
 def test_token_clipping_values_gradients_and_clip_fractions():

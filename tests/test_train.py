@@ -84,6 +84,7 @@ def test_reward_rises_over_iterations(tmp_path):
             "drop_zero_var_groups": False,
         },
         {"gamma": 0.9, "gradient_checkpointing": True},
+        {"step_groups": 0.5},
     ],
 )
 def test_objective_variants_run_and_change_the_adapter(tmp_path, options):
@@ -103,6 +104,8 @@ def test_objective_variants_run_and_change_the_adapter(tmp_path, options):
     assert lora_b and any(v.abs().sum() > 0 for v in lora_b), "LoRA B starts at zero and must have moved"
     assert _metric(ctx, "train/loss")
     assert 0.0 <= _metric(ctx, "perf/pad_frac")[0] < 1.0
+    if options.get("step_groups"):  # guess_number's "Higher."/"Lower." repeat across a group's episodes
+        assert 0.0 <= _metric(ctx, "train/step_groups_live")[0] <= 1.0
 
 
 def test_mask_truncated_leaves_out_episodes_cut_by_the_token_cap(tmp_path):

@@ -612,6 +612,14 @@ class GrpoSection(Section):
         le=1,
         description="Discount for per-turn returns from per-step env rewards; null uses the episode reward.",
     )
+    step_groups: float = Field(
+        0.0,
+        ge=0,
+        description="Weight of GiGPO's step-level advantage, added to each turn's episode-level one: the turns of "
+        "a group's episodes that acted on the same observation share a baseline for their return-to-go (discounted "
+        "by grpo.gamma, else undiscounted). For envs whose observation is the state (a maze's map, a web page); "
+        "0: off. Not with grpo.advantage rae.",
+    )
     clip_low: float = Field(0.2, ge=0, description="Lower clip range of the ratio (1 - clip_low).")
     clip_high: float = Field(0.28, ge=0, description="Upper clip range of the ratio (1 + clip_high).")
     importance: Literal["token", "sequence"] = Field("token", description="token (PPO/GRPO) or sequence (GSPO) ratio.")
@@ -740,6 +748,15 @@ class GrpoSection(Section):
         "GRPO is getting no signal. 0 disables.",
         json_schema_extra=RESUME_SAFE,
     )
+
+    @model_validator(mode="after")
+    def _step_groups_need_groups(self) -> GrpoSection:
+        if self.step_groups and self.advantage == "rae":
+            raise ValueError(
+                "grpo.step_groups measures turns against their group's other turns, and grpo.advantage rae has no "
+                "groups; use grpo, dr_grpo, rloo or batch, or set grpo.step_groups: 0."
+            )
+        return self
 
 
 class DpoSection(Section):

@@ -145,3 +145,37 @@ def turn_advantages(
         [float((g - baseline[i]) / scale[i]) if live[i] else 0.0 for g in returns]
         for i, returns in enumerate(per_episode_turn_returns)
     ]
+
+
+def step_group_advantages(
+    per_episode_turn_returns: Sequence[Sequence[float]],
+    states: Sequence[Sequence[str]],
+    group_ids: torch.Tensor | Sequence[int],
+    method: str = "grpo",
+    eps: float = 1e-6,
+) -> tuple[list[list[float]], float]:
+    """GiGPO's step-level advantages (Feng et al. 2025): the turns of one group's episodes that acted in
+    the same state (equal `states[i][t]`) form a step group, and each turn's return-to-go G_it is measured
+    against its step group's baseline and scale (`method`, as `compute_advantages`; batch normalises per
+    step group as grpo does). A step group of one turn, or of equal returns, gives 0.
+
+    Second: the share of turns that sit in a step group with signal (the measure of how often states
+    repeat with different outcomes)."""
+    flat: list[float] = []
+    keys: dict[tuple[int, str], int] = {}
+    ids: list[int] = []
+    groups = torch.as_tensor(group_ids).tolist()
+    for i, (returns, seen) in enumerate(zip(per_episode_turn_returns, states, strict=True)):
+        for value, state in zip(returns, seen, strict=True):
+            flat.append(float(value))
+            ids.append(keys.setdefault((groups[i], state), len(keys)))
+    if not flat:
+        return [[] for _ in per_episode_turn_returns], 0.0
+    values = torch.tensor(flat, dtype=torch.float64)
+    baseline, scale, live = _baseline_and_scale(values, ids, "grpo" if method == "batch" else method, eps)
+    adv = torch.where(live, (values - baseline) / scale, torch.zeros_like(values)).tolist()
+    out, start = [], 0
+    for returns in per_episode_turn_returns:
+        out.append(adv[start : start + len(returns)])
+        start += len(returns)
+    return out, float(live.double().mean())

@@ -3,6 +3,7 @@ role baselines) and one training sequence per episode (or per turn), exactly the
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -118,9 +119,28 @@ def turn_advantages(
         return per_turn, rae
     if cfg.gamma is not None:
         turn_returns = [advantages.discounted_turn_returns(turn_rewards(e), cfg.gamma) for e in episodes]
-        return advantages.turn_advantages(turn_returns, groups, cfg.advantage), None
-    adv = advantages.compute_advantages(rewards, groups, cfg.advantage)
-    return [[float(adv[i])] * len(e.episode.turns) for i, e in enumerate(episodes)], None
+        per_turn = advantages.turn_advantages(turn_returns, groups, cfg.advantage)
+    else:
+        adv = advantages.compute_advantages(rewards, groups, cfg.advantage)
+        per_turn = [[float(adv[i])] * len(e.episode.turns) for i, e in enumerate(episodes)]
+    if cfg.step_groups:
+        returns = [advantages.discounted_turn_returns(turn_rewards(e), cfg.gamma or 1.0) for e in episodes]
+        states = [acted_on(e.episode.turns) for e in episodes]
+        step, live = advantages.step_group_advantages(returns, states, groups, cfg.advantage)
+        metrics["train/step_groups_live"] = live
+        per_turn = [[a + cfg.step_groups * s for a, s in zip(ep, st)] for ep, st in zip(per_turn, step)]
+    return per_turn, None
+
+
+def acted_on(turns: list[Turn]) -> list[str]:
+    """The observation each turn acted on, as a step group's key: the reset's (the same for every episode
+    of a group, which shares its seed) for the first, the previous turn's answer after it. A tool
+    message's `call` (it holds the call's latency) is left out, so that equal answers compare equal."""
+    keys = [""]
+    for turn in turns[:-1]:
+        messages = json.loads(turn.observation)
+        keys.append(json.dumps([{k: v for k, v in m.items() if k != "call"} for m in messages], sort_keys=True))
+    return keys
 
 
 def episode_sequences(episode_id: int, group: int, turns: list[Turn]) -> list[TrainSequence]:
