@@ -101,6 +101,45 @@ def test_eval_run_again_keeps_its_timed_out_episodes_as_an_uninterrupted_eval_do
     assert ctx.rundb.db["episodes"].count == 3
 
 
+NESTING_ENV = '''
+class Nesting:
+    """Succeeds on the answer "ok"; a tool of its own, so that its replies are read for calls. Its expert
+    answers the odd seeds with a thousand nested brackets, past what Python's JSON reader can nest."""
+
+    def __init__(self):
+        self.tools = [self.echo]
+
+    def echo(self, text: str) -> str:
+        """Say a text back.
+
+        Args:
+            text: What to say.
+        """
+        return text
+
+    def reset(self, seed):
+        self.seed = seed
+        return "Say ok.", {}
+
+    def step(self, action):
+        ok = action.strip() == "ok"
+        return "done", float(ok), True, False, {"success": ok}
+
+    def expert_action(self):
+        return "[" * 1000 + "]" * 1000 if self.seed % 2 else "ok"
+'''
+
+
+def test_eval_scores_a_reply_the_tool_call_reader_cannot_read_as_a_failure_in_its_success_rate(tmp_path):
+    from helpers import write_env_file
+
+    env_file = write_env_file(tmp_path / "nesting.py", NESTING_ENV)
+    recipe = write_recipe(tmp_path / "r.yaml", env={"name": str(env_file)}, eval={"tasks": 4})
+    (row,) = run_eval(make_ctx(recipe, tmp_path / "runs"), ["expert"])
+    # Half the answers unreadable: the model's failures, in the denominator, not env failures left out of it.
+    assert row.details["failed_episodes"] == 0 and row.success_rate == 0.5 and row.tasks == 4
+
+
 def test_eval_several_checkpoints_in_one_call_and_resume(tmp_path):
     recipe = write_recipe(
         tmp_path / "r.yaml",
@@ -156,6 +195,18 @@ def test_eval_with_other_decoding_or_more_tasks_is_measured_not_read_back(tmp_pa
     console.print(evals_table([eval_view(r) for r in results]))
     lines = console.export_text().splitlines()
     assert any("base" in line and "t1-k1" in line for line in lines) and any("greedy" in line for line in lines)
+    # A sampled eval estimates the policy's entropy from the logprobs of what it sampled; greedy cannot.
+    from rlcli.store.blobs import unpack_floats
+
+    blobs = ctx.rundb.db.execute(
+        "select t.logprobs from turns t join episodes e on e.id = t.episode_id where e.stage = 'eval/base@t1-k1'"
+    ).fetchall()
+    logprobs = [lp for (blob,) in blobs for lp in unpack_floats(blob)]
+    assert results[0].details["entropy"] == pytest.approx(-sum(logprobs) / len(logprobs), rel=1e-6)
+    assert "entropy" not in results[1].details
+    wide = Console(width=160, record=True)
+    wide.print(evals_table([eval_view(r) for r in results]))
+    assert "entropy" in wide.export_text()
 
 
 def test_cli_eval_json_and_runs_show_include_evals(tmp_path):

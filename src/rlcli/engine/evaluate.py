@@ -19,7 +19,7 @@ from rlcli.generation.engines import make_sampler
 from rlcli.generation.sampler import Sampler, sampling_config
 from rlcli.store.checkpoints import checkpoint_note, resolve_checkpoint
 from rlcli.store.db import now
-from rlcli.store.episodes import stage_episodes
+from rlcli.store.episodes import sampled_token_entropy, stage_episodes
 from rlcli.store.evals import eval_decoding, eval_result, leading_tasks_success, replace_eval
 from rlcli.store.names import EXPERT, SFT, SFT_STAGE, PolicyRef, eval_stage
 from rlcli.store.records import Checkpoint, EndReason, Episode, EvalResult
@@ -254,6 +254,10 @@ def _evaluate(
         opponent=resolve_opponent(ctx, opponent, sampler, sampling, stage=stage),
     )
     metrics = eval_metrics(stage_episodes(ctx.store, stage), recipe.eval.k)
+    # How spread out the policy still is: SFT that leaves it near-deterministic leaves GRPO groups of
+    # equal rewards. Sampled logprobs estimate it only when sampling (greedy's are of the argmax).
+    if sampler is not None and sampling.temperature > 0:
+        metrics["details"]["entropy"] = sampled_token_entropy(ctx.store, stage)
     replace_eval(
         ctx.rundb,
         EvalResult(

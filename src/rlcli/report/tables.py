@@ -251,7 +251,9 @@ def eval_cells(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
     versus = any(r.get("opponent") for r in rows)  # and an opponent column for eval.opponents' stages
     columns = ["checkpoint", *(["vs"] if versus else []), *(["decoding"] if sampled else []), "tasks×k"]
     columns += ["success", "95% CI"]
-    columns += ["return", "pass@k", "turns", "tokens", *(["failed"] if any(failed) else [])]
+    entropy = [r["details"].get("entropy") for r in rows]  # sampled evals only (engine/evaluate.py)
+    columns += ["return", "pass@k", "turns", "tokens", *(["entropy"] if any(e is not None for e in entropy) else [])]
+    columns += ["failed"] if any(failed) else []
     cells = [
         [
             r.get("label") or r["checkpoint"],
@@ -264,9 +266,10 @@ def eval_cells(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
             fmt(r["pass_at_k"]),
             fmt(r["mean_turns"]),
             fmt(r["mean_tokens"]),
+            *([fmt(h)] if any(e is not None for e in entropy) else []),
             *([str(n_failed)] if any(failed) else []),
         ]
-        for r, n_failed in zip(rows, failed)
+        for r, n_failed, h in zip(rows, failed, entropy)
     ]
     return columns, cells
 

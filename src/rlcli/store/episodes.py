@@ -119,6 +119,23 @@ def store_rewards(rundb: RunDB, rewards: list[RewardRow]) -> None:
 # --- reading ----------------------------------------------------------------------------------
 
 
+def sampled_token_entropy(store: RunStore, stage: str) -> float | None:
+    """The mean of -logprob over every token a stage's finished episodes sampled: an estimate of the
+    entropy (nats a token) of the distribution they were sampled from, since turns record logprobs under
+    the sampling temperature. None without tokens."""
+    rows = store.rundb.db.execute(
+        "select t.logprobs from turns t join episodes e on e.id = t.episode_id "
+        "where e.run = ? and e.stage = ? and e.status = 'ok'",
+        [store.run, stage],
+    )
+    total, count = 0.0, 0
+    for (blob,) in rows.fetchall():
+        values = unpack_floats(blob)
+        total -= sum(values)
+        count += len(values)
+    return total / count if count else None
+
+
 def stored_episode_keys(store: RunStore, stage: str) -> set[tuple[int, int]]:
     """(task_index, sample_index) of every episode a stage has stored."""
     rows = store.rundb.db.execute(
