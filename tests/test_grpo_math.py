@@ -193,6 +193,53 @@ def test_a_turn_acted_on_the_reset_or_on_the_answer_before_it_without_the_tool_c
     assert keys[0] == "" and keys == keys_again and keys[1] != keys[2]
 
 
+def test_step_groups_discount_by_gamma_even_when_it_is_zero():
+    """grpo.gamma 0 credits each turn with its own reward only; it must not read as 'undiscounted'."""
+    from rlcli.engine.grpo.batch import turn_advantages as batch_turn_advantages
+    from rlcli.recipe import GrpoSection
+    from rlcli.store.records import EndReason, Episode, LabelledEpisode, Turn
+
+    def labelled(turn_rewards: list[float], observations: list[str]) -> LabelledEpisode:
+        turns = [
+            Turn(i, [], [], [], reward=r, observation=json.dumps([{"role": "user", "content": o}]))
+            for i, (r, o) in enumerate(zip(turn_rewards, observations))
+        ]
+        episode = Episode(
+            None,
+            "r",
+            "rollout/0",
+            0,
+            "train",
+            0,
+            0,
+            0,
+            "base",
+            "ok",
+            EndReason.TERMINATED,
+            sum(turn_rewards),
+            True,
+            len(turns),
+            0,
+            {},
+            [],
+            True,
+            None,
+            "",
+            turns=turns,
+        )
+        return LabelledEpisode(episode, "default", sum(turn_rewards))
+
+    # Both episodes see "A" after their first turn; only their second turns' rewards differ.
+    episodes = [labelled([1.0, 1.0], ["A", "x"]), labelled([1.0, 0.0], ["A", "y"])]
+    rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float64)
+    cfg = GrpoSection(gamma=0.0, step_groups=1.0, advantage="dr_grpo")
+    per_turn, _ = batch_turn_advantages(cfg, episodes, rewards, torch.tensor([0, 0]), {}, {})
+    # Episode level: the first turns' returns are equal (1, 1), so the group gives 0 on every turn.
+    # Step level with gamma 0: the reset {1, 1} gives 0; "A" {1, 0} gives +0.5 and -0.5. Undiscounted the
+    # returns-to-go would be {2, 1} at the reset, giving the first turns +0.5 and -0.5.
+    assert per_turn == [[0.0, 0.5], [0.0, -0.5]]
+
+
 def test_step_groups_are_refused_with_role_baselines():
     from pydantic import ValidationError
 

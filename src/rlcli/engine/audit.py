@@ -25,6 +25,7 @@ import json
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from rlcli.engine.evaluate import wilson_interval
@@ -225,6 +226,10 @@ def play(factory: EnvFactory, seed: int, next_action: Callable[[list[dict]], str
     return played
 
 
+def _reply(policy: Policy, rng: random.Random, messages: list[dict]) -> str:
+    return policy(messages, rng)
+
+
 def has_expert(factory: EnvFactory) -> bool:
     """Whether the env has `expert_action()` (optional in the Env contract)."""
     probe = factory()
@@ -315,10 +320,7 @@ def audit(
             on_policy(name)
         played[name] = []
         for index, seed in enumerate(seeds):
-            rng = random.Random(index)
-            played[name].append(
-                play(factory, seed, lambda messages, rng=rng, policy=policy: policy(messages, rng), settings)
-            )
+            played[name].append(play(factory, seed, partial(_reply, policy, random.Random(index)), settings))
     scores = [score(name, episodes) for name, episodes in played.items()]
 
     # Replay the expert's episodes (random words' without one) with the same actions, in a fresh env.

@@ -124,9 +124,10 @@ def turn_advantages(
         adv = advantages.compute_advantages(rewards, groups, cfg.advantage)
         per_turn = [[float(adv[i])] * len(e.episode.turns) for i, e in enumerate(episodes)]
     if cfg.step_groups:
-        returns = [advantages.discounted_turn_returns(turn_rewards(e), cfg.gamma or 1.0) for e in episodes]
+        gamma = cfg.gamma if cfg.gamma is not None else 1.0
+        to_go = [advantages.discounted_turn_returns(turn_rewards(e), gamma) for e in episodes]
         states = [acted_on(e.episode.turns) for e in episodes]
-        step, live = advantages.step_group_advantages(returns, states, groups, cfg.advantage)
+        step, live = advantages.step_group_advantages(to_go, states, groups, cfg.advantage)
         metrics["train/step_groups_live"] = live
         per_turn = [[a + cfg.step_groups * s for a, s in zip(ep, st)] for ep, st in zip(per_turn, step)]
     return per_turn, None
