@@ -23,6 +23,7 @@ import os
 import signal
 import sqlite3
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -74,6 +75,9 @@ def start(args: list[str], env: dict[str, str], cwd: str, event: dict, log: str)
 def _rlcli(args: list[str], env: dict[str, str], cwd: str, event: dict, log: str) -> None:
     os.environ.clear()
     os.environ.update(env)
+    # The forkserver kept the temp folder of the environment it started in (tempfile caches it), which
+    # may be a test's own TMPDIR, removed since: find it again from this command's environment.
+    tempfile.tempdir = None
     os.chdir(cwd)
     out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(out, 1)

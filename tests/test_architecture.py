@@ -22,7 +22,8 @@ LAYERS: list[set[str]] = [
     {"rewards"},  # reward functions, scoring, the LLM judge (which samples through generation)
     {"generation"},  # the samplers (HF, vLLM), engine choice, sampling config, seeds
     {"store", "envs", "models"},  # the run database; env protocol, loading and workers; the model cache and loading
-    {"recipe", "export_folder", "usercode"},  # the recipe schema; the export folder check; loading user files
+    # the recipe schema; the export folder check; loading user files; a recipe's secrets redacted for sharing
+    {"recipe", "export_folder", "usercode", "redaction"},
     {"errors", "console", "rlcli"},  # the error types; the stderr console; rlcli/__init__: import nothing from rlcli
 ]
 

@@ -213,6 +213,18 @@ def test_recipes_validate_shipped_recipes(capsys):
     assert code == 0, err
 
 
+@pytest.mark.parametrize("name", ["résumé", "models", "rlcli.db"])
+def test_recipes_validate_refuses_a_run_name_every_command_refuses(capsys, tmp_path, name):
+    """It used to pass run names (résumé) that every command then refused."""
+    recipe = write_recipe(tmp_path / "r.yaml", run={"name": name, "seed": 0})
+    for schema in ([], ["--schema"]):  # a rule, the same on every machine
+        code, _, err = cli(capsys, "recipes", "validate", *schema, recipe)
+        line = one_line(err)
+        assert code == 2 and str(recipe) in line and f"Run name {name!r} is" in line, line
+    code, _, err = cli(capsys, "rollout", "-r", recipe)
+    assert code == 2 and f"Run name {name!r} is" in one_line(err)
+
+
 # A package no machine has: wandb's stands in for it below, so that a run would refuse the tracker.
 MISSING_PACKAGE = "rlcli_no_such_package"
 

@@ -211,6 +211,29 @@ def test_dpo_mistakes_are_one_sentence(tmp_path):
     assert result.returncode == 2 and "expected dpo or dpo/<name>" in result.stderr
 
 
+def test_nothing_to_mine_leaves_a_finished_run_as_it_was(tmp_path):
+    """`train dpo` on a finished run with no episodes used to mark the run, and a dpo stage, failed."""
+    runs = tmp_path / "runs"
+    recipe = write_recipe(tmp_path / "r.yaml")
+    ctx = make_ctx(recipe, runs)
+    ctx.store.set_status("done")
+    ctx.rundb.close()
+
+    def rows() -> dict[str, list[tuple]]:
+        with sqlite3.connect(runs / "rlcli.db") as conn:
+            return {
+                table: conn.execute(f"select * from {table} order by 1").fetchall()
+                for table in ("runs", "run_recipes", "stages")
+            }
+
+    before = rows()
+    result = run_in_process(["train", "dpo", "-r", str(recipe)], runs)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert "dpo.source ['rollout/*'] matches no stage of run 't' with episodes" in lines[0]
+    assert rows() == before
+
+
 def test_dpo_on_a_vision_language_model_is_refused_before_any_stage_runs(tmp_path):
     """It used to train on the pairs' image tokens as plain tokens, the pixels never seen."""
     recipe = write_recipe(

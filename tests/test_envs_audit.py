@@ -60,35 +60,32 @@ def test_the_sound_planted_env_passes_and_its_expert_solves_it(capsys, tmp_path)
     assert report["findings"] == [] and report["held_out"]["leaked"] == []
 
 
-def test_an_empty_reply_that_earns_reward_is_a_loophole(capsys, tmp_path):
-    code, out, err = audit(capsys, planted(tmp_path, right='action == "" or action.strip() == str(self.a + self.b)'))
+# Each planted defect, and the finding that names it.
+DEFECTS = {
+    "empty reply rewarded": (
+        {"right": 'action == "" or action.strip() == str(self.a + self.b)'},
+        "The empty reply policy succeeds in 16 of 16 episodes",
+    ),
+    "any long reply rewarded": (
+        {"right": "len(action) > 100 or action.strip() == str(self.a + self.b)"},
+        "The longest reply policy succeeds in 16 of 16 episodes",
+    ),
+    "held-out tasks leak": ({"task_seed": "seed % 7"}, "16 of 16 held-out tasks are also training tasks"),
+    "no replay": ({"task_seed": "None"}, "The env does not replay: seed 1000000: the reset's observation differs"),
+    "raises on a reply": (
+        {"check": "int(action)"},
+        "The env raised on the empty reply policy's replies in 16 of 16 episodes (ValueError",
+    ),
+}
+
+
+@pytest.mark.parametrize("defect", DEFECTS)
+def test_each_planted_defect_is_found_in_one_sentence(capsys, tmp_path, defect):
+    planting, finding = DEFECTS[defect]
+    code, out, err = audit(capsys, planted(tmp_path, **planting))
     assert code == 1
-    assert "The empty reply policy succeeds in 16 of 16 episodes" in out
-    assert "1 finding(s)" in err
-
-
-def test_a_grader_that_takes_any_long_reply_is_a_loophole(capsys, tmp_path):
-    code, out, _ = audit(capsys, planted(tmp_path, right="len(action) > 100 or action.strip() == str(self.a + self.b)"))
-    assert code == 1
-    assert "The longest reply policy succeeds in 16 of 16 episodes" in out
-
-
-def test_held_out_tasks_that_are_training_tasks_leak(capsys, tmp_path):
-    code, out, _ = audit(capsys, planted(tmp_path, task_seed="seed % 7"))
-    assert code == 1
-    assert "16 of 16 held-out tasks are also training tasks" in out
-
-
-def test_an_env_that_does_not_replay_is_found(capsys, tmp_path):
-    code, out, _ = audit(capsys, planted(tmp_path, task_seed="None"))
-    assert code == 1
-    assert "The env does not replay: seed 1000000: the reset's observation differs" in out
-
-
-def test_an_env_that_raises_on_a_reply_is_found(capsys, tmp_path):
-    code, out, _ = audit(capsys, planted(tmp_path, check="int(action)"))
-    assert code == 1
-    assert "The env raised on the empty reply policy's replies in 16 of 16 episodes (ValueError" in out
+    assert finding in out
+    assert "finding(s) for" in err
 
 
 def test_the_recipe_gives_the_env_and_its_horizon(capsys):

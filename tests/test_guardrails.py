@@ -6,8 +6,7 @@ import json
 
 import pytest
 
-from helpers import make_ctx, write_recipe
-from rlcli.cli.app import main
+from helpers import cli, make_ctx, write_recipe
 from rlcli.engine import guardrails
 from rlcli.engine.guardrails import (
     entropy_collapse,
@@ -201,10 +200,9 @@ def test_runs_show_lists_the_events(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("RLCLI_HOME", str(tmp_path / "runs"))
 
     def show(*options: str) -> str:
-        with pytest.raises(SystemExit) as exited:
-            main(["runs", "show", ctx.run, *options])
-        assert exited.value.code == 0
-        return capsys.readouterr().out
+        code, out, err = cli(capsys, "runs", "show", ctx.run, *options)
+        assert code == 0, err
+        return out
 
     data = json.loads(show("--json"))
     assert [(e["iteration"], e["kind"], e["details"]) for e in data["events"]] == [(7, "no_signal", {"x": 1})]

@@ -260,6 +260,79 @@ def test_other_migration_sets_are_ignored(runs_dir):
     assert ("notes", "001_x", "x") in before
 
 
+def _older_database(runs_dir: Path) -> None:
+    """A run database as the rlcli before the newest migration left it, with a run and a metric."""
+    from sqlite_utils import Database
+
+    from rlcli.store.migrations import migrations
+
+    newest = migrations.pending(Database(memory=True))[-1].name
+    runs_dir.mkdir()
+    conn = sqlite3.connect(runs_dir / DB_NAME)
+    migrations.apply(Database(conn), stop_before=newest)
+    older = RunDB(Database(conn), runs_dir / DB_NAME)
+    older.start_run("r1", Recipe(), None)
+    older.log_metrics("r1", "grpo", 0, {"rollout/reward_mean": 0.5})
+    conn.close()
+
+
+def test_a_read_only_open_never_writes_and_migrates_an_older_file_where_it_may(runs_dir, capsys, monkeypatch):
+    from helpers import cli
+
+    _older_database(runs_dir)
+    path = runs_dir / DB_NAME
+    monkeypatch.setenv("RLCLI_HOME", str(runs_dir))
+    code, out, err = cli(capsys, "runs", "show", "r1", "--json")  # migrated first: the folder may be written
+    assert code == 0, err
+    assert migration_rows(path)[-1][1] == "011_tracker_steps"
+    rundb = RunDB.open(runs_dir, read_only=True)
+    try:
+        assert [r.name for r in rundb.list_runs()] == ["r1"]
+        with pytest.raises(sqlite3.OperationalError, match="readonly"):
+            rundb.set_run_status("r1", "done")
+    finally:
+        rundb.close()
+    before = digest(path)
+    assert cli(capsys, "runs", "list")[0] == 0
+    assert digest(path) == before
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes through any file mode")
+def test_commands_that_only_read_work_in_a_read_only_runs_folder(runs_dir, tmp_path, capsys, monkeypatch):
+    """Even `runs list` used to fail there, with a message that suggested a corrupt file: every open was
+    read-write, and migrated."""
+    from helpers import cli
+
+    rundb = RunDB.open(runs_dir)
+    rundb.start_run("r1", Recipe(), None)
+    rundb.log_metrics("r1", "grpo", 0, {"rollout/reward_mean": 0.5})
+    rundb.close()
+    older = tmp_path / "older"
+    _older_database(older)
+    monkeypatch.setenv("RLCLI_HOME", str(runs_dir))
+    for folder in (runs_dir, older):
+        (folder / DB_NAME).chmod(0o444)
+        folder.chmod(0o555)
+    try:
+        for args in (
+            ["runs", "list"],
+            ["runs", "show", "r1"],
+            ["runs", "compare", "r1"],
+            ["runs", "export", "r1", "--out", tmp_path / "export"],
+            ["runs", "report", "r1", "--html", tmp_path / "r1.html"],
+        ):
+            code, _, err = cli(capsys, *args)
+            assert code == 0, (args, err)
+        code, _, err = cli(capsys, "runs", "delete", "r1", "--yes")
+        assert code == 2 and "cannot be written (it or its folder is read-only)" in " ".join(err.split()), err
+        code, _, err = cli(capsys, "--runs-dir", older, "runs", "show", "r1")
+        assert code == 2 and "written by an older rlcli" in " ".join(err.split()), err
+        assert sorted(os.listdir(runs_dir)) == [DB_NAME] and sorted(os.listdir(older)) == [DB_NAME]
+    finally:
+        for folder in (runs_dir, older):
+            folder.chmod(0o755)
+
+
 # --- runs ----------------------------------------------------------------------------
 
 

@@ -18,7 +18,7 @@ import pytest
 from helpers import REPO, kill_at_event, run_in_process, write_env_file, write_recipe
 from rlcli.engine.episode_runner import EpisodeRunner, EpisodeSpec, RolloutLimits
 from rlcli.envs.loading import load_env
-from rlcli.envs.tool_calls import parse_tool_calls
+from rlcli.envs.tool_calls import MAX_NESTING, parse_tool_calls
 from rlcli.envs.tool_use import ToolUseSpec
 from rlcli.envs.tools import McpServerSpec, ToolsSpec, close_toolboxes
 from rlcli.envs.workers import InProcessEnvs
@@ -55,6 +55,31 @@ def test_text_that_is_not_a_call_is_not_one_and_a_broken_block_is_malformed():
     assert problem.startswith("malformed <tool_call> block") and "not JSON" in problem
     [problem] = parse_tool_calls('<tool_call>{"arguments": {"x": 1}}</tool_call>').malformed
     assert "no tool name" in problem
+
+
+def nested(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+def test_a_reply_too_deep_or_too_long_to_read_is_text_or_a_malformed_call_never_a_raise():
+    # Past Python's recursion limit: text where bare, a malformed call in a <tool_call> block.
+    assert not parse_tool_calls(nested(1000))
+    assert not parse_tool_calls("[" * 30_000)
+    [problem] = parse_tool_calls(f"<tool_call>{nested(1000)}</tool_call>").malformed
+    assert "nested too deeply" in problem
+    # Readable, but arguments nested deeper than MAX_NESTING: a malformed call where tagged, text where bare.
+    deep_call = '{"name": "f", "arguments": {"a": ' + nested(MAX_NESTING + 1) + "}}"
+    assert not parse_tool_calls(deep_call)
+    [problem] = parse_tool_calls(f"<tool_call>{deep_call}</tool_call>").malformed
+    assert f"the arguments nest deeper than {MAX_NESTING} levels" in problem
+    assert parse_tool_calls('{"name": "f", "arguments": {"a": ' + nested(MAX_NESTING - 1) + "}}").calls
+    # A number of more digits than Python converts.
+    [problem] = parse_tool_calls(
+        '<tool_call>{"name": "f", "arguments": {"n": %s}}</tool_call>' % ("1" * 5000)
+    ).malformed
+    assert "not JSON that can be read" in problem
+    # A call after unreadable nesting is still read.
+    assert parse_tool_calls(nested(1000) + '{"name": "f", "arguments": {}}').calls == [{"name": "f", "arguments": {}}]
 
 
 # --- an env with tools of its own, played turn by turn ----------------------------------------------
@@ -272,6 +297,13 @@ def test_an_unknown_tool_and_a_raising_tool_are_reported_and_the_episode_goes_on
     assert ep.status == "ok" and len(ep.turns) == 2
 
 
+def test_a_reply_nested_too_deep_to_read_is_the_models_answer_scored_not_an_env_failure(tmp_path, tokenizer):
+    env_file = write_env_file(tmp_path / "lookup.py", LOOKUP_ENV)
+    ep = play(env_file, [nested(1000)], tokenizer)
+    assert ep.status == "ok" and ep.error is None
+    assert len(ep.turns) == 1 and ep.env_return == 0.0 and ep.success is False  # the env judged it
+
+
 # --- MCP servers and recipe tools, through the command line -----------------------------------------
 
 MCP_SERVER = """
@@ -400,6 +432,26 @@ def test_an_mcp_servers_tools_are_called_from_env_workers_and_shown(tmp_path):
     assert "shout({&quot;text&quot;: &quot;task 0&quot;})" in page.read_text()
 
 
+def test_a_server_that_crashes_fails_that_episode_as_an_env_failure_and_serves_the_next_ones(tmp_path, capfd):
+    recipe = tool_recipe(tmp_path, workers=1, tasks=4)
+    crashing = MCP_SERVER.replace(
+        '    return text.upper() + "!"', '    if text == "task 1":\n        os._exit(3)\n    return text.upper() + "!"'
+    )
+    assert crashing != MCP_SERVER
+    (tmp_path / "server.py").write_text(crashing)
+    result = run_in_process(["rollout", "-r", str(recipe), "--policy", "expert"], tmp_path / "runs", cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    # Said by the env worker, on the stderr it shares with rlcli.
+    assert "exited with code 3; starting it again (restart 1 of 3)." in capfd.readouterr().err
+    played = {task: (status, messages) for task, _, status, _, messages in episodes(tmp_path / "runs")}
+    status, messages = played.pop(1)
+    assert status == "failed"  # an env failure: neither trained on nor in eval's success rate
+    for task, (status, messages) in played.items():  # the server, started again, answers the later episodes
+        assert status == "ok"
+        assert [m["content"] for m in messages if m.get("name") == "shout"] == [f"TASK {task}!"]
+    assert wait_for_no_servers(tmp_path) == [], "an MCP server outlived its rollout"
+
+
 def test_a_killed_tool_rollout_leaves_no_server_and_resumes_to_the_uninterrupted_episodes(tmp_path):
     clean = tmp_path / "clean"
     clean.mkdir()
@@ -435,6 +487,40 @@ def test_bad_tools_are_refused_in_one_sentence_before_anything_is_written(tmp_pa
     result = run_in_process(["rollout", "-r", str(recipe), "--policy", "expert"], tmp_path / "runs", cwd=REPO)
     assert result.returncode == 2, result.stderr
     assert expected in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "runs" / "rlcli.db").exists() or not _runs(tmp_path / "runs")
+
+
+OWN_TOOL = '''
+    def {name}(self, text: str) -> str:
+        """Say a text.
+
+        Args:
+            text: What to say.
+        """
+        return text
+'''
+DECLARED_SHOUT = {"type": "function", "function": {"name": "shout", "parameters": {"type": "object", "properties": {}}}}
+
+
+@pytest.mark.parametrize(
+    "own, env, expected",
+    [
+        ("shout", {}, "Two tools are named 'shout': the env's own tool "),
+        (None, {}, "Two tools are named 'shout': the env's declared tool spec 'shout' and MCP server `"),
+        ("python_exec", {"tools": ["python_exec"]}, "Two tools are named 'python_exec': the env's own tool "),
+    ],
+    ids=["own-and-mcp", "declared-and-mcp", "own-and-builtin"],
+)
+def test_a_tool_name_from_two_places_is_refused_before_anything_is_written(tmp_path, own, env, expected):
+    recipe = tool_recipe(tmp_path, **env)
+    tools = f"[self.whisper, self.{own}]" if own else f"[self.whisper, {DECLARED_SHOUT!r}]"
+    source = EXPERT_ENV.replace("self.tools = [self.whisper]", f"self.tools = {tools}")
+    write_env_file(tmp_path / "shouting.py", source + (OWN_TOOL.format(name=own) if own else ""))
+    result = run_in_process(["rollout", "-r", str(recipe), "--policy", "expert"], tmp_path / "runs", cwd=REPO)
+    assert result.returncode == 2, result.stderr
+    message = result.stderr.strip()
+    assert expected in message and message.endswith("expected one tool per name (rename or drop one).")
+    assert "\n" not in message and "Traceback" not in message
     assert not (tmp_path / "runs" / "rlcli.db").exists() or not _runs(tmp_path / "runs")
 
 

@@ -14,11 +14,14 @@ from pathlib import Path
 import pytest
 
 from rlcli.envs import python_exec as python_exec_module
+from rlcli.envs import tools as tools_module
+from rlcli.envs.protocol import EnvFailure
 from rlcli.envs.python_exec import python_exec
 from rlcli.envs.tools import (
     McpServerSpec,
     ToolBox,
     ToolCall,
+    ToolServerLost,
     ToolsSpec,
     check_tools,
     close_toolboxes,
@@ -143,6 +146,65 @@ def test_mcp_server_tools_are_listed_and_called(server_file, monkeypatch):
         box.close()
     box.close()  # idempotent
     assert box.call(ToolCall("add", {"a": 1, "b": 2})).error == "The tools are closed; add was not called."
+
+
+CRASHING_SERVER = """
+import os
+import sys
+
+from mcp.server.mcpserver import MCPServer
+
+server = MCPServer("crashing")
+
+
+@server.tool()
+def pid() -> int:
+    \"\"\"This server's process id.\"\"\"
+    return os.getpid()
+
+
+@server.tool()
+def crash() -> str:
+    \"\"\"Ends the server's process at once, as a crash does.\"\"\"
+    print("about to crash", file=sys.stderr, flush=True)
+    os._exit(3)
+
+
+if __name__ == "__main__":
+    server.run()
+"""
+
+
+def test_a_server_that_dies_is_started_again_and_the_call_it_lost_is_an_env_failure(tmp_path, monkeypatch, capfd):
+    monkeypatch.setattr(tools_module, "_MAX_RESTARTS", 1)  # one restart, then given up on
+    path = tmp_path / "crashing.py"
+    path.write_text(CRASHING_SERVER)
+    command = (sys.executable, str(path))
+    label = " ".join(command)
+    # A call waits up to the time-out for the restart: generous, for a loaded machine (none is tested here).
+    box = ToolBox(ToolsSpec(mcp_servers=(McpServerSpec(command),), timeout_s=60.0))
+    try:
+        first = int(box.call(ToolCall("pid", {})).content)
+        # The call the crash lost is the tool box's failure (an env failure), not a result the model reads.
+        with pytest.raises(ToolServerLost, match="closed its connection during the call to crash") as lost:
+            box.call(ToolCall("crash", {}))
+        assert isinstance(lost.value, EnvFailure)
+        again = box.call(ToolCall("pid", {}))  # waits for the restart
+        assert again.error is None and int(again.content) != first
+        assert gone(first)
+        warned = capfd.readouterr().err
+        assert (
+            f"warning: MCP server `{label}` exited with code 3; its stderr ends: 'about to crash'; "
+            "starting it again (restart 1 of 1)." in warned
+        )
+        # Past its restarts, each call fails the same way, without waiting.
+        with pytest.raises(ToolServerLost):
+            box.call(ToolCall("crash", {}))
+        with pytest.raises(ToolServerLost, match="exited with code 3 and is not started again; pid was not called"):
+            box.call(ToolCall("pid", {}))
+        assert "not started again (all 1 restarts used)." in capfd.readouterr().err
+    finally:
+        box.close()
 
 
 @pytest.mark.parametrize(

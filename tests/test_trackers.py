@@ -258,10 +258,34 @@ def test_a_killed_sft_resumes_into_the_same_trackers_without_logging_a_step_twic
     # last steps they had not written yet, but none is there twice and the resumed steps all are.
     trackio_steps = [s for s, _ in trackio_series("t/sft")["sft/loss"]]
     assert trackio_steps == sorted(set(trackio_steps)) and trackio_steps[-3:] == [6, 7, 8]
-    # wandb starts a new offline run on resume (the killed one's file may hold nothing yet).
+    # wandb starts a new offline run on resume (the killed one's file may hold nothing yet). The kill came
+    # at the write that records step 5 as sent, just before sending it: the resumed run sends it.
     killed, (name, _, _, history) = wandb_runs(folder / "wandb")
-    assert name == "t/sft" and [s for s, _ in history["sft/loss"]] == [6, 7, 8]  # not 4 and 5 again
-    assert killed[0] in ("", "t/sft") and all(s <= 5 for s, _ in killed[3].get("sft/loss", []))
+    assert name == "t/sft" and [s for s, _ in history["sft/loss"]] == [5, 6, 7, 8]  # not 4 again
+    assert killed[0] in ("", "t/sft") and all(s <= 4 for s, _ in killed[3].get("sft/loss", []))
+
+
+def test_a_kill_during_a_held_out_eval_keeps_no_step_from_the_trackers(tmp_path):
+    """A GRPO iteration's metrics are stored before its held-out eval and sent after it: a kill during the
+    eval used to keep the step from the trackers for good (the resume skipped every step stored)."""
+    recipe = write_recipe(
+        tmp_path / "r.yaml",
+        run={"name": "t", "seed": 0, "trackers": ["tensorboard"]},
+        grpo={"iterations": 3, "eval_every": 1},
+    )
+    runs = tmp_path / "runs"
+    args = ["train", "grpo", "-r", str(recipe)]
+    # Each kill comes at the first database write once iteration i's metrics are stored: its eval's start.
+    # The first resume sends step 0 before step 1; the last finds every iteration done, and sends step 2.
+    for iteration in (0, 2):
+        stored = f"select count(*) from metrics where key = 'rollout/reward_mean' and step = {iteration}"
+        kill_at_event(args, runs, {"sql": stored, "at_least": 1}, timeout=300, cwd=REPO)
+    resumed = run_in_process(args, runs, cwd=REPO)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "all 3 iterations are done" in resumed.stderr
+    expected = database_series(runs, "t", "grpo")
+    assert [s for s, _ in expected["rollout/reward_mean"]] == [s for s, _ in expected["eval/success_rate"]] == [0, 1, 2]
+    same(tensorboard_series(runs / "t" / "tensorboard" / "grpo"), expected, float32=True)
 
 
 # --- checks --------------------------------------------------------------------------------------
@@ -329,3 +353,16 @@ def test_a_resumed_series_continues_its_tracker_runs_and_skips_the_steps_it_has(
     assert trackio_series("u/sft") == {"sft/loss": [(1, 5.0)]}  # the newest run of that name
     with pytest.raises(AssertionError, match="two MLflow runs for sft"):
         mlflow_runs(tmp_path, "u")
+
+
+def test_the_trackers_run_config_holds_no_secret_of_the_recipe(tmp_path, trackio_dir):
+    from rlcli.engine.trackers import open_trackers
+
+    secret = "s3cr3t-value-of-the-server-key"
+    servers = [{"command": ["my-server"], "env": {"SEARCH_KEY": secret}}]
+    recipe = Recipe.model_validate({"env": {"mcp_servers": servers, "kwargs": {"api_key": secret}}})
+    with open_trackers(ALL, "secretive", recipe.to_dict(), log_dir=tmp_path / "secretive", stage="grpo") as tracker:
+        tracker.log({"loss": 1.0}, 0)
+    written = [path for folder in (tmp_path, trackio_dir) for path in folder.rglob("*") if path.is_file()]
+    assert any(b"<redacted>" in path.read_bytes() for path in written)  # the recipe reached them, redacted
+    assert [path for path in written if secret.encode() in path.read_bytes()] == []

@@ -22,11 +22,17 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic.fields import FieldInfo
 from pydantic.json_schema import JsonDict
 
-from rlcli.errors import UsageError
+from rlcli.errors import UsageError, quoted
 
 # Fields marked resume_safe may change between invocations of the same run without --force:
 # they change how long or how fast a run goes, not what its finished work means.
 RESUME_SAFE: JsonDict = {"resume_safe": True}
+
+# Seeds reach numpy (transformers' set_seed), which takes them below 2**32; task seeds (the held-out
+# ones start at env.eval_seed_start) stay below it too. A rollout or an eval plans all its episodes as
+# it starts, so their number is bounded: far above any real run, far below what fills memory.
+SEED_LIMIT = 2**32
+EPISODE_LIMIT = 1_000_000
 
 
 class Section(BaseModel):
@@ -41,7 +47,9 @@ class RunSection(Section):
         description="Run name: letters, digits and -_. only, starting with a letter or digit, at most 100 "
         "characters; not one that differs from a recorded run's only in case. Overridden by --run.",
     )
-    seed: int = Field(0, description="Seed from which every episode's and update's randomness is derived.")
+    seed: int = Field(
+        0, ge=0, lt=SEED_LIMIT, description="Seed from which every episode's and update's randomness is derived."
+    )
     stages: list[Literal["sft", "grpo", "dpo", "eval"]] | None = Field(
         None,
         description="What `rlcli run` runs, in this order, e.g. [sft, grpo, dpo, eval] or the VerIPO loop [sft, grpo, "
@@ -182,7 +190,10 @@ class EnvSection(Section):
         "stage, before it is stored as env_timeout. 0: never, since a deterministic env that hung once hangs again.",
     )
     eval_seed_start: int = Field(
-        1_000_000, gt=0, description="Eval tasks use seeds from here on; train tasks use seeds below it."
+        1_000_000,
+        gt=0,
+        lt=SEED_LIMIT,
+        description="Eval tasks use seeds from here on; train tasks use seeds below it.",
     )
     tasks: list[int] | None = Field(
         None,
@@ -389,11 +400,18 @@ class EnvSection(Section):
 
 
 class RolloutSection(Section):
-    tasks: int = Field(8, gt=0, description="Tasks per rollout (per iteration in train grpo).")
-    group_size: int = Field(4, gt=0, description="Samples per task (a GRPO group).")
+    tasks: int = Field(
+        8,
+        gt=0,
+        le=EPISODE_LIMIT,
+        description=f"Tasks per rollout (per iteration in train grpo); times the group size, at most {EPISODE_LIMIT:,} "
+        "episodes.",
+    )
+    group_size: int = Field(4, gt=0, le=EPISODE_LIMIT, description="Samples per task (a GRPO group).")
     group_size_hard: int | None = Field(
         None,
         ge=2,
+        le=EPISODE_LIMIT,
         description="GRPO's group size for hard tasks (DART, MobileRL): a task whose success rate over the "
         "iterations before is below rollout.hard_below, after at least rollout.hard_min_attempts attempts, gets "
         "this many samples instead of group_size (recorded per task with its rollout stage; train/hard_groups "
@@ -481,6 +499,16 @@ class RolloutSection(Section):
         if value is not None and min(value) <= 0:
             raise ValueError("expected [width, height] in pixels, both above 0")
         return value
+
+    @model_validator(mode="after")
+    def _episodes_per_rollout(self) -> RolloutSection:
+        group = max(self.group_size, self.group_size_hard or 0)
+        if self.tasks * group > EPISODE_LIMIT:
+            raise ValueError(
+                f"rollout.tasks x the group size ({self.tasks} x {group}) is more than {EPISODE_LIMIT:,} episodes "
+                "per rollout"
+            )
+        return self
 
 
 class RewardSpec(Section):
@@ -725,6 +753,7 @@ class GrpoSection(Section):
     eval_tasks: int | None = Field(
         None,
         gt=0,
+        le=EPISODE_LIMIT,
         description="Held-out tasks per eval during training, and what `-c best` compares on; null: eval.tasks.",
         json_schema_extra=RESUME_SAFE,
     )
@@ -786,8 +815,16 @@ class DpoSection(Section):
 
 
 class EvalSection(Section):
-    tasks: int = Field(32, ge=0, description="Held-out tasks to evaluate.", json_schema_extra=RESUME_SAFE)
-    k: int = Field(1, gt=0, description="Samples per task (pass@k, avg@k).", json_schema_extra=RESUME_SAFE)
+    tasks: int = Field(
+        32,
+        ge=0,
+        le=EPISODE_LIMIT,
+        description=f"Held-out tasks to evaluate; times eval.k, at most {EPISODE_LIMIT:,} episodes.",
+        json_schema_extra=RESUME_SAFE,
+    )
+    k: int = Field(
+        1, gt=0, le=EPISODE_LIMIT, description="Samples per task (pass@k, avg@k).", json_schema_extra=RESUME_SAFE
+    )
     temperature: float | None = Field(
         None,
         ge=0,
@@ -817,6 +854,12 @@ class EvalSection(Section):
         ):
             raise ValueError("expected a list of random, bot, base, sft or checkpoint ids, e.g. [random, base]")
         return opponents
+
+    @model_validator(mode="after")
+    def _episodes_per_eval(self) -> EvalSection:
+        if self.tasks * self.k > EPISODE_LIMIT:
+            raise ValueError(f"eval.tasks x eval.k ({self.tasks} x {self.k}) is more than {EPISODE_LIMIT:,} episodes")
+        return self
 
 
 class Recipe(Section):
@@ -1012,6 +1055,86 @@ def recipe_file(path: str | Path) -> Path:
     )
 
 
+# --- reading YAML -------------------------------------------------------------------------------
+
+# An alias (*name) repeats what its anchor (&name) holds, so nine levels of nine aliases make 400 bytes
+# stand for hundreds of millions of values (a "billion laughs"), which validation and any error quoting
+# them would then walk. A recipe repeats a section or two; past these many repeated values the YAML is
+# refused. PyYAML composes recursively, and validation walks what it built, so the nesting is bounded too.
+ALIAS_REPEAT_LIMIT = 10_000
+NESTING_LIMIT = 100
+MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
+class BoundedYamlLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses what safe_load lets through: a key written twice in one mapping
+    (safe_load keeps the last, silently dropping a section written twice), aliases repeating more than
+    ALIAS_REPEAT_LIMIT values, and nesting deeper than NESTING_LIMIT, aliases expanded. Each refusal is a
+    yaml.YAMLError with the line it is at, like any other YAML error."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self.depth = 0  # of the node being composed
+        self.repeated = 0  # values repeated by the aliases so far
+        # Per composed node: how many values it stands for, and how deep it goes, aliases expanded.
+        self.sizes: dict[yaml.Node, int] = {}
+        self.heights: dict[yaml.Node, int] = {}
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node | None:
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent) and event.anchor in self.anchors:
+            anchored = self.anchors[event.anchor]
+            if anchored not in self.sizes:  # still being composed: the alias is inside its own anchor
+                raise _refused(f"the alias *{event.anchor} refers to a value that contains it", event.start_mark)
+            self.repeated += self.sizes[anchored]
+            if self.repeated > ALIAS_REPEAT_LIMIT:
+                raise _refused(
+                    f"aliases repeat more than {ALIAS_REPEAT_LIMIT:,} values; write the values out", event.start_mark
+                )
+            return super().compose_node(parent, index)
+        self.depth += 1
+        try:
+            if self.depth > NESTING_LIMIT:
+                raise _refused(f"values nested more than {NESTING_LIMIT} levels deep", event.start_mark)
+            node = super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
+        if node is None:  # not composed (the stubs allow it; PyYAML composes a node from every event)
+            return None
+        children = [part for pair in node.value for part in pair] if isinstance(node, yaml.MappingNode) else []
+        if isinstance(node, yaml.SequenceNode):
+            children = node.value
+        self.sizes[node] = 1 + sum(self.sizes[child] for child in children)
+        self.heights[node] = 1 + max((self.heights[child] for child in children), default=0)
+        if self.heights[node] > NESTING_LIMIT:
+            raise _refused(f"values nested more than {NESTING_LIMIT} levels deep, aliases expanded", event.start_mark)
+        return node
+
+    def compose_mapping_node(self, anchor: Any) -> yaml.MappingNode:
+        node = super().compose_mapping_node(anchor)
+        first_line: dict[tuple[str, str], int] = {}
+        for key, _ in node.value:
+            if not isinstance(key, yaml.ScalarNode) or key.tag == MERGE_TAG:  # `<<: *base` may be overridden
+                continue
+            if (key.tag, key.value) in first_line:
+                first = first_line[key.tag, key.value]
+                raise _refused(
+                    f"the key {key.value} is written twice, first at line {first}; write it once", key.start_mark
+                )
+            first_line[key.tag, key.value] = key.start_mark.line + 1
+        return node
+
+
+def _refused(problem: str, mark: Any) -> yaml.YAMLError:
+    """A YAML error at `mark` (a yaml.Mark; the stubs type a node's as the C loader's too)."""
+    return yaml.composer.ComposerError(problem=problem, problem_mark=mark)
+
+
+def read_yaml(text: str) -> Any:
+    """The value that YAML text holds, read as yaml.safe_load does, within BoundedYamlLoader's bounds."""
+    return yaml.load(text, Loader=BoundedYamlLoader)  # noqa: S506 (a SafeLoader)
+
+
 def load_recipe(path: str | Path | None, overrides: Sequence[str] = ()) -> Recipe:
     """Read a YAML recipe (a file, or a shipped recipe's name; the defaults when path is None), apply
     key=value overrides, validate."""
@@ -1024,7 +1147,7 @@ def load_recipe(path: str | Path | None, overrides: Sequence[str] = ()) -> Recip
         except (OSError, UnicodeDecodeError) as exc:
             raise UsageError(f"{path}: cannot read the recipe ({exc}).") from None
         try:
-            data = yaml.safe_load(text) or {}
+            data = read_yaml(text) or {}
         except yaml.YAMLError as exc:
             mark = getattr(exc, "problem_mark", None)
             line = f" at line {mark.line + 1}" if mark else ""
@@ -1049,7 +1172,7 @@ def apply_override(data: dict[str, Any], item: str) -> None:
         value = raw
     else:
         try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
+            value = read_yaml(raw) if raw.strip() else ""
         except yaml.YAMLError as exc:
             raise UsageError(
                 f"Override {item!r}: the value is not valid YAML ({getattr(exc, 'problem', None) or exc}); "
@@ -1114,7 +1237,7 @@ def _explain(exc: ValidationError, where: str) -> str:
             messages.append(f"{where}: {dotted} is required")
         else:
             got = err.get("input")
-            got_text = "" if isinstance(got, dict) else f", got {got!r}"
+            got_text = "" if isinstance(got, dict) else f", got {quoted(got)}"
             msg = err["msg"].removeprefix("Value error, ")
             messages.append(f"{where}: {dotted}: {msg}{got_text}")
     return "; ".join(messages) + "."

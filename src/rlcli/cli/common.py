@@ -10,17 +10,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.console import Console
+from rich.markup import escape
 
-from rlcli.console import err_console, width_for
-from rlcli.errors import UsageError
+from rlcli.console import err_console, terminal_console, width_for
+from rlcli.errors import UsageError, shorten
 
 if TYPE_CHECKING:  # the run machinery is imported when a command opens a run, not when the CLI starts
     from rlcli.engine.context import RunContext
     from rlcli.store.db import RunDB
     from rlcli.store.run_store import RunStore
 
-console = Console(width=width_for(sys.stdout))  # results, on stdout; progress and errors go to err_console (stderr)
+# results, on stdout; progress and errors go to err_console (stderr)
+console = terminal_console(width=width_for(sys.stdout))
 
 # --- shared options ----------------------------------------------------------
 
@@ -51,6 +52,12 @@ class SharedOptions:
 
     runs_dir: Path | None = None
     debug: bool = False
+
+
+def print_error(message: str, mark: str = "[red]Error:[/red]") -> None:
+    """`Error: message` on stderr, cut to errors.MESSAGE_LIMIT characters and never read as markup (messages
+    quote brackets: pip install 'rlcli[envs]'); err_console writes out any control characters in it."""
+    err_console.print(f"{mark} {escape(shorten(message))}", highlight=False)
 
 
 def shared(cli_ctx: typer.Context) -> SharedOptions:
@@ -84,21 +91,23 @@ def stage_run(
         release_stage_memory(keep_engine=True)
 
 
-def open_existing(cli_ctx: typer.Context, missing: str) -> RunDB:
-    """The run database of --runs-dir; a command that reads runs must not create an empty one."""
-    from rlcli.store.db import DB_NAME, RunDB, default_runs_dir
+def open_existing(cli_ctx: typer.Context, missing: str, *, writes: bool = False) -> RunDB:
+    """The run database of --runs-dir; a command that reads runs must not create an empty one. A command
+    that only reads (writes False) opens it read-only: it works in a runs folder it cannot write."""
+    from rlcli.store.db import DB_NAME, RunDB, check_runs_folder, default_runs_dir
 
     runs_dir = shared(cli_ctx).runs_dir
-    path = (runs_dir or default_runs_dir()) / DB_NAME
+    path = check_runs_folder(runs_dir or default_runs_dir()) / DB_NAME
     if not path.exists():
         raise UsageError(
             f"{missing}: there is no run database at {path} (use rlcli --runs-dir DIR ..., or set RLCLI_HOME)."
         )
-    return RunDB.open(runs_dir)
+    return RunDB.open(runs_dir, read_only=not writes)
 
 
 def open_recorded_run(cli_ctx: typer.Context, run: str) -> RunStore:
-    """The recorded run named `run` in the run database of --runs-dir; the caller closes store.rundb."""
+    """The recorded run named `run` in the run database of --runs-dir, opened read-only; the caller
+    closes store.rundb."""
     from rlcli.store.run_store import RunStore
 
     return RunStore(open_existing(cli_ctx, f"No run named {run!r}"), run)

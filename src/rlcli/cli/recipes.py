@@ -9,9 +9,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
+from rich.markup import escape
 
-from rlcli.cli.common import JsonOpt, Overrides, console, err_console
-from rlcli.errors import UsageError
+from rlcli.cli.common import JsonOpt, Overrides, console, err_console, print_error
+from rlcli.errors import UsageError, shorten
 
 if TYPE_CHECKING:  # rlcli.recipe imports pydantic: only the commands that need it load it
     from rlcli.generation.memory_plan import MemoryPlan
@@ -98,24 +99,26 @@ def recipes_validate(
     With --json: an object with "ok" and "files" (each with "path", "ok" and a list of "errors"), nothing on stderr."""
     from rlcli.engine.preflight import check_recipe
     from rlcli.recipe import load_recipe
+    from rlcli.store.db import check_run_name
 
     results = []
     for path in files:
         try:
             recipe = load_recipe(path)  # its errors name the file
             try:
+                check_run_name(recipe.run.name)  # every command that runs the recipe checks it so
                 if not schema:
                     check_recipe(recipe)
             except UsageError as exc:
                 raise UsageError(f"{path}: {exc}") from None
         except UsageError as exc:
-            results.append({"path": str(path), "ok": False, "errors": [str(exc)]})
+            results.append({"path": str(path), "ok": False, "errors": [shorten(str(exc))]})
             if not as_json:
-                err_console.print(f"[red]✗[/red] {exc}", highlight=False)
+                print_error(str(exc), mark="[red]✗[/red]")
         else:
             results.append({"path": str(path), "ok": True, "errors": []})
             if not as_json:
-                console.print(f"[green]✓[/green] {path}", highlight=False)
+                console.print(f"[green]✓[/green] {escape(str(path))}", highlight=False)
     ok = all(result["ok"] for result in results)
     if as_json:
         print(json.dumps({"ok": ok, "files": results}, indent=2))
@@ -246,7 +249,7 @@ def _print_sections(sections: list[SectionDoc]) -> None:
 
 def schema_markdown() -> str:
     """docs/recipe.md: every section and field of the recipe schema."""
-    from rlcli.recipe import schema_docs
+    from rlcli.recipe import ALIAS_REPEAT_LIMIT, NESTING_LIMIT, schema_docs
 
     lines = [
         "# Recipe reference",
@@ -256,6 +259,12 @@ def schema_markdown() -> str:
         "",
         "A field left out of a recipe takes its default. Any field can be overridden on the command line by its",
         "dotted path: `rlcli train grpo -r r.yaml grpo.lr=1e-5 lora=null`.",
+        "",
+        "A recipe is read as `yaml.safe_load` reads YAML, with three refusals, each an error naming the line: a key",
+        "written twice in one mapping (a section written twice would otherwise lose its first half without a word;",
+        f"a key merged in by `<<: *name` may still be overridden), aliases (`*name`) repeating more than {ALIAS_REPEAT_LIMIT:,}",
+        f"values in all, and values nested more than {NESTING_LIMIT} levels deep. Override values and `rlcli envs try -k`",
+        "values are read the same way.",
         "",
     ]
     for section in schema_docs():

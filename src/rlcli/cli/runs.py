@@ -27,18 +27,21 @@ class ExportFormat(str, Enum):
 def runs_list(cli_ctx: typer.Context, as_json: JsonOpt = False) -> None:
     """List runs with status, creation time and latest key metrics."""
     from rlcli.report import tables, views
-    from rlcli.store.db import RunDB
+    from rlcli.store.db import DB_NAME, RunDB, check_runs_folder, default_runs_dir
 
-    rundb = RunDB.open(shared(cli_ctx).runs_dir)
-    try:
-        rows = views.runs_summary(rundb)
-    finally:
-        rundb.close()
+    runs_dir = check_runs_folder(shared(cli_ctx).runs_dir or default_runs_dir())
+    rows = []
+    if (runs_dir / DB_NAME).exists():  # else no runs yet, and listing them creates nothing
+        rundb = RunDB.open(runs_dir, read_only=True)
+        try:
+            rows = views.runs_summary(rundb)
+        finally:
+            rundb.close()
     if as_json:
         print(json.dumps(rows, indent=2))
     elif not rows:  # a hint, not a result: stderr, and stdout stays empty
         err_console.print(
-            f"No runs in {rundb.path.parent} yet. Start one with: rlcli run -r recipes/quickstart.yaml",
+            f"No runs in {runs_dir} yet. Start one with: rlcli run -r recipes/quickstart.yaml",
             highlight=False,
             markup=False,
         )
@@ -339,13 +342,15 @@ def runs_delete(
     import shutil
 
     from rlcli.store.db import check_run_name
+    from rlcli.store.run_folders import check_deletable
     from rlcli.store.stages import RunLock
 
     check_run_name(run)
-    rundb = open_existing(cli_ctx, f"No run named {run!r}")
+    rundb = open_existing(cli_ctx, f"No run named {run!r}", writes=True)
     try:
         rundb.require_run(run)
         folder = rundb.path.parent / run
+        check_deletable(folder, run)  # rlcli deletes only a folder it made: before asking, and before any row goes
         if not yes:
             typer.confirm(f"Delete run {run!r}: its rows in {rundb.path} and its folder {folder}?", abort=True)
         # The lock keeps a process working on the run from losing its rows halfway.

@@ -41,6 +41,7 @@ from rlcli.store.checkpoints import checkpoints, require_folder
 from rlcli.store.names import BASE, DPO_STAGE, PolicyRef
 from rlcli.store.pairs import PairRecord, episodes_with_turns, record_pairs, stage_pairs
 from rlcli.store.records import Checkpoint
+from rlcli.store.stages import stage_done
 
 if TYPE_CHECKING:
     from datasets import Dataset, IterableDataset
@@ -99,6 +100,10 @@ def run_dpo(ctx: RunContext, stage: str = DPO_STAGE) -> DpoSummary:
         raise UsageError(
             f"dpo.batch_size ({cfg.batch_size}) must be a multiple of dpo.micro_batch_size ({cfg.micro_batch_size})."
         )
+    if not stage_done(ctx.store, stage) and not stage_pairs(ctx.store, stage):
+        # Nothing to mine (no stage of dpo.source has episodes) is the user's to fix: said before the
+        # stage starts, so that a command refused here leaves the run and its status as they were.
+        source_stages(ctx.store, cfg.source)
     start = starting_checkpoint(ctx, stage)
     # What the pairs are and where training starts define the stage; optimiser settings do not.
     identity = {

@@ -32,6 +32,7 @@ def open_run(
     from rlcli.engine.preflight import check_recipe
     from rlcli.recipe import load_recipe, recipe_file
     from rlcli.store.db import RunDB, check_run_name, default_runs_dir
+    from rlcli.store.run_folders import MARKER, claim_run_folder
     from rlcli.store.stages import RunLock
     from rlcli.usercode import code_hashes
 
@@ -61,8 +62,10 @@ def open_run(
             recipe.run.name = run
             check_recipe(recipe, stages)
         name = recipe.run.name
-        rundb.check_case_twin(name)  # before the lock, which makes the run's folder
-        new_folder = not (runs_dir / name).exists()
+        rundb.check_case_twin(name)  # before the folder is made
+        # The run's folder, made (with its marker) before the lock goes in it; a new run refuses a
+        # folder rlcli did not make.
+        new_folder = claim_run_folder(runs_dir, name, recorded=rundb.get_run(name) is not None)
         with RunLock(runs_dir, name) as lock:
             # User env and reward files are loaded from the working directory, like the recipe's paths.
             code = code_hashes(recipe.env.name, [r.fn for r in recipe.rewards], Path.cwd())
@@ -84,6 +87,7 @@ def open_run(
                     raise
             except BaseException:
                 if new_folder and rundb.get_run(name) is None:
+                    (runs_dir / name / MARKER).unlink(missing_ok=True)
                     lock.remove_folder()  # no run, no folder: as the command found them
                 raise
     finally:

@@ -15,21 +15,21 @@ def check_recipe(recipe: Recipe, stages: list[str] | None = None) -> None:
 
     Only what is cheap is checked: no model is loaded and no env constructed (an env may start a browser).
     The recipe's tools are the exception: each MCP server is started, listed and stopped, since one that
-    cannot start would otherwise fail every episode of the stage.
+    cannot start would otherwise fail every episode of the stage, and one env is made, to read its own
+    tools: no tool name may come from two places (the env, env.tools, an MCP server).
     """
     from rlcli.engine.trackers import check_trackers
     from rlcli.envs.loading import load_env
-    from rlcli.envs.tool_use import tool_use_spec
-    from rlcli.envs.tools import check_tools
+    from rlcli.envs.tool_use import check_tool_names, tool_use_spec
     from rlcli.models.cache import check_model
     from rlcli.rewards.scoring import check_reward_fns
 
     check_trackers(recipe.run.trackers)
     check_model(recipe.model.name)
     check_reward_fns(recipe.rewards)
-    load_env(recipe.env.name, recipe.env.factory_kwargs())  # finds the factory and checks the kwargs it takes
+    factory = load_env(recipe.env.name, recipe.env.factory_kwargs())  # finds it and checks the kwargs it takes
     if recipe.env.tools or recipe.env.mcp_servers:
-        check_tools(tool_use_spec(recipe.env, Path.cwd()).tools)
+        check_tool_names(tool_use_spec(recipe.env, Path.cwd()), factory)
     if recipe.sft.source.startswith("hub:"):  # in the cache offline, known to the hub online: no rows read
         from rlcli.engine.sft_sources import check_hub_dataset
 

@@ -39,10 +39,13 @@ iterations on), which wandb requires of a run. Where each writes:
 
 So nothing here reaches the network unless the user set it up.
 
-Resuming: a stage resumed after a kill redoes the steps after its last checkpoint. The tracker skips
-every step up to the last one the database held for the series when the tracker opened, so no step
-reaches a tracker twice (the database has the redone values; a step logged to the database but not
-yet to a tracker when the kill came is missing from the tracker). TensorBoard appends to its folder,
+Resuming: the run database records the last step of each series sent to the trackers (tracker_steps),
+just before sending it. A stage resumed after a kill redoes the steps after its last checkpoint: the
+tracker skips those it sent, so no step reaches a tracker twice, and sends those it had not (with the
+redone values). A step the database holds but the trackers never had, and that the stage does not redo
+(GRPO stores an iteration's metrics before its held-out eval and sends them after it, with the eval's),
+is sent from the database before the next step, or by send_unsent. Only a kill in the moment between
+recording a step and sending it loses that step. TensorBoard appends to its folder,
 trackio continues the newest run of the same name and MLflow the run with the same tags; wandb
 cannot continue an offline run, so each invocation is a new wandb run, with the same name and group.
 A series with nothing logged yet always starts new tracker runs.
@@ -67,6 +70,7 @@ from rlcli.errors import UsageError
 
 if TYPE_CHECKING:
     from rlcli.engine.context import RunContext
+    from rlcli.store.run_store import RunStore
 
 PROJECT = "rlcli"
 # Tracker name -> the package it needs (what `pip install` takes and what is imported).
@@ -86,6 +90,9 @@ class Tracker:
     def log(self, metrics: dict[str, Any], step: int) -> None:
         if self.after_step is not None and step <= self.after_step:
             return  # logged before a kill; the stage redoes it after resuming from a checkpoint
+        self._send(metrics, step)
+
+    def _send(self, metrics: dict[str, Any], step: int) -> None:
         # None marks a metric with no value this step, as in RunDB.log_metrics.
         values = {k: float(v) for k, v in metrics.items() if v is not None}
         if values:
@@ -102,6 +109,38 @@ class Tracker:
 
     def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
         self.close(failed=kind is not None)
+
+
+class SeriesTracker(Tracker):
+    """The trackers of one metrics series of a run, which record in the run database the last step they
+    were sent: a step the database holds and they missed is sent from there before the next one."""
+
+    def __init__(self, backends: list[Any], store: RunStore, stage: str, sent: int) -> None:
+        super().__init__(backends, after_step=sent)  # what earlier commands sent: skipped when redone
+        self.store, self.stage = store, stage
+        self.sent = sent  # the last step sent, as the database records it
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        if self.after_step is not None and step <= self.after_step:
+            return  # sent before a kill; the stage redoes it after resuming from a checkpoint
+        self.send_unsent(before=step)
+        self._send(metrics, step)
+
+    def send_unsent(self, before: int | None = None) -> None:
+        """Send, from the database, the series' steps after the last one sent (and before `before`)."""
+        if self.backends:
+            for step, values in self.store.unsent_metrics(self.stage, self.sent, before):
+                self._send(values, step)
+
+    def _send(self, metrics: dict[str, Any], step: int) -> None:
+        if not self.backends:
+            return
+        # Recorded first, and no database write comes between the record and the send: a kill at any
+        # write leaves the step both recorded and sent, or neither (and then it is sent on resume).
+        if step > self.sent:  # a stage may log one step in parts (SFT's loss, then its eval loss)
+            self.store.record_tracker_step(self.stage, step)
+            self.sent = step
+        super()._send(metrics, step)
 
 
 @dataclass(frozen=True)
@@ -125,15 +164,35 @@ class TrackedSeries:
         return re.sub(r"[^A-Za-z0-9_.-]", "-", self.stage)
 
 
-def stage_tracker(ctx: RunContext, stage: str) -> Tracker:
+def stage_tracker(ctx: RunContext, stage: str) -> SeriesTracker:
     """The recipe's run.trackers, opened for the metrics series `stage` of ctx's run (sft, grpo, dpo or
-    dpo/<name>); steps up to the last one the database holds for it are not logged again."""
+    dpo/<name>); steps up to the last one sent to them are not logged again, and those after it that the
+    database holds are sent before the next step."""
     (last,) = ctx.rundb.db.execute(
         "select max(step) from metrics where run = ? and stage = ?", [ctx.run, stage]
     ).fetchone()
-    return open_trackers(
+    # after_step=last: a series with steps stored continues its tracker runs (TrackedSeries.resumed).
+    tracker = open_trackers(
         ctx.recipe.run.trackers, ctx.run, ctx.recipe.to_dict(), log_dir=ctx.run_dir, stage=stage, after_step=last
     )
+    sent = ctx.store.tracker_step(stage)
+    if sent is None:
+        # Nothing recorded: a new series (trackers get steps from 0 on; -1 is the starting point's eval,
+        # which stays in the database), or one begun by an older rlcli: its steps count as sent.
+        sent = -1 if last is None else max(last, -1)
+        if tracker.backends:
+            ctx.store.record_tracker_step(stage, sent)
+    return SeriesTracker(tracker.backends, ctx.store, stage, sent)
+
+
+def send_unsent(ctx: RunContext, stage: str) -> None:
+    """Send run.trackers the steps of the series `stage` that the database holds and they never had (a kill
+    during the held-out eval after GRPO's last iteration); opens them only when there are such steps."""
+    sent = ctx.store.tracker_step(stage)
+    if ctx.recipe.run.trackers and sent is not None and ctx.store.unsent_metrics(stage, sent):
+        tracker = stage_tracker(ctx, stage)
+        with tracker:
+            tracker.send_unsent()
 
 
 def open_trackers(
@@ -148,12 +207,14 @@ def open_trackers(
     """Open one backend per name (duplicates once) for the metrics series `stage`; every package is
     checked before any opens. log_dir is the run's folder (default <runs-dir>/<run>). Steps up to
     after_step are not logged (None: all are)."""
+    from rlcli.redaction import shareable_recipe
     from rlcli.store.db import default_runs_dir
 
     names = list(dict.fromkeys(names))
     check_trackers(names)
     folder = Path(log_dir) if log_dir is not None else default_runs_dir() / run_name
-    series = TrackedSeries(run_name, stage, config, folder, resumed=after_step is not None)
+    # The backends' run config is shared (a W&B or MLflow server): the recipe's secrets stay out of it.
+    series = TrackedSeries(run_name, stage, shareable_recipe(config), folder, resumed=after_step is not None)
     openers = {"tensorboard": _TensorBoard, "trackio": _Trackio, "wandb": _Wandb, "mlflow": _MLflow}
     backends: list[Any] = []
     try:

@@ -12,14 +12,15 @@
 - A call that outlasts its time limit (a page stuck in a script) kills the browser, which ends the
   call with an error on that thread; the call fails with `PageTimeout` and the next one starts a
   fresh browser.
-- rlcli starts Chromium itself, with a parent-death signal (envs/subprocesses.py), in this process's
+- rlcli starts Chromium itself, under its process supervisor (envs/subprocesses.py), in this process's
   process group, and playwright connects to it over the DevTools protocol. (playwright's own launch
   puts the browser in a session of its own, out of reach of an env worker's process group.) So the
-  browser dies with the thread that started it: with its process killed -9, and with its env worker
-  (killed as a process group past env.step_timeout_s, or by its watcher when the worker dies).
-  Chromium's own child processes exit when it does.
-- Its profile is a temporary folder, removed when the process exits normally; folders left by killed
-  processes are removed by the next browser started on the machine.
+  browser and its child processes die with the thread that started it: with its process killed -9,
+  and with its env worker (killed as a process group past env.step_timeout_s, or by its watcher when
+  the worker dies).
+- Its profile is a temporary folder, removed when the process exits normally, and by the supervisor
+  when the process is killed; folders left otherwise (a supervisor killed -9 itself) are removed by
+  the next browser started on the machine.
 """
 
 from __future__ import annotations
@@ -29,17 +30,15 @@ import concurrent.futures
 import contextlib
 import os
 import queue
-import re
 import shutil
 import subprocess
-import tempfile
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from rlcli.envs.subprocesses import die_with_parent
+from rlcli.envs.subprocesses import Supervision, die_with_parent, scratch_folder
 from rlcli.errors import UsageError
 
 _T = TypeVar("_T")
@@ -65,7 +64,7 @@ ARGS = [
 ]
 START_TIMEOUT_S = 60.0
 # Chromium puts a unix socket in $TMPDIR/org.chromium.Chromium.XXXXXX/ and aborts at start when the path
-# outgrows a socket address (108 bytes): a longer TMPDIR gives it /tmp instead.
+# outgrows a socket address (108 bytes): a longer profile path gives it /tmp instead.
 MAX_TMPDIR_CHARS = 60
 PROFILE_PREFIX = "rlcli-chromium-"
 _STDERR_TAIL_CHARS = 600
@@ -199,13 +198,19 @@ class Chromium:
 
     def _launch(self) -> int:
         """Start Chromium (a parent-death signal ties it to this thread) and return its DevTools port."""
-        _remove_stale_profiles()
-        profile = tempfile.mkdtemp(prefix=f"{PROFILE_PREFIX}{os.getpid()}-")
+        profile = str(scratch_folder(PROFILE_PREFIX))
         log = Path(profile) / "stderr.log"
-        argv = die_with_parent([self.executable, *ARGS, f"--user-data-dir={profile}", "about:blank"])
+        # Its supervisor removes the profile if this process is killed (-9 too) while the browser runs.
+        argv = die_with_parent(
+            [self.executable, *ARGS, f"--user-data-dir={profile}", "about:blank"], Supervision(remove=profile)
+        )
         env = dict(os.environ)
-        if len(tempfile.gettempdir()) > MAX_TMPDIR_CHARS and os.access("/tmp", os.W_OK):
-            env["TMPDIR"] = "/tmp"  # Chromium's singleton socket goes there, and a long path aborts it
+        # Chromium's singleton socket goes in $TMPDIR, and a long path aborts it. In the profile, it is
+        # removed with it, also when Chromium is killed.
+        if len(profile) <= MAX_TMPDIR_CHARS:
+            env["TMPDIR"] = profile
+        elif os.access("/tmp", os.W_OK):
+            env["TMPDIR"] = "/tmp"
         with open(log, "wb") as err:  # a file, never a pipe nobody reads (a full pipe would block it)
             process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, env=env)
         with self.lock:
@@ -246,20 +251,6 @@ def _tail(log: Path) -> str:
     except OSError:
         return "no output"
     return text[-_STDERR_TAIL_CHARS:] or "no output"
-
-
-def _remove_stale_profiles() -> None:
-    """Profiles of processes that are gone (killed -9, or env workers, which exit without atexit)."""
-    for folder in Path(tempfile.gettempdir()).glob(f"{PROFILE_PREFIX}*"):
-        found = re.match(rf"{PROFILE_PREFIX}(\d+)-", folder.name)
-        if found is None:
-            continue
-        try:
-            os.kill(int(found.group(1)), 0)
-        except ProcessLookupError:
-            shutil.rmtree(folder, ignore_errors=True)
-        except OSError:  # another user's process: not ours to judge
-            continue
 
 
 _shared: Chromium | None = None

@@ -9,18 +9,24 @@ network and a throw-away file system (gVisor, Firecracker), or nsjail/bubblewrap
 filter and no network namespace; run untrusted models' code only inside one of those.
 
 Each call gets a fresh `python -I` (the interpreter running rlcli, isolated mode: no user site,
-no PYTHON* variables, the script's folder not on sys.path) in a new scratch folder, removed after.
+no PYTHON* variables, the script's folder not on sys.path) in a new scratch folder, removed after,
+under a supervisor of its own (envs/subprocesses.py). The supervisor enforces the time limit and the
+bounds on the call's whole process tree, kills every process the code started when the call ends, and
+when rlcli dies (Ctrl-C, SIGTERM, kill -9) kills them too and removes the folder. The code's parent is
+that supervisor, started with the code's clean environment, and every rlcli process above it is
+non-dumpable (hide_environment), so /proc shows the code none of rlcli's API keys.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
+import shutil
 import signal
 import subprocess
 import sys
-import tempfile
-from pathlib import Path
+import threading
+
+from rlcli.envs.subprocesses import Supervision, die_with_parent, hide_environment, scratch_folder
+from rlcli.envs.supervisor import STOP_GRACE_S
 
 # Wall-clock seconds per call: below env.tool_timeout_s's default (15 s: half of env.step_timeout_s's
 # 30), so that python_exec stops its own process and reports what it printed, rather than the tool box
@@ -46,15 +52,22 @@ BASE_ENV = {
     "MKL_NUM_THREADS": "1",
 }
 
-# Runs first in the child: set the limits, then replace itself with the interpreter running the code
-# (limits survive exec). This rather than Popen's preexec_fn, which is unsafe in a process with threads
-# (a tool box calls tools from threads) and can deadlock the child before exec.
-_LIMITS_THEN_EXEC = (
-    "import os, resource, sys\n"
-    "for name, value in ((resource.RLIMIT_AS, int(sys.argv[1])), (resource.RLIMIT_FSIZE, int(sys.argv[2]))):\n"
-    "    resource.setrlimit(name, (value, value))\n"
-    "os.execv(sys.executable, [sys.executable, '-I', 'main.py'])\n"
-)
+# At most this many calls run at once in one process (parallel_tools, or episodes side by side with
+# env.workers 0); each env worker process has its own. A call waits up to SLOT_WAIT_S for its turn,
+# then is not run: the wait plus TIME_LIMIT_S stays below env.tool_timeout_s's default, after which
+# the tool box would give up on a call that might still start later.
+MAX_CONCURRENT_CALLS = 4
+SLOT_WAIT_S = 4.0
+# The whole process tree of a call (the code and what it starts) is bounded too, checked ten times a
+# second by its supervisor (envs/subprocesses.py): processes alive at once, and their resident memory
+# together (at most MEMORY_LIMIT_BYTES, as for each one's address space).
+MAX_PROCESSES = 16
+# CPU seconds per process (RLIMIT_CPU, inherited by what the code starts): the kernel stops a busy
+# loop even if the supervisor that enforces TIME_LIMIT_S were killed.
+CPU_LIMIT_S = int(TIME_LIMIT_S) + 2
+SCRATCH_PREFIX = "rlcli-python-exec-"
+
+_slots = threading.BoundedSemaphore(MAX_CONCURRENT_CALLS)
 
 
 def python_exec(code: str) -> str:
@@ -66,35 +79,64 @@ def python_exec(code: str) -> str:
     Args:
         code: A complete Python program; use print() to show results.
     """
-    with tempfile.TemporaryDirectory(prefix="rlcli-python-exec-") as folder:
-        scratch = Path(folder) / "scratch"
+    hide_environment()  # before any code runs: it cannot read this process's API keys through /proc
+    if not _slots.acquire(timeout=SLOT_WAIT_S):
+        return f"[not run: {MAX_CONCURRENT_CALLS} other python_exec calls were running for {SLOT_WAIT_S:g} s]"
+    try:
+        return _run(code)
+    finally:
+        _slots.release()
+
+
+def _run(code: str) -> str:
+    # Named for this process: if it is killed before the supervisor removes the folder, the next
+    # python_exec on the machine does.
+    folder = scratch_folder(SCRATCH_PREFIX)
+    try:
+        scratch = folder / "scratch"
         scratch.mkdir()
         (scratch / "main.py").write_text(code)
-        output_path = Path(folder) / "output"
-        with output_path.open("wb") as output:
+        output_path, report_path = folder / "output", folder / "report"
+        supervision = Supervision(
+            time_limit_s=TIME_LIMIT_S,
+            max_processes=MAX_PROCESSES,
+            max_memory_bytes=MEMORY_LIMIT_BYTES,
+            rlimits=(
+                ("RLIMIT_AS", MEMORY_LIMIT_BYTES),
+                ("RLIMIT_FSIZE", FILE_SIZE_LIMIT_BYTES),
+                ("RLIMIT_CPU", CPU_LIMIT_S),
+                ("RLIMIT_CORE", 0),
+            ),
+            drop_capabilities=True,
+            output=str(output_path),
+            report=str(report_path),
+            remove=str(folder),
+        )
+        # The supervisor is started with the code's clean environment: the code's parent holds no secret.
+        # Its own session: no Ctrl-C from the terminal, and out of an env worker's process group, so a
+        # worker killed as a group leaves the supervisor to kill the code's tree and remove the folder.
+        with output_path.open("wb") as output:  # the supervisor's own words, if any, go there too
             process = subprocess.Popen(
-                [sys.executable, "-I", "-S", "-c", _LIMITS_THEN_EXEC]
-                + [str(MEMORY_LIMIT_BYTES), str(FILE_SIZE_LIMIT_BYTES)],
+                die_with_parent([sys.executable, "-I", "main.py"], supervision),
                 cwd=scratch,
                 env={**BASE_ENV, "HOME": str(scratch), "TMPDIR": str(scratch)},
                 stdin=subprocess.DEVNULL,
-                stdout=output,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # its own process group: the kill below takes its children too
+                stdout=subprocess.DEVNULL,
+                stderr=output,
+                start_new_session=True,
             )
-            try:
-                status: str | None = _exit_status(process.wait(TIME_LIMIT_S))
-            except subprocess.TimeoutExpired:
-                status = f"timed out after {TIME_LIMIT_S:g} s"
-            finally:
-                # The whole group, also after a normal exit: a child it left running in the background goes too.
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+        try:
+            returncode = process.wait(TIME_LIMIT_S + STOP_GRACE_S + 5)
+        except subprocess.TimeoutExpired:  # the supervisor is stuck: the kernel kills the code with it
+            process.kill()
+            returncode = process.wait()
+        status = report_path.read_text() if report_path.exists() else _exit_status(returncode)
         with output_path.open("rb") as output:
             data = output.read(OUTPUT_LIMIT_CHARS * 4 + 4)  # enough bytes for the characters kept, at most 4 each
         text = data.decode("utf-8", errors="replace")
         total = output_path.stat().st_size
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
     if len(text) > OUTPUT_LIMIT_CHARS or total > len(data):
         text = text[:OUTPUT_LIMIT_CHARS] + f"\n[output cut at {OUTPUT_LIMIT_CHARS} characters, of {total} bytes]"
     return text + (f"\n[{status}]" if status else "")

@@ -12,17 +12,26 @@ One parser reads all three, so that an env needs no setting per model family, an
 the `<tool_call>` form is read whatever the policy. A tagged block that does not hold a call is a
 malformed call: the model is told what was wrong (it tried to call and failed), where bare JSON that is
 not a call is just text (an answer may well contain braces).
+
+Whatever the reply, reading it never raises: JSON nested past Python's recursion limit, a number too long
+to convert, or arguments nested deeper than MAX_NESTING (a bound, so that what writes them next, the
+database or a tool's transport, stays far from that limit) make a malformed call, or text. A reply that cannot be read is thus
+the model's failure, scored like any other answer, never an env failure, which would drop the episode
+from training and from eval's success rate.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import reprlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 TAGGED = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", flags=re.S)
+# Deepest nesting of lists and objects in a call's arguments; real calls nest a few levels.
+MAX_NESTING = 100
 
 
 @dataclass
@@ -61,7 +70,7 @@ def _template_calls(text: str, response_template: str, tools: list[dict] | None)
     described: list[dict | Callable[..., Any]] = list(tools or [])  # typed as parse_response takes them
     try:
         message = parse_response(text, json.loads(response_template), prefix="", tools=described or None)
-    except ValueError as exc:  # a region the template could not read, e.g. a call that is not JSON
+    except (ValueError, RecursionError) as exc:  # a region the template could not read: not JSON, too deep
         return ToolCallParse(malformed=[f"the reply does not read as the model's tool-call format: {_first_line(exc)}"])
     found = ToolCallParse()
     for item in message.get("tool_calls") or []:
@@ -69,7 +78,7 @@ def _template_calls(text: str, response_template: str, tools: list[dict] | None)
         if call is not None:
             found.calls.append(call)
         else:
-            found.malformed.append(f"malformed tool call {_shorten(json.dumps(item, default=str))}: {problem}")
+            found.malformed.append(f"malformed tool call {_shorten(_as_text(item))}: {problem}")
     return found
 
 
@@ -82,6 +91,17 @@ def _json(raw: str) -> Any:
         return json.loads(raw)
     except json.JSONDecodeError as exc:
         return ValueError(f"not JSON ({exc.msg} at character {exc.pos})")
+    except RecursionError:
+        return ValueError("not JSON that can be read (nested too deeply)")
+    except ValueError as exc:  # an integer of more digits than Python converts
+        return ValueError(f"not JSON that can be read ({_first_line(exc)})")
+
+
+def _as_text(item: Any) -> str:
+    try:
+        return json.dumps(item, default=str)
+    except (ValueError, RecursionError):  # a structure too deep (or circular) to write as JSON
+        return reprlib.repr(item)
 
 
 def _as_call(value: Any) -> tuple[dict[str, Any] | None, str]:
@@ -96,7 +116,22 @@ def _as_call(value: Any) -> tuple[dict[str, Any] | None, str]:
         arguments = _json(arguments) if arguments.strip() else {}
     if not isinstance(arguments, dict):
         return None, f"the arguments are not a JSON object; {expected}"
+    if _nested_deeper(arguments, MAX_NESTING):
+        return None, f"the arguments nest deeper than {MAX_NESTING} levels; {expected}"
     return {"name": value["name"], "arguments": arguments}, ""
+
+
+def _nested_deeper(value: Any, limit: int) -> bool:
+    """Whether lists and objects nest more than `limit` levels in value; without recursion, as value may
+    nest nearly as deep as Python's recursion limit."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+        if children and depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children)
+    return False
 
 
 def _json_values(text: str) -> list[Any]:
@@ -105,12 +140,34 @@ def _json_values(text: str) -> list[Any]:
     while (start := _next_open(text, at)) >= 0:
         try:
             value, end = decoder.raw_decode(text, start)
-        except json.JSONDecodeError:
+        except RecursionError:  # nested too deep to read: text, and so is every value inside it
+            at = _end_of_nesting(text, start)
+            continue
+        except ValueError:  # not JSON (or a number too long to read): text
             at = start + 1
             continue
         values.append(value)
         at = end
     return values
+
+
+def _end_of_nesting(text: str, start: int) -> int:
+    """Where the brackets opened at start close (or the text's end), counting those outside JSON strings."""
+    depth, in_string, escaped = 0, False, False
+    for at in range(start, len(text)):
+        char = text[at]
+        if in_string:
+            in_string = escaped or char != '"'
+            escaped = not escaped and char == "\\"
+        elif char == '"':
+            in_string = True
+        elif char in "[{":
+            depth += 1
+        elif char in "]}":
+            depth -= 1
+            if depth == 0:
+                return at + 1
+    return len(text)
 
 
 def _next_open(text: str, at: int) -> int:

@@ -26,8 +26,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from rlcli.envs.protocol import Env, EnvFactory
+from rlcli.envs.subprocesses import hide_environment
 from rlcli.envs.tool_calls import parse_tool_calls
-from rlcli.envs.tools import McpServerSpec, ToolBox, ToolCall, ToolResult, ToolsSpec, toolbox_for
+from rlcli.envs.tools import (
+    McpServerSpec,
+    ToolBox,
+    ToolCall,
+    ToolResult,
+    ToolsSpec,
+    check_tools,
+    refuse_clashing_names,
+    toolbox_for,
+)
 from rlcli.errors import UsageError
 
 if TYPE_CHECKING:
@@ -54,6 +64,8 @@ def tool_use_spec(env_cfg: EnvSection, root: str | Path, tokenizer: object = Non
         for server in env_cfg.mcp_servers
     )
     tools = ToolsSpec(tuple(env_cfg.tools), servers, str(root), env_cfg.tool_time_limit(), env_cfg.tool_result_chars)
+    if "python_exec" in tools.functions:
+        hide_environment()  # model-written code (here, or in an env worker below) cannot read its API keys
     template = getattr(tokenizer, "response_template", None)
     declared = json.dumps(template) if isinstance(template, dict) else None
     return ToolUseSpec(tools, env_cfg.parallel_tools, env_cfg.malformed_tool_calls, declared)
@@ -62,6 +74,36 @@ def tool_use_spec(env_cfg: EnvSection, root: str | Path, tokenizer: object = Non
 def callable_tools(env: object) -> list[Callable[..., Any]]:
     """The env's own tools that rlcli runs: the callables in its `tools` (dict specs it handles itself)."""
     return [tool for tool in getattr(env, "tools", None) or [] if callable(tool)]
+
+
+def declared_tools(env: object) -> dict[str, str]:
+    """The tools the env declares as dict specs and answers itself in `step`: name -> where it comes from."""
+    named = {}
+    for tool in getattr(env, "tools", None) or []:
+        described = tool.get("function", tool) if isinstance(tool, dict) else None
+        name = described.get("name") if isinstance(described, dict) else None
+        if isinstance(name, str):
+            named[name] = f"the env's declared tool spec {name!r}"
+    return named
+
+
+def check_tool_names(spec: ToolUseSpec, factory: EnvFactory) -> None:
+    """Preflight, before any stage, for a recipe with tools: start, list and stop them (a UsageError for a
+    bad one), and make one env, so that a name given twice (by the env's own tools or declared specs,
+    env.tools with its built-ins, the MCP servers) is refused before the run is written, rather than one
+    tool silently answering the other's calls, or every episode failing."""
+    try:
+        made = factory()
+    except UsageError:
+        raise
+    except Exception as exc:  # it would fail every episode of the stage all the same
+        raise UsageError(
+            f"The env could not be made to list its tools ({type(exc).__name__}: {exc}); "
+            "expected an env that starts, since the recipe gives it tools."
+        ) from None
+    env = made.env if isinstance(made, ToolUse) else made  # wrapped when it has tools of its own
+    own = ToolBox(ToolsSpec(), callable_tools(env))
+    refuse_clashing_names(declared_tools(env), own.sources(), check_tools(spec.tools))
 
 
 def with_tools(factory: EnvFactory, spec: ToolUseSpec) -> EnvFactory:
@@ -84,12 +126,8 @@ class ToolUse:
         # The env's own tools hold its state (the episode's corpus, say): a box of their own, per env.
         own = callable_tools(env)
         self.own = ToolBox(ToolsSpec(timeout_s=spec.tools.timeout_s, max_result_chars=spec.tools.max_result_chars), own)
-        clash = sorted(set(self.own.names()) & set(self.shared.names() if self.shared else []))
-        if clash:
-            raise UsageError(
-                f"Tool {clash[0]!r} is both one of the env's own tools and in env.tools or env.mcp_servers; "
-                "expected each tool name once: rename or drop one."
-            )
+        # Preflight refuses these before any stage (check_tool_names); here for envs made without it.
+        refuse_clashing_names(declared_tools(env), self.own.sources(), self.shared.sources() if self.shared else {})
         declared = [tool for tool in getattr(env, "tools", None) or [] if isinstance(tool, dict)]
         specs = [*declared, *self.own.specs(), *(self.shared.specs() if self.shared else [])]
         self.tools: list[dict] | None = specs or None  # what the chat template shows

@@ -20,6 +20,12 @@ started with a parent-death signal (PR_SET_PDEATHSIG: SIGKILL), which the kernel
 thread that started it (the box's event loop) ends. Processes a server starts itself are its own to
 stop.
 
+A server whose process dies (a crash, the out-of-memory killer) is noticed by the call that finds its
+connection closed: that call raises ToolServerLost, an env failure (the episode fails rather than being
+trained on with its tools answering "Connection closed"), and the server is started again, with a warning
+on stderr giving its exit code; calls meanwhile wait for it. After _MAX_RESTARTS restarts it is given up
+on, and its calls fail the same way.
+
 A Python function that hangs cannot be stopped from another thread: past the time-out its call is
 reported as an error and its thread is left running (a daemon; the process exits all the same). Code
 that may hang for good belongs in `python_exec` or an MCP server, which run in processes.
@@ -40,12 +46,12 @@ import shlex
 import shutil
 import threading
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from rlcli.envs.protocol import run_in_thread
+from rlcli.envs.protocol import EnvFailure, run_in_thread
 from rlcli.envs.python_exec import python_exec
 from rlcli.envs.subprocesses import die_with_parent
 from rlcli.errors import UsageError
@@ -62,8 +68,11 @@ _LOOP_GRACE_S = 5.0
 # Seconds for closing a server: the SDK's bounded shutdown (close stdin, 2 s, SIGTERM, 2 s, SIGKILL,
 # 2 s) with room to spare.
 _CLOSE_WAIT_S = 15.0
-# Lines of a server's stderr kept, to say why it did not start.
+# Lines of a server's stderr kept, to say why it did not start or why it died.
 _STDERR_TAIL_LINES = 20
+# How many times a server whose process dies is started again, over a box's life, before its calls fail
+# for good: enough for a rare crash, few enough that a server crashing on every call stops being restarted.
+_MAX_RESTARTS = 3
 
 
 @dataclass(frozen=True)
@@ -107,6 +116,12 @@ class ToolResult:
 
 class ToolError(Exception):
     """A call failed through the tool's fault; the message goes back to the model."""
+
+
+class ToolServerLost(EnvFailure):
+    """An MCP server's process is gone under a call: the tool box's failure, not the model's. It ends the
+    episode as an env failure (kept out of training and of eval's success rate) instead of going back to
+    the model, whose episode would otherwise be stored `ok` with every call answered "Connection closed"."""
 
 
 class _Tool(Protocol):
@@ -185,11 +200,7 @@ class ToolBox:
             raise
 
     def _add(self, tool: _Tool, source: str) -> None:
-        if tool.name in self._tools:
-            raise UsageError(
-                f"Two tools are named {tool.name!r}: {self._sources[tool.name]} and {source}; "
-                "expected one tool per name (rename or drop one)."
-            )
+        refuse_clashing_names(self._sources, {tool.name: source})
         self._tools[tool.name] = tool
         self._sources[tool.name] = source
 
@@ -200,8 +211,13 @@ class ToolBox:
     def names(self) -> list[str]:
         return list(self._tools)
 
+    def sources(self) -> dict[str, str]:
+        """Each tool's name, and where it comes from (an env.tools entry, the env's own, an MCP server)."""
+        return dict(self._sources)
+
     def call(self, call: ToolCall) -> ToolResult:
-        """Run one call; a tool's fault is the result's error, never an exception."""
+        """Run one call; a tool's fault is the result's error, never an exception, but an MCP server whose
+        process is gone raises ToolServerLost (the server is started again for later calls)."""
         start = time.monotonic()
         tool = self._tools.get(call.name)
         if self._closed:
@@ -219,6 +235,8 @@ class ToolBox:
             value = tool.call(call.arguments, self.spec.timeout_s)
         except ToolError as exc:
             return self._result(call, str(exc), _first_line(str(exc)), start)
+        except ToolServerLost:
+            raise
         except Exception as exc:  # past the tool's own code (the event loop, a pipe): still the call's failure
             error = f"{call.name} failed: {type(exc).__name__}: {_first_line(str(exc))}"
             return self._result(call, error, error, start)
@@ -270,13 +288,28 @@ def close_toolboxes() -> None:
         box.close()
 
 
-def check_tools(spec: ToolsSpec) -> list[str]:
-    """Preflight, before any stage: build the tools (UsageError for bad ones), return their names, stop them."""
+def check_tools(spec: ToolsSpec) -> dict[str, str]:
+    """Preflight, before any stage: build the tools (UsageError for bad ones), stop them, and return each
+    one's name and where it comes from."""
     box = ToolBox(spec)
     try:
-        return box.names()
+        return box.sources()
     finally:
         box.close()
+
+
+def refuse_clashing_names(*named: Mapping[str, str]) -> None:
+    """A UsageError for a tool name given twice among these (each: tool name -> where it comes from): one
+    tool would silently answer the other's calls."""
+    seen: dict[str, str] = {}
+    for tools in named:
+        for name, source in tools.items():
+            if name in seen:
+                raise UsageError(
+                    f"Two tools are named {name!r}: {seen[name]} and {source}; "
+                    "expected one tool per name (rename or drop one)."
+                )
+            seen[name] = source
 
 
 _registry: dict[ToolsSpec, ToolBox] = {}
@@ -345,8 +378,18 @@ class _EventLoop:
             self.loop.close()
 
 
+@dataclass
+class _Connection:
+    """One run of a server's process: its session, and the event that ends the run (stop(), or a call that
+    found the process gone)."""
+
+    session: ClientSession
+    ended: asyncio.Event
+
+
 class _McpServer:
-    """One stdio MCP server: its process and session live in a task on the box's event loop."""
+    """One stdio MCP server: its process and session live in a task on the box's event loop. A server whose
+    process dies is noticed by the call that finds its connection closed, and started again (see _serve)."""
 
     def __init__(self, spec: McpServerSpec, root: Path, timeout_s: float, loop: _EventLoop) -> None:
         if not spec.command:
@@ -372,48 +415,99 @@ class _McpServer:
             )
         self.argv = die_with_parent(spec.command)  # on Linux, killed when the loop's thread ends
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=_STDERR_TAIL_LINES)
-        self.session: ClientSession | None = None
-        self.ready: concurrent.futures.Future[list[_McpTool]] = concurrent.futures.Future()
         self.stderr_reader: threading.Thread | None = None
-        self.stop_requested = asyncio.Event()  # bound to the loop at its first use there
+        self.ready: concurrent.futures.Future[list[_McpTool]] = concurrent.futures.Future()  # the first start's
+        # The running connection; while the server is started again, a pending future that calls wait on.
+        # Replaced and resolved on the loop's thread only (other threads only read it), like the fields below.
+        self.connection: concurrent.futures.Future[_Connection] = concurrent.futures.Future()
+        self.current: _Connection | None = None
+        self.stopping = False
+        self.restarts = 0
         self.task = loop.submit(self._serve())
 
     async def _serve(self) -> None:
-        """Start the server, list its tools (reported through self.ready), and hold the connection until stop()."""
+        """The server's life: started, its tools listed (reported through self.ready), its connection held
+        until stop(). One whose process dies after its first start is started again, at most _MAX_RESTARTS
+        times, each said on stderr with its exit code; after that its calls fail."""
+        try:
+            while True:
+                failed: Exception | None = None
+                try:
+                    exit_code = await self._run_once()
+                except Exception as exc:
+                    if not self.ready.done():  # the first start: wait_ready says why
+                        self.ready.set_exception(exc)
+                        return
+                    exit_code, failed = None, exc
+                if self.stopping:
+                    return
+                if self.connection.done():  # the run ended without a call noticing: later calls wait
+                    self.connection = concurrent.futures.Future()
+                if self.stderr_reader is not None:  # its last words (a traceback) may still be in the pipe
+                    await asyncio.to_thread(self.stderr_reader.join, _LOOP_GRACE_S)
+                how = _how_it_ended(exit_code, failed)
+                said = f"; its stderr ends: {self.stderr_tail[-1]!r}" if self.stderr_tail else ""
+                if self.restarts == _MAX_RESTARTS:
+                    _warn(
+                        f"MCP server `{self.label}` {how}{said}; not started again (all {_MAX_RESTARTS} restarts used)."
+                    )
+                    self.connection.set_exception(
+                        ToolServerLost(f"MCP server `{self.label}` {how} and is not started again")
+                    )
+                    return
+                self.restarts += 1
+                _warn(
+                    f"MCP server `{self.label}` {how}{said}; starting it again "
+                    f"(restart {self.restarts} of {_MAX_RESTARTS})."
+                )
+        except BaseException as exc:  # cancelled with the loop: reported to a first start still waited for
+            if not self.ready.done():
+                self.ready.set_exception(exc)
+            raise
+        finally:
+            if not self.connection.done():  # stopped while (re)starting: calls waiting for it end now
+                self.connection.set_exception(ToolServerLost(f"MCP server `{self.label}` is stopped"))
+
+    async def _run_once(self) -> int | None:
+        """One run of the server's process: started, initialized, its tools listed, its connection published
+        and held until stop() or a call that finds the process gone. Its exit code (None: not known)."""
         import anyio
         from mcp import ClientSession, StdioServerParameters
         from mcp.client.stdio import stdio_client
 
         params = StdioServerParameters(command=self.argv[0], args=self.argv[1:], env=self.env, cwd=self.cwd)
         read_end, write_end = os.pipe()
+        self.stderr_tail.clear()
         self.stderr_reader = threading.Thread(
             target=self._read_stderr, args=(read_end,), name="rlcli-mcp-stderr", daemon=True
         )
         self.stderr_reader.start()
-        try:
-            with os.fdopen(write_end, "w") as errlog:
-                async with stdio_client(params, errlog=errlog) as (read, write), ClientSession(read, write) as session:
-                    errlog.close()  # the server holds its own copy: EOF reaches the reader when it exits
-                    with anyio.fail_after(self.timeout_s):
-                        await session.initialize()
-                        tools = []
-                        cursor: str | None = None
-                        while True:
-                            listing = await session.list_tools(params=_page(cursor))
-                            tools += [_McpTool(self, tool) for tool in listing.tools]
-                            cursor = listing.next_cursor
-                            if cursor is None:
-                                break
-                    self.session = session
+        process = None
+        with os.fdopen(write_end, "w") as errlog:
+            transport = stdio_client(params, errlog=errlog)
+            async with transport as (read, write), ClientSession(read, write) as session:
+                errlog.close()  # the server holds its own copy: EOF reaches the reader when it exits
+                process = _process_of(transport)
+                with anyio.fail_after(self.timeout_s):
+                    await session.initialize()
+                    tools = []
+                    cursor: str | None = None
+                    while True:
+                        listing = await session.list_tools(params=_page(cursor))
+                        tools += [_McpTool(self, tool) for tool in listing.tools]
+                        cursor = listing.next_cursor
+                        if cursor is None:
+                            break
+                if not self.ready.done():
                     self.ready.set_result(tools)
-                    await self.stop_requested.wait()
-        except BaseException as exc:  # reported to wait_ready (or, once running, the end of the connection)
-            if not self.ready.done():
-                self.ready.set_exception(exc)
-            if not isinstance(exc, Exception):
-                raise
-        finally:
-            self.session = None
+                self.current = _Connection(session, asyncio.Event())
+                self.connection.set_result(self.current)
+                try:
+                    if not self.stopping:
+                        await self.current.ended.wait()
+                finally:
+                    self.current = None
+        return None if process is None else process.returncode
 
     def _read_stderr(self, fd: int) -> None:
         with open(fd, encoding="utf-8", errors="replace") as stream:
@@ -439,30 +533,48 @@ class _McpServer:
             raise UsageError(f"MCP server `{self.label}` {why}{said}.") from None
 
     def call(self, name: str, arguments: dict[str, Any], timeout_s: float) -> str:
-        session = self.session
-        if session is None:
-            raise ToolError(f"MCP server `{self.label}` is not running; {name} was not called.")
-        future = self.loop.submit(self._call(session, name, arguments, timeout_s))
+        """The tool's text. ToolError for the tool's own failure or time-out (the model reads it);
+        ToolServerLost when the server's process is gone (it exited under the call, or was not started again)."""
+        deadline = time.monotonic() + timeout_s
         try:
-            return future.result(timeout_s + _LOOP_GRACE_S)
+            live = self.connection.result(timeout_s)  # waits while the server is started again
+        except ToolServerLost as exc:
+            raise ToolServerLost(f"{exc}; {name} was not called") from None
+        except (TimeoutError, concurrent.futures.TimeoutError):
+            raise ToolServerLost(
+                f"MCP server `{self.label}` did not start again within {timeout_s:g} s (env.tool_timeout_s); "
+                f"{name} was not called"
+            ) from None
+        future = self.loop.submit(self._call(live, name, arguments, deadline, timeout_s))
+        try:
+            return future.result(max(deadline - time.monotonic(), 0.0) + _LOOP_GRACE_S)
         except (TimeoutError, concurrent.futures.TimeoutError):
             future.cancel()
             raise ToolError(
                 f"{name} did not return within {timeout_s:g} s (env.tool_timeout_s); it was cancelled."
             ) from None
 
-    async def _call(self, session: ClientSession, name: str, arguments: dict[str, Any], timeout_s: float) -> str:
+    async def _call(
+        self, live: _Connection, name: str, arguments: dict[str, Any], deadline: float, timeout_s: float
+    ) -> str:
         import anyio
         import mcp_types
 
         try:
-            with anyio.fail_after(timeout_s):  # the SDK tells the server the call is cancelled
-                result = await session.call_tool(name, arguments)
+            with anyio.fail_after(max(deadline - time.monotonic(), 0.0)):  # the SDK tells the server it is cancelled
+                result = await live.session.call_tool(name, arguments)
         except TimeoutError:
             raise ToolError(
                 f"{name} did not return within {timeout_s:g} s (env.tool_timeout_s); it was cancelled."
             ) from None
-        except Exception as exc:  # the connection broke (the server died), or an error reply
+        except Exception as exc:  # an error reply, or the connection closed under the call
+            if await self._gone(live, exc):
+                if self.current is live:  # the first call to find it: the run ends, later calls wait for the next
+                    self.connection = concurrent.futures.Future()
+                    live.ended.set()
+                raise ToolServerLost(
+                    f"MCP server `{self.label}` closed its connection during the call to {name} (its process ended)"
+                ) from None
             raise ToolError(f"{name} failed on MCP server `{self.label}`: {type(exc).__name__}: {exc}") from None
         parts = [
             part.text if isinstance(part, mcp_types.TextContent) else f"[{part.type} content]"
@@ -473,9 +585,32 @@ class _McpServer:
             raise ToolError(text or f"{name} failed on MCP server `{self.label}` without a message.")
         return text
 
+    async def _gone(self, live: _Connection, exc: Exception) -> bool:
+        """Whether exc means the connection is closed: the SDK's code for that, which a live server may use
+        for errors of its own too, so confirmed by a ping, which a closed connection refuses at once."""
+        import anyio
+        from mcp import MCPError
+        from mcp_types import CONNECTION_CLOSED
+
+        if not (isinstance(exc, MCPError) and exc.code == CONNECTION_CLOSED):
+            return False
+        try:
+            with anyio.fail_after(self.timeout_s):
+                await live.session.send_ping()
+        except MCPError as refused:
+            return refused.code == CONNECTION_CLOSED
+        except Exception:  # no answer in time: alive, if busy
+            return False
+        return False
+
     def request_stop(self) -> None:
         """Close the connection; the SDK then stops the process (stdin closed, then SIGTERM, then SIGKILL)."""
-        self.loop.loop.call_soon_threadsafe(self.stop_requested.set)
+        self.loop.loop.call_soon_threadsafe(self._stop)
+
+    def _stop(self) -> None:
+        self.stopping = True
+        if self.current is not None:
+            self.current.ended.set()
 
     def wait_stopped(self) -> None:
         with contextlib.suppress(Exception):  # a start that failed has reported its error already
@@ -496,6 +631,29 @@ def _page(cursor: str | None) -> Any:
     import mcp_types
 
     return None if cursor is None else mcp_types.PaginatedRequestParams(cursor=cursor)
+
+
+def _process_of(transport: object) -> Any:
+    """The server's process (for its exit code), which the SDK's stdio_client keeps to itself: read from
+    its context manager's suspended generator; None if a later SDK holds it elsewhere."""
+    frame = getattr(getattr(transport, "gen", None), "ag_frame", None)
+    return None if frame is None else frame.f_locals.get("process")
+
+
+def _how_it_ended(exit_code: int | None, failed: Exception | None) -> str:
+    if failed is not None:
+        return f"failed to start again ({type(failed).__name__}: {_first_line(str(failed)) or 'no message'})"
+    if exit_code is None:
+        return "closed its connection (exit code not known)"
+    if exit_code < 0:
+        return f"was killed by signal {-exit_code}"
+    return f"exited with code {exit_code}"
+
+
+def _warn(message: str) -> None:
+    from rlcli.console import err_console
+
+    err_console.print(f"warning: {message}", markup=False)
 
 
 def _leaf(exc: BaseException) -> BaseException:

@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
 
 from rlcli.envs.protocol import EnvFailure, EnvTimeout, call_with_timeout
+from rlcli.envs.subprocesses import exit_with_parent, kill_group_when_gone
 from rlcli.envs.tool_use import ToolUseSpec
 from rlcli.errors import UsageError
 
@@ -498,10 +499,10 @@ def _kill(worker: _Worker) -> None:
 
 def serve(conn: Connection, spec: WorkerSpec) -> None:
     """A worker's life: build the env factory, then answer calls in order until the pipe closes."""
-    _die_with_parent(spec.parent_pid)
+    exit_with_parent(spec.parent_pid)
     os.setpgid(0, 0)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
-    _watch_group()
+    kill_group_when_gone()
     _limit(spec)
     sys.path[:] = spec.sys_path
     os.chdir(spec.root)
@@ -572,46 +573,6 @@ def _timed(fn: Callable, args: tuple, cpu_s: float | None) -> tuple[str, Any, fl
 
 def _text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    """Ask Linux to kill this worker when the main process dies (even mid-step, in C code)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        pr_set_pdeathsig = 1
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-    if os.getppid() != parent_pid:  # it died before the request above took effect
-        os._exit(0)
-
-
-def _watch_group() -> None:
-    """Fork a watcher into this worker's process group that kills the group when the worker dies.
-
-    A worker that crashes, or that the kernel kills with the main process, runs no clean-up of its
-    own, and its env's subprocesses (a game server, a browser) would live on, re-parented to init.
-    The watcher is forked before any env code runs; it only waits, so forking is safe here.
-    """
-    worker = os.getpid()
-    if os.fork():
-        return
-    try:
-        os.closerange(3, 1 << 16)  # holds no pipe end open: the main process still reads EOF at a death
-        if sys.platform.startswith("linux"):
-            import ctypes
-
-            # The kernel tells the watcher of the worker's death at once; the signal stays blocked
-            # and is taken by sigtimedwait, and the time-out re-checks the parent all the same.
-            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGUSR1)  # PR_SET_PDEATHSIG
-            while os.getppid() == worker:
-                signal.sigtimedwait({signal.SIGUSR1}, 5.0)
-        else:
-            while os.getppid() == worker:
-                time.sleep(0.5)
-        os.killpg(worker, signal.SIGKILL)  # the group, the watcher last of all
-    finally:
-        os._exit(0)
 
 
 def _limit(spec: WorkerSpec) -> None:

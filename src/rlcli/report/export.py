@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from rlcli.export_folder import export_folder
+from rlcli.redaction import shareable_recipe
 from rlcli.report.views import run_details
 from rlcli.store.dump import TableDump, run_tables
 from rlcli.store.run_store import RunStore
@@ -23,7 +24,8 @@ def export_run(
     overwrite: bool = False,
     extra: Callable[[dict[str, int]], dict[str, bytes]] | None = None,
 ) -> dict[str, int]:
-    """Write a run's tables to `out` as <table>.jsonl or <table>.parquet, plus run.json; return row counts.
+    """Write a run's tables to `out` as <table>.jsonl or <table>.parquet, plus run.json (with the recipe's
+    secrets redacted: rlcli.redaction); return row counts.
 
     One file per table, as in the database (turns join episodes on episode_id): token ids and
     logprobs become lists, and columns holding JSON text (messages, task, info, details) stay text.
@@ -41,7 +43,7 @@ def export_run(
             path = staging / f"{table.name}.{fmt}"
             counts[table.name] = _write_jsonl(path, table.rows) if fmt == "jsonl" else _write_parquet(path, table)
         details = run_details(store)
-        details["recipe"] = run.recipe
+        details["recipe"] = shareable_recipe(run.recipe)  # the database keeps the secrets; run.json is shared
         (staging / "run.json").write_text(json.dumps(details, indent=2))
         for file, data in (extra(counts) if extra else {}).items():
             (staging / file).write_bytes(data)

@@ -20,6 +20,7 @@ import yaml
 from rlcli.errors import RlcliError, UsageError
 from rlcli.export_folder import MARKER
 from rlcli.recipe import Recipe
+from rlcli.redaction import REDACTED, shareable_recipe, shareable_text
 from rlcli.report.tables import eval_cells
 from rlcli.report.views import HELDOUT_KEY, REWARD_KEY, SUCCESS_KEY, eval_view, metric_series
 from rlcli.store.evals import eval_results
@@ -160,8 +161,8 @@ def model_card_files(store: RunStore, repo_id: str, checkpoint: Checkpoint, fold
         f"# {repo_id.split('/')[-1]}",
         "",
         *([recipe.run.description, ""] if recipe.run.description else []),
-        f"`{recipe.model.name}`{f' ([{base}](https://huggingface.co/{base}))' if base else ''} trained by "
-        f"rlcli run `{store.run}` on the `{recipe.env.name}` environment: {stage}, "
+        f"`{shareable_text(recipe.model.name)}`{f' ([{base}](https://huggingface.co/{base}))' if base else ''} "
+        f"trained by rlcli run `{store.run}` on the `{shareable_text(recipe.env.name)}` environment: {stage}, "
         f"{'its LoRA adapter merged into the base model' if checkpoint.kind == 'lora' else 'every weight trained'}.",
         "",
         "## Use",
@@ -209,9 +210,9 @@ def dataset_card_files(store: RunStore, repo_id: str, fmt: str, counts: dict[str
         f"# {repo_id.split('/')[-1]}",
         "",
         *([recipe.run.description, ""] if recipe.run.description else []),
-        f"The episodes of rlcli run `{store.run}`: `{recipe.model.name}` acting in the "
-        f"`{recipe.env.name}` environment, with their turns (token ids and logprobs), reward components, metrics "
-        "and evals. Each table is a config; `episodes` is the default:",
+        f"The episodes of rlcli run `{store.run}`: `{shareable_text(recipe.model.name)}` acting in the "
+        f"`{shareable_text(recipe.env.name)}` environment, with their turns (token ids and logprobs), reward "
+        "components, metrics and evals. Each table is a config; `episodes` is the default:",
         "",
         "```python",
         "from datasets import load_dataset",
@@ -269,7 +270,8 @@ def _run_files(store: RunStore, recipe: Recipe) -> dict[str, bytes]:
 
 
 def _recipe_yaml(recipe: Recipe) -> bytes:
-    return yaml.safe_dump(recipe.to_dict(), sort_keys=False, allow_unicode=True).encode()
+    """The recipe as it may be shared: its secrets (an MCP server's env values, API keys) redacted."""
+    return yaml.safe_dump(shareable_recipe(recipe.to_dict()), sort_keys=False, allow_unicode=True).encode()
 
 
 def _methods(store: RunStore) -> list[str]:
@@ -332,7 +334,8 @@ def _recipe_section(recipe: Recipe) -> list[str]:
     return [
         "## Recipe",
         "",
-        f"The run's recipe, also in `{RECIPE}` (`rlcli run -r {RECIPE}` runs it again, given the files it names):",
+        f"The run's recipe, also in `{RECIPE}` (`rlcli run -r {RECIPE}` runs it again, given the files it names; "
+        f"values that look like secrets read `{REDACTED}`: put yours back):",
         "",
         "```yaml",
         _recipe_yaml(recipe).decode().rstrip("\n"),

@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from rlcli.errors import UsageError
+from rlcli.redaction import REDACTED, shareable_recipe
 from rlcli.report import plot, views
 from rlcli.report.html import STYLE as EPISODE_STYLE
 from rlcli.report.html import episode_section
@@ -233,11 +234,12 @@ def _episode_list(episodes: list[dict[str, Any]], pngs: dict[str, bytes], which:
 
 
 def _recipe(data: dict[str, Any], recipe: dict[str, Any]) -> str:
-    text = yaml.safe_dump(recipe, sort_keys=False, allow_unicode=True)
+    text = yaml.safe_dump(shareable_recipe(recipe), sort_keys=False, allow_unicode=True)  # the page is sent
     changes = data["recipe_history"][1:]  # the first entry is the recipe the run started with
     history = "".join(f"<li>{_e(h['created_at'][:19])}: {_e(h['reason'])}</li>" for h in changes)
     return (
-        f'<p class="muted">The resolved recipe (every default filled in), sha256 {_e(data["recipe_sha256"])}.</p>'
+        f'<p class="muted">The resolved recipe (every default filled in; values that look like secrets read '
+        f"{_e(REDACTED)}), sha256 {_e(data['recipe_sha256'])}.</p>"
         + (f"<p>Changed {len(changes)} time(s) since the run started:</p><ul>{history}</ul>" if changes else "")
         + f'<pre class="recipe">{_e(text)}</pre>'
     )

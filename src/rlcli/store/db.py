@@ -59,6 +59,67 @@ def _create(path: Path) -> None:
         staging.unlink()
 
 
+def check_runs_folder(runs_dir: Path) -> Path:
+    """`runs_dir`, unless something other than a folder is there."""
+    if runs_dir.exists() and not runs_dir.is_dir():
+        raise UsageError(
+            f"The runs folder {runs_dir} is a file, not a folder; give a folder with --runs-dir DIR (or RLCLI_HOME)."
+        )
+    return runs_dir
+
+
+def _check_magic(path: Path) -> None:
+    """A file at `path` that is not SQLite's (an empty one is: rlcli makes its tables there) is refused untouched."""
+    try:
+        with path.open("rb") as fh:
+            head = fh.read(len(SQLITE_MAGIC))
+    except (FileNotFoundError, NotADirectoryError):  # no file there (yet)
+        return
+    except OSError as exc:
+        raise UsageError(f"{path} cannot be read ({exc.strerror}); rlcli left it untouched.") from None
+    if head and head != SQLITE_MAGIC:
+        raise UsageError(f"{path} is not an SQLite database; rlcli left it untouched.")
+
+
+def _writable(path: Path) -> bool:
+    """Whether the database at `path` (there or not yet) and its folder, where SQLite keeps its WAL
+    beside it, can be written."""
+    return os.access(path.parent, os.W_OK) and (not path.exists() or os.access(path, os.W_OK))
+
+
+def _connect_read_only(path: Path) -> sqlite3.Connection:
+    """A connection that cannot write. A WAL database's readers share an index file beside it (-shm),
+    which SQLite creates when the folder allows; where it does not and no WAL file is there (every
+    writer closed), the file is opened as immutable, read without that index or any lock."""
+    uri = f"{path.resolve().as_uri()}?mode=ro"
+    wal = path.with_name(f"{path.name}-wal")
+    if not os.access(path.parent, os.W_OK) and not wal.exists():
+        uri += "&immutable=1"
+    try:
+        return sqlite3.connect(uri, uri=True, timeout=30)
+    except sqlite3.DatabaseError as exc:
+        raise UsageError(f"{path} cannot be opened as a run database ({exc}); rlcli left it untouched.") from None
+
+
+def _known_database(conn: sqlite3.Connection, path: Path) -> Database:
+    """The open file as a Database, refused (and closed) when SQLite cannot read it or a newer rlcli wrote it."""
+    try:
+        db = Database(conn)
+        # Every migration this rlcli knows is pending on an empty database.
+        known = {m.name for m in migrations.pending(Database(memory=True))}
+        unknown = [m.name for m in migrations.applied(db) if m.name not in known]
+    except sqlite3.DatabaseError as exc:
+        conn.close()
+        raise UsageError(f"{path} cannot be opened as a run database ({exc}); rlcli left it untouched.") from None
+    if unknown:
+        conn.close()
+        raise UsageError(
+            f"{path} was written by a newer rlcli (unknown migrations: {', '.join(unknown)}); "
+            "upgrade rlcli to use it. The file was left untouched."
+        )
+    return db
+
+
 class RunDB:
     def __init__(self, db: Database, path: Path):
         self.db = db
@@ -67,33 +128,34 @@ class RunDB:
     # --- opening -------------------------------------------------------------
 
     @classmethod
-    def open(cls, runs_dir: str | Path | None = None) -> RunDB:
-        runs_dir = Path(runs_dir) if runs_dir else default_runs_dir()
+    def open(cls, runs_dir: str | Path | None = None, *, read_only: bool = False) -> RunDB:
+        """The run database of `runs_dir` (default: RLCLI_HOME, else ./runs), created and migrated as needed.
+
+        read_only, for the commands that only read: the file must exist, and is opened read-only and never
+        changed; a file an older rlcli wrote is migrated first where it can be written, refused where not.
+        """
+        runs_dir = check_runs_folder(Path(runs_dir) if runs_dir else default_runs_dir())
         path = runs_dir / DB_NAME
-        if path.exists():
-            with path.open("rb") as fh:
-                head = fh.read(len(SQLITE_MAGIC))
-            if head and head != SQLITE_MAGIC:
-                raise UsageError(f"{path} is not an SQLite database; rlcli left it untouched.")
-        runs_dir.mkdir(parents=True, exist_ok=True)
+        _check_magic(path)
+        if read_only:
+            return cls._open_read_only(path)
+        try:
+            runs_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UsageError(
+                f"The runs folder {runs_dir} cannot be created ({exc.strerror}); give another with --runs-dir DIR "
+                "(or RLCLI_HOME)."
+            ) from None
+        if not _writable(path):
+            raise UsageError(
+                f"{path} cannot be written (it or its folder is read-only), and this command writes to it; give a "
+                "writable --runs-dir (the commands that only read, such as rlcli runs show, work on it as it is)."
+            )
         if not path.exists():
             _create(path)
         # A generous busy timeout: a reader such as Datasette may hold the file briefly.
         conn = sqlite3.connect(str(path), timeout=30)
-        try:
-            db = Database(conn)
-            # Every migration this rlcli knows is pending on an empty database.
-            known = {m.name for m in migrations.pending(Database(memory=True))}
-            unknown = [m.name for m in migrations.applied(db) if m.name not in known]
-        except sqlite3.DatabaseError as exc:
-            conn.close()
-            raise UsageError(f"{path} cannot be opened as a run database ({exc}); rlcli left it untouched.") from None
-        if unknown:
-            conn.close()
-            raise UsageError(
-                f"{path} was written by a newer rlcli (unknown migrations: {', '.join(unknown)}); "
-                "upgrade rlcli to use it. The file was left untouched."
-            )
+        db = _known_database(conn, path)
         # Only now may the file change: it is ours and not from a newer rlcli. Files rlcli created
         # are WAL already; switching needs the file to itself, so it is left to files made elsewhere.
         if conn.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
@@ -105,6 +167,23 @@ class RunDB:
         with rundb.transaction():
             migrations.apply(db)
         return rundb
+
+    @classmethod
+    def _open_read_only(cls, path: Path) -> RunDB:
+        if not path.exists():
+            raise UsageError(f"There is no run database at {path} (use rlcli --runs-dir DIR ..., or set RLCLI_HOME).")
+        db = _known_database(_connect_read_only(path), path)
+        if migrations.pending(db):
+            db.conn.close()
+            if not _writable(path):
+                raise UsageError(
+                    f"{path} was written by an older rlcli and its tables need updating, which this read-only "
+                    "folder does not allow; run the command on a copy of the file in a writable folder "
+                    "(rlcli --runs-dir COPY ...)."
+                )
+            cls.open(path.parent).close()  # migrated, as any command that writes would
+            db = _known_database(_connect_read_only(path), path)
+        return cls(db, path)
 
     def close(self) -> None:
         self.db.conn.close()
@@ -356,6 +435,33 @@ class RunDB:
         """
         return {k: v for k, v in self.db.execute(sql, [run]).fetchall()}
 
+    # --- run.trackers ------------------------------------------------------------
+
+    def tracker_step(self, run: str, stage: str) -> int | None:
+        """The last step of the metrics series `stage` sent to run.trackers (-1: none yet); None where
+        nothing is recorded (a series without trackers, or begun by an older rlcli)."""
+        row = self.db.execute("select step from tracker_steps where run = ? and stage = ?", [run, stage]).fetchone()
+        return None if row is None else row[0]
+
+    def record_tracker_step(self, run: str, stage: str, step: int) -> None:
+        with self.transaction():
+            self.db.table("tracker_steps").upsert({"run": run, "stage": stage, "step": step}, pk=("run", "stage"))
+
+    def unsent_metrics(
+        self, run: str, stage: str, after: int, before: int | None = None
+    ) -> list[tuple[int, dict[str, float]]]:
+        """The series' steps after `after` (and before `before`), each with its values: what it holds
+        beyond the last step sent to run.trackers."""
+        where, params = "run = ? and stage = ? and step > ?", [run, stage, after]
+        if before is not None:
+            where, params = where + " and step < ?", [*params, before]
+        steps: dict[int, dict[str, float]] = {}
+        for step, key, value in self.db.execute(
+            f"select step, key, value from metrics where {where} order by step, key", params
+        ).fetchall():
+            steps.setdefault(step, {})[key] = value
+        return list(steps.items())
+
 
 @dataclass(frozen=True)
 class RunState:
@@ -411,6 +517,11 @@ def git_sha(folder: Path) -> str | None:
     return out.stdout.strip() or None if out.returncode == 0 else None
 
 
+# What rlcli keeps in a runs folder beside the run folders: a run of one of these names would take it
+# over, and `rlcli runs delete` remove it. models: the model cache under RLCLI_HOME (models/cache.py).
+RESERVED_RUN_NAMES = ("models", DB_NAME, *(f"{DB_NAME}-{suffix}" for suffix in ("wal", "shm", "journal")))
+
+
 def check_run_name(name: str) -> str:
     import re
 
@@ -420,5 +531,11 @@ def check_run_name(name: str) -> str:
         raise UsageError(
             f"Run name {shown!r} is not valid: use letters, digits and -_. only, starting with a letter or digit, "
             "at most 100 characters."
+        )
+    # In lower case: on a case-insensitive file system Models is the model cache's folder too.
+    if name.lower() in RESERVED_RUN_NAMES:
+        raise UsageError(
+            f"Run name {name!r} is reserved: rlcli keeps its own files under that name in the runs folder "
+            f"({', '.join(RESERVED_RUN_NAMES)}); choose another name."
         )
     return name

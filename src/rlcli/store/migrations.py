@@ -292,3 +292,15 @@ def episode_losses(db: Database) -> None:
     # attempt ended.
     db.table("episodes").add_column("lost", int, not_null_default=0)
     db.table("episodes").add_column("earlier_errors", str)
+
+
+@migrations(name="011_tracker_steps")
+def tracker_steps(db: Database) -> None:
+    # The last step of each metrics series sent to run.trackers (engine/trackers.py): a step committed
+    # here but not sent when a kill came (GRPO commits an iteration's metrics before its held-out eval,
+    # and sends them after it) is sent when the series resumes.
+    db.table("tracker_steps").create(
+        {"run": str, "stage": str, "step": int},
+        pk=("run", "stage"),
+        foreign_keys=[("run", "runs", "name")],
+    )

@@ -54,3 +54,12 @@ class RunStore:
 
     def latest_metrics(self) -> dict[str, float]:
         return self.rundb.latest_metrics(self.run)
+
+    def tracker_step(self, stage: str) -> int | None:
+        return self.rundb.tracker_step(self.run, stage)
+
+    def record_tracker_step(self, stage: str, step: int) -> None:
+        self.rundb.record_tracker_step(self.run, stage, step)
+
+    def unsent_metrics(self, stage: str, after: int, before: int | None = None) -> list[tuple[int, dict[str, float]]]:
+        return self.rundb.unsent_metrics(self.run, stage, after, before)

@@ -144,7 +144,7 @@ def phase_start(ctx: RunContext, row: Stage | None) -> Checkpoint | None:
 def _run_phase(ctx: RunContext, phase: int, start: Checkpoint | None) -> dict[str, Any]:
     """Iterations phase*N .. phase*N+N-1 (N = grpo.iterations), resumed where they stopped; phase 0
     starts from the SFT checkpoint (else the base model), a later one from `start`."""
-    from rlcli.engine.trackers import stage_tracker
+    from rlcli.engine.trackers import send_unsent, stage_tracker
     from rlcli.rewards.scoring import build_reward_fns
 
     recipe = ctx.recipe
@@ -160,6 +160,7 @@ def _run_phase(ctx: RunContext, phase: int, start: Checkpoint | None) -> dict[st
     if not iterations:
         ctx.console.print(f"{trainer.title}: all {recipe.grpo.iterations} iterations are done.")
         HeldOutEvals(ctx, None, None).before(trainer)  # a kill may have cut off the last: loaded from disk
+        send_unsent(ctx, METRICS_STAGE)  # and kept the last iteration's metrics, stored, from run.trackers
         return summary
     try:
         trainer.setup()

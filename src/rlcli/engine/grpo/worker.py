@@ -273,9 +273,9 @@ def prune_pushes(ctx: RunContext, used: int) -> None:
 
 def serve_rollouts(conn: Connection, spec: RolloutWorkerSpec) -> None:
     """The worker's life: play the rollouts asked for, in order, until told to stop or the trainer is gone."""
-    from rlcli.envs.workers import _die_with_parent
+    from rlcli.envs.subprocesses import exit_with_parent
 
-    _die_with_parent(spec.parent_pid)
+    exit_with_parent(spec.parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle: it stops this process
     sys.path[:] = spec.sys_path
     os.chdir(spec.root)
