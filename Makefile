@@ -125,7 +125,7 @@ format: install
 test-fast: install
 	$(BIN)/python -m pytest -m "not slow and not fuzz" $(XDIST) $(PYTEST_ARGS)
 
-# The install matrix as a fresh machine resolves it from PyPI (tests/test_install_matrix.py): needs
+# The install matrix as a fresh machine resolves it from PyPI (tests/unit/test_install_matrix.py): needs
 # the index, takes a few minutes, and fails without it. `make test` leaves these tests out.
 test-resolve: install
 	$(BIN)/python -m pytest -m resolve $(PYTEST_ARGS)

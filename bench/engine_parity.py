@@ -4,7 +4,7 @@
     .venv/bin/python bench/engine_parity.py --run quickstart --runs-dir runs --games 256
     .venv/bin/python bench/engine_parity.py --quick                 # 300 samples, 16 games, base only
 
-What is measured (rlcli.engine.parity; tests/test_engine_parity.py checks the same on the tiny model):
+What is measured (rlcli.engine.parity; tests/models/test_engine_parity.py checks the same on the tiny model):
   * first token: for the quickstart's first prompt (guess_number's first observation through the
     chat template, as the rollout renders it), --samples samples from each engine at the recipe's
     temperature and token budget, stop strings included, through the Sampler interface the

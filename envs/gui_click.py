@@ -11,7 +11,7 @@ The expert clicks the target's centre.
 
 fixed_layout=True keeps one screen for every seed (the same buttons in the same places) and varies
 only which button the instruction names: a variant that a tiny model can learn, reading the
-instruction alone (tests/test_vlm_grpo.py).
+instruction alone (tests/models/test_vlm_grpo.py).
 
 scene="app" draws an application window instead: a menu bar (File, Edit, View), one or two labelled
 text fields and a few buttons. A task has one to three steps, one action a turn:

@@ -1,5 +1,6 @@
 import json
 import os
+import sys
 from pathlib import Path
 
 # No test may reach a model hub: fail at once instead of retrying.
@@ -9,11 +10,18 @@ for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "HF
 # tests' models are tiny, and the suite often runs two processes at once (a command and its test, a
 # trainer and its worker, other work on the machine): a torch parallel region waits for its slowest thread,
 # so a second thread whose core is taken slows each op down many times over (one `rlcli eval` of
-# tests/test_kill_resume.py: 115 s with two threads beside other work, 18 s with one, same tokens).
+# tests/resume/test_kill_resume.py: 115 s with two threads beside other work, 18 s with one, same tokens).
 # Set before torch is imported; OMP_NUM_THREADS=2 on the command line overrides it.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402 (the variables above must be set before any HF import)
+
+# The tests live in folders by what they test (unit, stages, resume, envs, models; docs/development.md),
+# and some import recipes and fixtures from a test of another folder (test_vllm_engine's tiny64,
+# test_train's learnable recipe): every folder is on sys.path, as pytest puts tests/ (this file's) there.
+GROUPS = ("unit", "stages", "resume", "envs", "models")
+for _group in GROUPS:
+    sys.path.insert(0, str(Path(__file__).parent / _group))
 
 
 @pytest.fixture(scope="session")
@@ -51,7 +59,7 @@ def torch_threads():
 @pytest.fixture(autouse=True)
 def quiet_machine(monkeypatch):
     """In-process commands see an idle machine: whether other work keeps the cores busy is not what
-    a test checks (tests/test_env_workers.py tests the warning), and it would add a line to stderr."""
+    a test checks (tests/envs/test_env_workers.py tests the warning), and it would add a line to stderr."""
     from rlcli.engine import threads
 
     monkeypatch.setattr(threads, "busy_cores", lambda: 0.0)

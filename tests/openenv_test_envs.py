@@ -1,4 +1,4 @@
-"""OpenEnv apps for tests/test_openenv.py, served by the openenv: adapter from this module (the
+"""OpenEnv apps for tests/envs/test_openenv.py, served by the openenv: adapter from this module (the
 adapter's server has rlcli's Python path, where pytest put this folder).
 
 - `trouble`: an echo env that holds one session per server (create_app's default), whose step

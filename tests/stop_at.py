@@ -3,7 +3,7 @@ happened, for helpers.kill_at_event to SIGKILL it there.
 
 The process is forked from a zygote: a multiprocessing forkserver that imported what rlcli's commands
 import (torch, transformers, peft, rlcli's stages) once per pytest process, so that a killed command
-starts in a fraction of a second instead of after ~6 s of imports. (tests/test_kill_fuzz.py starts
+starts in a fraction of a second instead of after ~6 s of imports. (tests/resume/test_kill_fuzz.py starts
 real `rlcli` processes instead: it kills during imports too.)
 
 EVENT: {"sql": "select count(*) ...", "at_least": N} (counted on the run's own connection),

@@ -6,7 +6,7 @@ flag takes no value; and it writes a required argument in braces in the usage li
 (`rlcli runs show [OPTIONS] {run}`), which reads as a set of choices. Click writes `--force` and
 `RUN`. Both methods are replaced here once, for every command, the generated `--help` included,
 which no per-option metavar could reach. If a Typer release renames them, help falls back to
-Typer's own rendering (tests/test_cli.py then fails on `<bool>` or `{`).
+Typer's own rendering (tests/unit/test_cli.py then fails on `<bool>` or `{`).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ policy. Given many samples of each for one prompt, these say whether they differ
   moves this mean;
 - how far each engine's recorded logprobs are from that recomputation (what GRPO's ratio sees).
 
-tests/test_engine_parity.py runs it on the tiny model, bench/engine_parity.py on SmolLM2.
+tests/models/test_engine_parity.py runs it on the tiny model, bench/engine_parity.py on SmolLM2.
 """
 
 from __future__ import annotations

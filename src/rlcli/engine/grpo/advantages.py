@@ -1,5 +1,5 @@
 """GRPO's advantages as pure tensor functions: group-relative, per episode or per turn, and SPIRAL's
-role-conditioned baselines (tests/test_grpo_math.py checks each against hand-computed numbers).
+role-conditioned baselines (tests/unit/test_grpo_math.py checks each against hand-computed numbers).
 
 Conventions:
   * Standard deviations use Bessel's correction (unbiased), as TRL's GRPOTrainer does (`trl.trainer.utils.nanstd`).

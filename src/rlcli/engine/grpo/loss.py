@@ -2,7 +2,7 @@
 clipped policy loss and its options, and the check that stops a non-finite update.
 
 The update (grpo/update.py) owns models, batching and optimizers; everything here is a function of
-tensors, so each option can be checked against hand-computed numbers (tests/test_grpo_math.py).
+tensors, so each option can be checked against hand-computed numbers (tests/unit/test_grpo_math.py).
 Positions where the mask is 0 may hold any value (padding, stale logprobs, even inf): they are replaced
 before any exp() so they can never turn the loss or its gradient into NaN.
 """

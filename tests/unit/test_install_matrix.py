@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 INDEX = "https://pypi.org/simple"
 # The GPU set took 90-235 s to resolve on the shared 2-core development machine; allow for a slow index.
 RESOLVE_TIMEOUT_S = 900

@@ -50,7 +50,7 @@ def check_exact_records(tmp_path, env, model):
         tmp_path / "r.yaml",
         env={"name": env, "max_turns": 3},
         model={"name": model},
-        # The HF sampler's records (tests/test_vllm_rollout.py checks vLLM's).
+        # The HF sampler's records (tests/models/test_vllm_rollout.py checks vLLM's).
         rollout={"tasks": 2, "group_size": 2, "max_new_tokens": 6, "batch_size": 4, "engine": "hf"},
     )
     ctx = make_ctx(recipe, tmp_path / "runs")

@@ -5,7 +5,7 @@
 optimizer, scheduler, Trainer, GRPO learner and vLLM engine that a stage builds, recorded as they are
 built, and looked at when the next stage starts and when the command is over. A stage that fails leaves
 nothing alive either, though its caller holds the exception. The vLLM run shares the session's engine
-with tests/test_vllm_engine.py (same model, same options): GRPO reuses it, the eval after GRPO keeps it,
+with tests/models/test_vllm_engine.py (same model, same options): GRPO reuses it, the eval after GRPO keeps it,
 DPO shuts it down, and the last eval starts it again for the tests after.
 """
 
@@ -154,7 +154,7 @@ def test_each_stage_frees_its_model_optimizer_and_trainer_before_the_next(tmp_pa
 @pytest.mark.slow
 @needs_vllm
 def test_the_vllm_engine_stays_for_eval_and_goes_before_dpo(tmp_path, tiny64, built):  # noqa: F811
-    """The recipe's engine is the session's (tests/test_vllm_engine.py, ENGINE_OPTIONS): GRPO reuses it."""
+    """The recipe's engine is the session's (tests/models/test_vllm_engine.py, ENGINE_OPTIONS): GRPO reuses it."""
     from rlcli.generation import vllm_engine
 
     recipe = _recipe(

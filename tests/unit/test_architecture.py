@@ -12,7 +12,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 
 # Highest first: a package may import packages of lower layers only, never one of its own layer or above.
 LAYERS: list[set[str]] = [
@@ -99,7 +99,7 @@ def layer_of(package: str) -> int:
     for depth, layer in enumerate(LAYERS):
         if package in layer:
             return depth
-    raise AssertionError(f"rlcli.{package} is in no layer of tests/test_architecture.py: add it to LAYERS")
+    raise AssertionError(f"rlcli.{package} is in no layer of tests/unit/test_architecture.py: add it to LAYERS")
 
 
 def cycles(imports: list[Import]) -> list[list[Import]]:
@@ -187,7 +187,7 @@ def grpo_uphill(imports: list[Import]) -> list[Import]:
     def layer(module: str) -> int:
         step = module.removeprefix(prefix)
         found = [depth for depth, names in enumerate(GRPO_LAYERS) if step in names]
-        assert found, f"{module} is in no layer of GRPO_LAYERS (tests/test_architecture.py): add it"
+        assert found, f"{module} is in no layer of GRPO_LAYERS (tests/unit/test_architecture.py): add it"
         return found[0]
 
     inside = [imp for imp in imports if imp.source.startswith(prefix) and imp.target.startswith(prefix)]

@@ -1,5 +1,5 @@
 """`rlcli runs show | compare | plot | episodes | export`, on a run database built by hand (trackers:
-tests/test_trackers.py)."""
+tests/stages/test_trackers.py)."""
 
 from __future__ import annotations
 

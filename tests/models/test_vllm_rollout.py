@@ -1,6 +1,6 @@
 """Rollouts, GRPO and the recipe with `rollout.engine: vllm` (the engine seam, rlcli.generation.engines).
 
-The vLLM tests share one engine per process with tests/test_vllm_engine.py (same tiny head_dim-64
+The vLLM tests share one engine per process with tests/models/test_vllm_engine.py (same tiny head_dim-64
 model, same options): see ENGINE_OPTIONS there. The recipe tests need no vllm.
 """
 

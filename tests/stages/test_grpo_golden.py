@@ -8,7 +8,7 @@ during training; grpo.replay with dr_grpo advantages and a KL term) and the asyn
 fingerprint (every episode's tokens, logprobs and reward, every train/ metric, every checkpoint's
 tensors) is compared with tests/golden/grpo_fixed_runs.json, written by the code before the move:
 
-    .venv/bin/python tests/test_grpo_golden.py --write    # only when a change of behaviour is intended
+    .venv/bin/python tests/stages/test_grpo_golden.py --write    # only when a change of behaviour is intended
 
 The figures depend on the numerical libraries: with other versions of torch, transformers or peft than
 the file records (CI installs torch pinned, the others at their newest), the test says so and skips,
@@ -31,7 +31,7 @@ for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "H
 
 import pytest  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/, for helpers (run as a script by --write)
 
 from helpers import run_in_process, write_env_file, write_recipe  # noqa: E402
 
@@ -175,7 +175,7 @@ if __name__ == "__main__":
     import tempfile
 
     if sys.argv[1:] != ["--write"]:
-        sys.exit("usage: python tests/test_grpo_golden.py --write   (writes tests/golden/grpo_fixed_runs.json)")
+        sys.exit("usage: python tests/stages/test_grpo_golden.py --write   (writes tests/golden/grpo_fixed_runs.json)")
     with tempfile.TemporaryDirectory() as tmp:
         os.environ.setdefault("RLCLI_MODELS", str(Path(tmp) / "models"))
         runs = {}

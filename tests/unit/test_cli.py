@@ -27,7 +27,7 @@ from rlcli.store.db import DB_NAME, RunDB
 from rlcli.store.run_store import RunStore
 from rlcli.store.stages import run_stage
 
-REPO = Path(__file__).parents[1]
+REPO = Path(__file__).parents[2]
 RLCLI = Path(sys.executable).parent / "rlcli"
 
 

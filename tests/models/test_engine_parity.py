@@ -9,7 +9,7 @@ For the quickstart's first prompt and sampling (temperature 0.8, 12 new tokens, 
 The second test shows that the check can fail: 1,000 samples of vLLM at temperature 1.0 against the
 HF sampler's at 0.8.
 
-The model is the tiny head_dim-64 model of tests/test_vllm_engine.py, served by the session's shared
+The model is the tiny head_dim-64 model of tests/models/test_vllm_engine.py, served by the session's shared
 engine. Its random weights give a near-uniform next token (logits with a spread of 0.24), over which
 no temperature can be told apart; its final norm is scaled up (its logits x 3) so that its first
 token has a top probability of 0.44 at the recipe's temperature, more like a trained model's, and the engine

@@ -44,10 +44,11 @@ def audit(capsys, *args: str) -> tuple[int, str, str]:
 
 @pytest.mark.parametrize("env", [name for name, _ in list_builtin_envs()])
 def test_every_shipped_env_passes(capsys, env):
-    code, out, err = audit(capsys, env)
+    code, out, err = audit(capsys, env, "--json")
     assert code == 0, out + err
-    assert "finding" not in out
-    assert "same observations, rewards and endings on 4 seeds" in out
+    report = json.loads(out)
+    assert report["findings"] == []
+    assert report["replay"] == {"seeds": 4, "mismatch": None}
 
 
 def test_the_sound_planted_env_passes_and_its_expert_solves_it(capsys, tmp_path):
@@ -82,9 +83,9 @@ DEFECTS = {
 @pytest.mark.parametrize("defect", DEFECTS)
 def test_each_planted_defect_is_found_in_one_sentence(capsys, tmp_path, defect):
     planting, finding = DEFECTS[defect]
-    code, out, err = audit(capsys, planted(tmp_path, **planting))
+    code, out, err = audit(capsys, planted(tmp_path, **planting), "--json")
     assert code == 1
-    assert finding in out
+    assert any(line.startswith(finding) for line in json.loads(out)["findings"])
     assert "finding(s) for" in err
 
 
@@ -93,6 +94,14 @@ def test_the_recipe_gives_the_env_and_its_horizon(capsys):
     assert code == 0
     report = json.loads(out)
     assert report["env"] == "guess_number" and report["findings"] == []
+
+
+def test_the_table_names_each_policy_and_the_checks(capsys, tmp_path):
+    code, out, _ = audit(capsys, planted(tmp_path, task_seed="seed % 7"))
+    assert code == 1
+    for policy in ("expert", "empty reply", "random words", "prompt repeated", "longest reply", "same answer"):
+        assert policy in out
+    assert "replay:" in out and "held-out: 16 of 16" in out and "finding:" in out
 
 
 def test_neither_env_nor_recipe_is_refused(capsys):

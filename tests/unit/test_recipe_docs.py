@@ -11,7 +11,7 @@ from rlcli.cli.app import main
 from rlcli.cli.recipes import REGENERATE_DOCS, schema_markdown
 from rlcli.recipe import Recipe, schema_docs
 
-DOCS = Path(__file__).parents[1] / "docs" / "recipe.md"
+DOCS = Path(__file__).parents[2] / "docs" / "recipe.md"
 
 
 def cli(capsys, *args: str) -> tuple[int, str, str]:

@@ -15,7 +15,7 @@ from rlcli.recipe import (
     validate_recipe,
 )
 
-REPO = Path(__file__).parents[1]
+REPO = Path(__file__).parents[2]
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
 
 

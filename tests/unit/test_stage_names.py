@@ -197,7 +197,7 @@ def test_reserved_names_and_families():
 def test_no_other_module_builds_a_stage_name():
     """Stage names are built in store/names.py only (update.py's f"train/{k}" is a metric key)."""
     built = re.compile(r'f"(rollout|train|label|eval|grpo|dpo|stale|superseded|sft)/\{')
-    src = Path(__file__).resolve().parents[1] / "src" / "rlcli"
+    src = Path(__file__).resolve().parents[2] / "src" / "rlcli"
     found = [
         f"{path.relative_to(src)}:{number}: {line.strip()}"
         for path in sorted(src.rglob("*.py"))
