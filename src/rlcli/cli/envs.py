@@ -280,9 +280,9 @@ def audit_env(
     from rlcli.envs.loading import load_env
     from rlcli.recipe import load_recipe
 
-    loaded = load_recipe(recipe, [])
     if name is None and recipe is None:
         raise UsageError("envs audit: name an env (e.g. rlcli envs audit guess_number) or give --recipe.")
+    loaded = load_recipe(recipe, [])
     env_name = name or loaded.env.name
     env_kwargs = _env_kwargs(kwargs) if kwargs is not None or name is not None else dict(loaded.env.kwargs)
     settings = replace(settings_for(loaded, episodes, train_tasks), max_success=max_success)

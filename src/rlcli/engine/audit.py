@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from rlcli.engine.evaluate import wilson_interval
 from rlcli.envs.protocol import EnvFactory, EnvFailure, as_messages, call_with_timeout, task_seed
+from rlcli.envs.tool_use import without_call_records
 
 if TYPE_CHECKING:
     from rlcli.recipe import Recipe
@@ -172,7 +173,7 @@ def _canonical(value: Any) -> str:
         return repr(item)
 
     if isinstance(value, list):
-        value = [{k: v for k, v in m.items() if k != "call"} if isinstance(m, dict) else m for m in value]
+        value = without_call_records(value)
     return json.dumps(value, sort_keys=True, default=plain)
 
 

@@ -159,6 +159,15 @@ class ToolUse:
         return self.shared.call(call)
 
 
+CALL_RECORD = "call"  # a tool message's record of its call: arguments, error, latency, cut characters
+
+
 def _tool_message(result: ToolResult) -> dict[str, Any]:
     record = {k: v for k, v in asdict(result).items() if k not in ("name", "content")}
-    return {"role": "tool", "name": result.name, "content": result.content, "call": record}
+    return {"role": "tool", "name": result.name, "content": result.content, CALL_RECORD: record}
+
+
+def without_call_records(messages: list[Any]) -> list[Any]:
+    """Messages as the model sees them: a tool message's call record (which holds the call's latency)
+    left out, so that two equal answers compare equal."""
+    return [{k: v for k, v in m.items() if k != CALL_RECORD} if isinstance(m, dict) else m for m in messages]

@@ -14,6 +14,7 @@ from rlcli.engine.grpo import advantages, loss
 from rlcli.engine.grpo.selection import Selection, hard_tasks, total
 from rlcli.engine.grpo.staleness import staleness
 from rlcli.engine.grpo.update import TrainSequence
+from rlcli.envs.tool_use import without_call_records
 from rlcli.store.episodes import set_aside_count
 from rlcli.store.names import rollout_stage
 from rlcli.store.records import LabelledEpisode, Turn
@@ -139,8 +140,7 @@ def acted_on(turns: list[Turn]) -> list[str]:
     message's `call` (it holds the call's latency) is left out, so that equal answers compare equal."""
     keys = [""]
     for turn in turns[:-1]:
-        messages = json.loads(turn.observation)
-        keys.append(json.dumps([{k: v for k, v in m.items() if k != "call"} for m in messages], sort_keys=True))
+        keys.append(json.dumps(without_call_records(json.loads(turn.observation)), sort_keys=True))
     return keys
 
 
