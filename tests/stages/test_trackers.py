@@ -74,7 +74,13 @@ def tensorboard_series(folder: Path) -> Series:
 
     events = EventAccumulator(str(folder))
     events.Reload()
-    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    # By step: each process (a killed run and its resumes) writes its own event file, named by the second
+    # it started and its pid, so files of one second are read in pid order, not in the order written.
+    # A step logged twice still shows twice.
+    return {
+        tag: sorted(((e.step, e.value) for e in events.Scalars(tag)), key=lambda point: point[0])
+        for tag in events.Tags()["scalars"]
+    }
 
 
 def wandb_records(path: Path):
