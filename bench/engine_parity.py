@@ -17,11 +17,11 @@ What is measured (rlcli.engine.parity; tests/models/test_engine_parity.py checks
     trainer's model (an HF forward at the recipe's temperature, as GRPO recomputes it), with a 95%
     interval, and z = (HF - vLLM) / standard error of the difference; plus the largest gap between
     an engine's recorded token logprobs and that recomputation.
-  * held-out success: base, SFT and final (`latest`: with grpo.keep_best the best held-out
-    checkpoint) of --run on the first --games held-out games, each checkpoint played by each
-    engine, one game per task at the recipe's eval temperature: what `rlcli eval` does (the same
-    collect over the eval split), recorded in scratch runs under --out (parity-hf, parity-vllm) so
-    that the source run is only read. Skipped for a checkpoint the run does not have.
+  * held-out success: base, SFT and final (`latest`, the newest checkpoint) of --run on the first
+    --games held-out games, each checkpoint played by each engine, one game per task at the recipe's
+    eval temperature: what `rlcli eval` does (the same collect over the eval split), recorded in
+    scratch runs under --out (parity-hf, parity-vllm) so that the source run is only read.
+    Skipped for a checkpoint the run does not have.
 
 Threads: torch's default unless --threads; vLLM's OpenMP threads are bound to as many cores. On a
 machine shared with other work the figures are unaffected (none is a timing); the run just takes longer.

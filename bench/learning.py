@@ -15,7 +15,7 @@ What is measured, per recipe (one row each):
     the recipe's eval tasks and decoding. Evals the run already did are reused, not redone.
   * Success rate with its 95% Wilson interval for each (a two-player game's: its win rate against the
     first of eval.opponents), and two verdicts: "≥ SFT" says whether the
-    checkpoint that `latest` names (best with grpo.keep_best, else final) is not below SFT (or base,
+    run's result (best with grpo.keep_best, else final) is not below SFT (or base,
     without SFT) beyond the intervals, i.e. its interval's upper end reaches the SFT point estimate;
     "final ≥ SFT" says the same of the last checkpoint.
 A recipe that is re-run with the same --out resumes (and, done, only re-reads its results and its
@@ -83,7 +83,7 @@ class Row:
     seconds: float | None
     cpu_seconds: float | None
     points: dict[str, Point]
-    latest_is: str  # which point `latest` names: best (grpo.keep_best) or final
+    latest_is: str  # which point is the run's result: best (grpo.keep_best) or final
 
     def not_below_reference(self, which: str) -> bool | None:
         """Not below SFT (base without SFT) beyond the interval: its upper end reaches the reference."""
@@ -174,7 +174,7 @@ COLUMNS = (
     "SFT",
     "final",
     "best",
-    "`latest` is",
+    "result",
     "≥ SFT",
     "final ≥ SFT",
     "wall-clock",

@@ -275,6 +275,20 @@ class EnvSection(Section):
         description="A reply whose <tool_call> block is not a call: continue (the model reads an error result and "
         "goes on) or end (the episode ends, terminated).",
     )
+    code_sandbox: Literal["none", "bwrap", "auto"] = Field(
+        "auto",
+        description="Where python_exec runs the model's code: bwrap (in bubblewrap: no network, no home or runs "
+        "folder, the system read-only, a size-limited scratch folder, none of rlcli's processes or variables; "
+        "refused where bubblewrap cannot run), none (its limits alone: time, memory, processes, file size; the code "
+        "runs as you), or auto (bwrap where bubblewrap runs, else none, said in one line). docs/tools.md.",
+    )
+    sandbox: Literal["none", "bwrap", "auto"] = Field(
+        "none",
+        description="Whether the env worker processes (env.workers, workers_backend process) and the MCP servers "
+        "rlcli starts (env.mcp_servers) run in bubblewrap, as env.code_sandbox describes: bwrap, none, or auto. A "
+        "worker sees the folder rlcli runs in and its Python path read-only, a server the folder it starts in; "
+        "neither sees the network, the runs folder or rlcli's variables (a server gets its own env entries).",
+    )
 
     @field_validator("keep_images")
     @classmethod
@@ -608,6 +622,32 @@ class ReplaySection(Section):
     )
 
 
+class BranchSection(Section):
+    points: int = Field(
+        4,
+        ge=1,
+        description="Branch points per iteration: stored turns (episode, turn t) of the iteration's rollout that "
+        "branch/i returns to, by replaying the episode's seed and its actions before t.",
+    )
+    continuations: int = Field(
+        2, ge=1, description="Continuations (K) sampled from each branch point, each played to its end."
+    )
+    choose: Literal["failed", "divergence", "entropy"] = Field(
+        "failed",
+        description="Which turns branch: failed (turns of episodes that did not succeed, drawn at random: a state "
+        "of a group with no success can still earn signal), divergence (per group, the first turn where its "
+        "episodes' actions differ, from the first episode's state), entropy (the turns whose sampled tokens had "
+        "the highest mean -logprob).",
+    )
+    weight: float = Field(
+        1.0,
+        ge=0,
+        description="Weight of the per-turn advantage (the turn's return-to-go minus the Monte-Carlo value of its "
+        "state: the mean over the parent and its continuations) added to the episode-level advantage of the turn "
+        "taken at a branch point.",
+    )
+
+
 class GrpoSection(Section):
     iterations: int = Field(
         10, ge=0, description="Rollout -> label -> update iterations.", json_schema_extra=RESUME_SAFE
@@ -733,6 +773,16 @@ class GrpoSection(Section):
         "(grpo.tis_cap, else 2), so a replay counts at most that many times an on-policy episode. null: off.",
         json_schema_extra=RESUME_SAFE,
     )
+    branch: BranchSection | None = Field(
+        None,
+        description="Rewind and branch (docs/stages.md): after label/i, stage branch/i rebuilds the state of chosen "
+        "stored turns by replaying their episode's seed and actions (refused, before any stage, for an env that "
+        "does not replay), samples continuations from each, stores them as episodes with their parent and turn, "
+        "and labels them; each turn taken at a branch point trains on its episode advantage plus weight times its "
+        "per-turn advantage (its return-to-go minus the mean over the parent and its continuations). Fields: points "
+        "(4 per iteration), continuations (2 per point), choose (failed | divergence | entropy; failed), weight (1.0). "
+        "Needs the synchronous loop and group advantages. null: off.",
+    )
     curriculum_floor: float = Field(
         0.05,
         gt=0,
@@ -759,8 +809,17 @@ class GrpoSection(Section):
     )
     keep_best: bool = Field(
         False,
-        description="`latest` (export, eval, rollout) names the checkpoint with the best held-out success "
-        "(`-c best`) instead of the newest; needs eval_every.",
+        description="The run's result is its best held-out checkpoint (`-c best`), not its newest (`latest`): "
+        "`rlcli run` evaluates best beside eval.checkpoints, and `rlcli export` exports it by default; needs eval_every.",
+        json_schema_extra=RESUME_SAFE,
+    )
+    keep_checkpoints: int | None = Field(
+        None,
+        gt=0,
+        description="Keep the weights of the n newest GRPO checkpoints (what a resume goes on from), the best by "
+        "held-out success, the SFT checkpoint and any id eval.checkpoints or an opponent names; the others' weights "
+        "are deleted once their held-out eval (grpo.eval_every) is done. Their rows and eval results stay, and "
+        "asking for one (-c ID) says it was pruned. null keeps all.",
         json_schema_extra=RESUME_SAFE,
     )
     min_entropy: float = Field(
@@ -784,6 +843,11 @@ class GrpoSection(Section):
             raise ValueError(
                 "grpo.step_groups measures turns against their group's other turns, and grpo.advantage rae has no "
                 "groups; use grpo, dr_grpo, rloo or batch, or set grpo.step_groups: 0."
+            )
+        if self.branch is not None and self.advantage == "rae":
+            raise ValueError(
+                "grpo.branch measures a branch against its parent's group, and grpo.advantage rae has no groups; use "
+                "grpo, dr_grpo, rloo or batch, or set grpo.branch: null."
             )
         return self
 
@@ -833,7 +897,7 @@ class EvalSection(Section):
     )
     checkpoints: list[str] = Field(
         default_factory=lambda: ["base", "sft", "latest"],
-        description="Which checkpoints `rlcli run` evaluates: base, sft, latest, best, or ids.",
+        description="Which checkpoints `rlcli run` evaluates: base, sft, latest (the newest), best, or ids.",
         json_schema_extra=RESUME_SAFE,
     )
     opponents: list[str | int] | None = Field(
@@ -916,6 +980,11 @@ class Recipe(Section):
                 "grpo.dynamic_sampling needs the synchronous loop (which groups an iteration trains on and carries "
                 "depends on the labels of the iterations before); set grpo.max_staleness: 0 or grpo.dynamic_sampling: false"
             )
+        if self.grpo.branch is not None:
+            raise ValueError(
+                "grpo.branch samples continuations with the policy in this process after each label stage; set "
+                "grpo.max_staleness: 0 or grpo.branch: null"
+            )
         if self.rollout.vllm_sleep is True:
             raise ValueError(
                 "rollout.vllm_sleep true frees the GPU during the update, while with grpo.max_staleness > 0 the "
@@ -936,6 +1005,16 @@ class Recipe(Section):
             raise ValueError(
                 f"env.opponent {model} is played by a model beside the policy, which the asynchronous rollout worker "
                 "does not do; set grpo.max_staleness: 0 or an opponent inside the env (random, bot)"
+            )
+        if model is not None and self.grpo.branch is not None:
+            raise ValueError(
+                f"grpo.branch replays one seat's stored actions, and with env.opponent {model} a model plays the other "
+                "seat; set grpo.branch: null or an opponent inside the env (random, bot)"
+            )
+        if model is not None and model.startswith("pool") and self.grpo.keep_checkpoints is not None:
+            raise ValueError(
+                f"env.opponent {model} draws from the run's earlier GRPO checkpoints, whose weights "
+                "grpo.keep_checkpoints deletes; set grpo.keep_checkpoints: null or another opponent"
             )
         return self
 
@@ -1037,6 +1116,46 @@ def recipe_purpose(path: Path) -> str:
     header = " ".join(words)
     end = re.search(r"(?<!\bDr)(?<!e\.g)(?<!i\.e)\.(?:\s|$)", header)  # a full stop, not "Dr." or "e.g."
     return header[: end.start() + 1] if end else header
+
+
+def copy_run_name(name: str, target: Path) -> str:
+    """The run name of shipped recipe `name` copied to `target`: the file's name, unless it is the shipped
+    recipe's or its run's (then my-<that>), so that the copy's runs never resume the shipped recipe's."""
+    shipped_run = load_recipe(shipped_recipes()[name]).run.name
+    stem = target.name.removesuffix(".yaml")
+    return f"my-{stem}" if stem in (name, shipped_run) else stem
+
+
+def copied_recipe_text(name: str, target: Path, run: str) -> str:
+    """Shipped recipe `name` as its copy at `target` says it: a first line saying whose notes the header
+    holds (its timings and results were measured on the shipped recipe), the header's commands naming
+    the copy's file and run, and `run.name: <run>` (every shipped recipe writes its run.name, on a line
+    of its own under `run:`; tests/unit/test_recipe_library.py checks each copy's)."""
+    from rlcli import __version__
+
+    shipped_run = load_recipe(shipped_recipes()[name]).run.name
+    path = str(target)
+    own_file = re.compile(rf"recipes/{re.escape(name)}\.yaml|(?<=-r ){re.escape(name)}(?![\w.-])")
+    own_plan = re.compile(rf"(?<=recipes plan ){re.escape(name)}(?![\w.-])")
+    own_run = re.compile(rf"(?<=rlcli runs )(\w+ ){re.escape(shipped_run)}(?![\w.-])")
+    lines = shipped_recipes()[name].read_text().splitlines(keepends=True)
+    section = None  # the top-level section a line is in
+    named = False
+    for index, line in enumerate(lines):
+        if line.lstrip().startswith("#"):
+            line = own_plan.sub(path, own_file.sub(path, line))
+            lines[index] = own_run.sub(lambda match: match.group(1) + run, line)
+        elif line[:1].isalpha():
+            section = line.split(":")[0]
+        elif section == "run" and not named and re.match(r"\s+name:", line):
+            indent = line[: len(line) - len(line.lstrip())]
+            lines[index] = f"{indent}name: {run}\n"
+            named = True
+    note = (
+        f"# {run}: a copy of rlcli's shipped recipe {name} (rlcli {__version__}). The notes below, timings and\n"
+        "# results included, are of the shipped recipe, not of this copy.\n"
+    )
+    return note + "".join(lines)
 
 
 def recipe_file(path: str | Path) -> Path:

@@ -15,7 +15,7 @@ from rlcli.envs.protocol import EnvFailure, as_messages, call_with_timeout, task
 from rlcli.errors import UsageError
 from rlcli.rewards.builtins import parse_answer
 
-BUILTINS = ["arithmetic", "calculator", "guess_number", "gui_click", "maze", "multihop_search"]
+BUILTINS = ["arithmetic", "calculator", "guess_number", "gui_click", "maze", "multihop_search", "repair_tests"]
 EVAL_SEEDS = [task_seed("eval", i) for i in range(20)]
 
 

@@ -507,7 +507,12 @@ DECLARED_SHOUT = {"type": "function", "function": {"name": "shout", "parameters"
     [
         ("shout", {}, "Two tools are named 'shout': the env's own tool "),
         (None, {}, "Two tools are named 'shout': the env's declared tool spec 'shout' and MCP server `"),
-        ("python_exec", {"tools": ["python_exec"]}, "Two tools are named 'python_exec': the env's own tool "),
+        # code_sandbox none: no line saying where python_exec runs beside the refusal
+        (
+            "python_exec",
+            {"tools": ["python_exec"], "code_sandbox": "none"},
+            "Two tools are named 'python_exec': the env's own tool ",
+        ),
     ],
     ids=["own-and-mcp", "declared-and-mcp", "own-and-builtin"],
 )

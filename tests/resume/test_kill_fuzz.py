@@ -174,7 +174,7 @@ def table_exists(conn: sqlite3.Connection, name: str) -> bool:
 # value stay exact. Seen on an H100: one last bit of some rollout/1 logprobs after a redone train/0.
 EXACT_FLOATS = DEVICE == "cpu"
 FLOAT_TOLERANCE = dict(rel_tol=1e-4, abs_tol=1e-6)
-VOLATILE_COLUMNS = {"id", "pid", "gen_time_s", "env_time_s"}
+VOLATILE_COLUMNS = {"id", "pid", "gen_time_s", "env_time_s", "elapsed_s"}
 VOLATILE_RESULT_FIELDS = {"resumed_from_step"}
 SUPERSEDED = "superseded/"
 
@@ -188,7 +188,7 @@ NATURAL_KEYS = {
     "rewards": ("episode_id", "label_set", "component"),
     "metrics": ("run", "stage", "step", "key"),
     "checkpoints": ("run", "stage"),
-    "evals": ("run", "stage"),
+    "evals": ("run", "stage", "tasks"),
     "_sqlite_migrations": ("migration_set", "name"),
 }
 

@@ -184,7 +184,13 @@ def test_eval_with_other_decoding_or_more_tasks_is_measured_not_read_back(tmp_pa
     from rlcli.store.evals import eval_results
 
     results = eval_results(ctx.store)
-    assert [(r.label, r.decoding) for r in results] == [("base", "t1-k1"), ("base", "greedy")]
+    # The 3-task eval stays beside the 5-task one that extended its stage: both were measured (the
+    # 32-game evals GRPO makes during training, then the 96-game one at the end).
+    assert [(r.label, r.decoding, r.tasks) for r in results] == [
+        ("base", "greedy", 3),
+        ("base", "t1-k1", 3),
+        ("base", "greedy", 5),
+    ]
     # The table shows how each sampled, in a column of its own, and never cuts a label.
     from rich.console import Console
 
@@ -202,8 +208,8 @@ def test_eval_with_other_decoding_or_more_tasks_is_measured_not_read_back(tmp_pa
         "select t.logprobs from turns t join episodes e on e.id = t.episode_id where e.stage = 'eval/base@t1-k1'"
     ).fetchall()
     logprobs = [lp for (blob,) in blobs for lp in unpack_floats(blob)]
-    assert results[0].details["entropy"] == pytest.approx(-sum(logprobs) / len(logprobs), rel=1e-6)
-    assert "entropy" not in results[1].details
+    assert results[1].details["entropy"] == pytest.approx(-sum(logprobs) / len(logprobs), rel=1e-6)
+    assert "entropy" not in results[0].details and "entropy" not in results[2].details
     wide = Console(width=160, record=True)
     wide.print(evals_table([eval_view(r) for r in results]))
     assert "entropy" in wide.export_text()

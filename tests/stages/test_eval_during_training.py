@@ -178,7 +178,7 @@ def test_kill_during_an_eval_stage_resumes_to_the_same_result(tmp_path, killed, 
 
 
 def eval_stage(ctx, checkpoint_id: int | None, successes: list[bool], which: str | None = None, suffix: str = ""):
-    """Store an eval stage's episodes (one per task) and its result, as `rlcli eval` would."""
+    """Store an eval stage's episodes (one per task), its result and its row, done, as `rlcli eval` would."""
     stage = f"eval/{'base' if checkpoint_id is None else f'ckpt-{checkpoint_id}'}{suffix}"
     episodes = [
         Episode(
@@ -221,6 +221,7 @@ def eval_stage(ctx, checkpoint_id: int | None, successes: list[bool], which: str
             **metrics,
         ),
     )
+    ctx.store.mark_stage(stage, "done", params={"tasks": len(successes)}, started_at=now(), finished_at=now())
 
 
 def run_with_checkpoints(tmp_path, **grpo):
@@ -247,7 +248,9 @@ def test_best_is_the_highest_held_out_success_and_a_tie_goes_to_the_later(tmp_pa
     best = best_checkpoint(ctx.store)
     assert best.checkpoint.id == c2 and best.success_rate == 0.75 and best.tasks == 4
     assert resolve_checkpoint(ctx.store, "best").id == c2
-    assert checkpoint_note(ctx.store, "best") == f"best = checkpoint {c2} (iteration 2, held-out 0.75)"
+    assert (
+        checkpoint_note(ctx.store, "best") == f"best = checkpoint {c2} (iteration 2, held-out 0.75 on 4 tasks, greedy)"
+    )
     assert resolve_checkpoint(ctx.store, "latest").id == c2  # no keep_best: the newest
 
 
@@ -258,7 +261,7 @@ def test_best_can_be_the_sft_checkpoint_or_the_base_model(tmp_path):
     for ckpt in (c0, c1, c2):
         eval_stage(ctx, ckpt, [Y, Y, N, N])
     assert resolve_checkpoint(ctx.store, "best").id == sft
-    assert checkpoint_note(ctx.store, "best") == f"best = checkpoint {sft} (sft, held-out 0.75)"
+    assert checkpoint_note(ctx.store, "best") == f"best = checkpoint {sft} (sft, held-out 0.75 on 4 tasks, greedy)"
 
     ctx2, (sft2, *_) = run_with_checkpoints(tmp_path / "b")
     eval_stage(ctx2, None, [Y, Y, N, N])
@@ -282,14 +285,57 @@ def test_best_without_evals_is_a_usage_error(tmp_path):
         resolve_checkpoint(ctx.store, "best")
 
 
-def test_keep_best_makes_latest_the_best(tmp_path):
+def test_latest_is_the_newest_checkpoint_with_keep_best_too(tmp_path):
     ctx, (sft, c0, c1, c2) = run_with_checkpoints(tmp_path, eval_every=1, keep_best=True)
-    assert resolve_checkpoint(ctx.store, "latest").id == c2  # nothing evaluated yet: the newest
     eval_stage(ctx, sft, [Y, N, N, N], which="sft")
     eval_stage(ctx, c1, [Y, Y, Y, N])
     eval_stage(ctx, c2, [Y, Y, N, N])
-    assert resolve_checkpoint(ctx.store, "latest").id == c1
-    assert checkpoint_note(ctx.store, "latest") == (f"latest = best = checkpoint {c1} (iteration 1, held-out 0.75)")
+    assert resolve_checkpoint(ctx.store, "best").id == c1
+    assert resolve_checkpoint(ctx.store, "latest").id == c2  # one meaning: the newest checkpoint
+    assert checkpoint_note(ctx.store, "latest") is None
+
+
+def test_best_ranks_the_evals_of_another_decoding_when_the_recipes_has_none(tmp_path):
+    """`rlcli eval -c best eval.temperature=0` on a run whose evals all sampled at 0.8: best is the
+    checkpoint those evals rank first, and the note says which decoding ranked it."""
+    ctx, (sft, c0, c1, c2) = run_with_checkpoints(tmp_path)  # greedy evals (eval.k 1)
+    eval_stage(ctx, sft, [Y, N, N, N], which="sft", suffix="@t0.8-k1")
+    eval_stage(ctx, c0, [Y, Y, Y, N], suffix="@t0.8-k1")
+    eval_stage(ctx, c2, [Y, Y, N, N], suffix="@t0.8-k1")
+    assert resolve_checkpoint(ctx.store, "best").id == c0
+    assert (
+        checkpoint_note(ctx.store, "best") == f"best = checkpoint {c0} (iteration 0, held-out 0.75 on 4 tasks, t0.8-k1)"
+    )
+    # Greedy evals of fewer policies (as `rlcli eval -c sft -c latest eval.temperature=0` leaves) do
+    # not move it: best ranks on the decoding that evaluated the most of them.
+    eval_stage(ctx, sft, [Y, Y, Y, Y], which="sft")
+    eval_stage(ctx, c2, [N, N, N, N])
+    assert resolve_checkpoint(ctx.store, "best").id == c0
+
+
+def test_keep_best_has_run_evaluate_best_beside_latest(tmp_path):
+    """With grpo.keep_best, `rlcli run` evaluates `best` as well as eval.checkpoints' `latest`, each
+    labelled by the checkpoint it is."""
+    from rlcli.engine.pipeline import run_all
+
+    tmp_path.mkdir(exist_ok=True)
+    recipe = write_recipe(
+        tmp_path / "r.yaml",
+        run={"name": "t", "stages": ["eval"]},
+        grpo={"iterations": 2, "eval_every": 1, "keep_best": True},
+        eval={"tasks": 4, "checkpoints": ["base", "latest"]},
+    )
+    ctx = make_ctx(recipe, tmp_path / "runs")
+    c0 = add_checkpoint(ctx.store, "train/0", 0, tmp_path / "iter-0", "lora")
+    c1 = add_checkpoint(ctx.store, "train/1", 1, tmp_path / "iter-1", "lora")
+    eval_stage(ctx, None, [N, N, N, N])
+    eval_stage(ctx, c0, [Y, Y, N, N])
+    eval_stage(ctx, c1, [Y, N, N, N])
+    shown = []
+    ending = run_all(ctx, shown.append)
+    evals = next(summary for summary in shown if isinstance(summary, list))
+    assert [r.label for r in evals] == ["base", f"latest (#{c1})", f"best (#{c0})"]
+    assert (ending.best.checkpoint.id, ending.latest.id) == (c0, c1)
 
 
 def test_keep_best_needs_eval_every(tmp_path):
@@ -312,11 +358,16 @@ def test_run_reports_best_and_latest_and_eval_takes_best(tmp_path):
     # The tiny random model never succeeds: every eval ties, so best is the newest checkpoint.
     again = run_in_process(["eval", "-r", str(recipe), "-c", "best", "--json"], runs)
     assert again.returncode == 0, again.stderr
-    assert "best = checkpoint 2 (iteration 1, held-out 0.00)" in again.stderr
+    assert "best = checkpoint 2 (iteration 1, held-out 0.00 on 2 tasks, greedy)" in again.stderr
     assert query(runs, "select count(*) from episodes") == episodes  # reused, not played again
     shown = run_in_process(["runs", "show", "t", "--json"], runs)
     ending = json.loads(shown.stdout)["ending"]
     assert ending["best"]["id"] == ending["latest"]["id"] == 2 and ending["latest"]["success_rate"] == 0.0
     assert json.loads(shown.stdout)["heldout_curve"] == [0.0, 0.0, 0.0]
+    # A decoding no eval has used still names the same best, ranked by the greedy evals.
+    sampled = run_in_process(["eval", "-r", str(recipe), "-c", "best", "eval.temperature=1.0", "--json"], runs)
+    assert sampled.returncode == 0, sampled.stderr
+    assert "best = checkpoint 2 (iteration 1, held-out 0.00 on 2 tasks, greedy)" in sampled.stderr
+    assert [(r["label"], r["decoding"]) for r in json.loads(sampled.stdout)] == [("best (#2)", "t1-k1")]
     plotted = run_in_process(["runs", "plot", "t", "--out", str(tmp_path / "curves.png")], runs)
     assert plotted.returncode == 0 and (tmp_path / "curves.png").stat().st_size > 0, plotted.stderr

@@ -45,6 +45,21 @@ def test_a_folder_rlcli_did_not_write_survives(capsys, run_with_checkpoint, tmp_
     assert {p.name: p.read_text() for p in base_model.iterdir()} == files
 
 
+def test_export_draws_no_transformers_progress_bars(capsys, run_with_checkpoint, tmp_path):
+    """transformers drew "Loading weights" and "Writing model shards" bars on export's stderr, among its
+    sentences; rlcli's model loads turn them off, and so does the export."""
+    from transformers.utils import logging as hf_logging
+
+    drawn = hf_logging.is_progress_bar_enabled()
+    hf_logging.enable_progress_bar()  # as a new process starts: the fixture's model load turned them off
+    try:
+        code, err = export(capsys, run_with_checkpoint, "--merge", tmp_path / "merged")
+    finally:
+        (hf_logging.enable_progress_bar if drawn else hf_logging.disable_progress_bar)()
+    assert code == 0, err
+    assert "it/s" not in err and "Loading weights" not in err and "shards" not in err, err
+
+
 def test_a_second_export_needs_overwrite(capsys, run_with_checkpoint, tmp_path):
     out = tmp_path / "merged"
     assert export(capsys, run_with_checkpoint, "--merge", out)[0] == 0

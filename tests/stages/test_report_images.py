@@ -127,7 +127,7 @@ def test_terminal_view_and_json_show_image_turns(capsys, runs_dir):
     assert "Click Open. [image, not stored]" in out
     assert "end terminated" in out  # the stored value, not the enum's name
     code, out, _ = cli(capsys, "runs", "episodes", "vis", "--json")
-    first = json.loads(out)[0]["messages"][1]["content"][1]
+    first = next(e for e in json.loads(out) if e["sample_index"] == 0)["messages"][1]["content"][1]
     assert first == {"type": "image", "sha256": runs_dir["sha1"], "width": 112, "height": 96}
 
 

@@ -45,7 +45,7 @@ def test_report_page_in_a_browser(capsys, monkeypatch, report_runs, chromium, tm
     page_file = tmp_path / "out.html"
     code, out, err = cli(capsys, "runs", "report", "rep", "--html", page_file)
     assert code == 0, err
-    assert out.strip() == str(page_file) and "Report of rep: 3 evals" in err
+    assert out.strip() == str(page_file) and "Report of rep: 5 evals" in err
     source = page_file.read_text()
     # Self-contained: nothing to fetch, no script; the run's text is escaped.
     for fetch in ("http://", "https://", "<script", "<link", 'src="file', "@import"):
@@ -66,7 +66,8 @@ def test_report_page_in_a_browser(capsys, monkeypatch, report_runs, chromium, tm
             "() => [...document.querySelectorAll('#curves img')].map(i => [i.complete, i.naturalWidth, i.naturalHeight])"
         )
         assert len(images) == 1 and all(done and width > 500 and height > 300 for done, width, height in images)
-        # The eval table: base, latest and the held-out evals during training, each with its interval.
+        # The eval table: the held-out evals during training (base and two checkpoints on 3 tasks), then
+        # base and latest on 4, each with its interval.
         rows = page.evaluate(
             "() => [...document.querySelectorAll('#eval-table tr')].map(r => [...r.cells].map(c => c.innerText))"
         )
@@ -79,7 +80,7 @@ def test_report_page_in_a_browser(capsys, monkeypatch, report_runs, chromium, tm
         ]
         ci = header.index("95% CI")
         labels = [r[0] for r in body]
-        assert "base" in labels and any(label.startswith("latest") for label in labels) and len(body) == 3
+        assert "base" in labels and any(label.startswith("latest") for label in labels) and len(body) == 5
         for r in body:
             low, high = (float(end.rstrip("%")) for end in r[ci].split("–"))
             assert 0 <= low <= float(r[ci - 1].rstrip("%")) <= high <= 100
@@ -103,7 +104,7 @@ def test_report_json_default_path_and_refusals(capsys, monkeypatch, report_runs,
     default = report_runs / "rep" / "report.html"
     assert data["files"] == [str(default)] and default.stat().st_size > 10_000
     assert len(data["episodes"]["best"]) == 1 and len(data["episodes"]["worst"]) == 1
-    assert data["evals"] == 3 and data["tasks"] == 16
+    assert data["evals"] == 5 and data["tasks"] == 16  # 3 on grpo.eval_tasks during training, 2 on eval.tasks
     # The default file is rlcli's own: written again unasked.
     code, _, err = cli(capsys, "runs", "report", "rep", "-n", "0")
     assert code == 0 and "0 episodes" in err, err

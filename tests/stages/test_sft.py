@@ -249,6 +249,43 @@ def test_recipe_mistakes_are_refused_before_any_work(tmp_path):
         run_sft(ctx)
 
 
+def test_a_missing_data_file_is_refused_before_the_model_loads(tmp_path, capsys, rlcli_home):
+    """`rlcli sft sft.source=null` (a file named null) passed the schema, failed once the model had loaded,
+    and left a failed run; now the command is refused first, and leaves no run."""
+    from helpers import cli
+
+    recipe = write_recipe(tmp_path / "r.yaml", sft={"source": "expert"})
+    code, _, err = cli(capsys, "sft", "-r", recipe, "sft.source=null")
+    assert code == 2 and "sft.source: null is not none, expert" in err and "sft.source=none" in err
+    assert not (rlcli_home / "rlcli.db").exists()
+    code, out, _ = cli(capsys, "recipes", "validate", recipe, "sft.source=null")  # says the same, as a stage would
+    assert code == 2 and "sft.source: null is not none, expert" in out
+
+
+def test_the_command_correcting_a_failed_sft_needs_no_force(tmp_path, capsys, rlcli_home):
+    """A data file whose second row is no conversation fails SFT after the model loads, storing nothing.
+    The command that corrects it was refused without --force: with another file, "exists with a
+    different recipe"; with the same file mended, the failed stage's identity (data_sha256)."""
+    from helpers import cli
+
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"messages": CHAT}) + "\n" + json.dumps({"chat": CHAT}) + "\n")
+    good = _write(tmp_path / "good", "jsonl", [{"messages": CHAT}] * 2)
+    sft = {"source": str(data), "batch_size": 2, "micro_batch_size": 1, "eval_fraction": 0}
+    recipe = write_recipe(tmp_path / "r.yaml", sft=sft)
+    for run in ("t", "u"):
+        code, _, err = cli(capsys, "sft", "-r", recipe, "--run", run)
+        assert code == 2 and "row 2" in err, err
+    code, _, err = cli(capsys, "sft", "-r", recipe, "--run", "t", f"sft.source={good}")  # another file
+    assert code == 0, err
+    data.write_text(json.dumps({"messages": CHAT}) + "\n" * 2)  # the same file, mended
+    code, _, err = cli(capsys, "sft", "-r", recipe, "--run", "u")
+    assert code == 0, err
+    # Once a run has stored work, a changed recipe needs --force again.
+    code, _, err = cli(capsys, "sft", "-r", recipe, "--run", "u", "sft.lr=1e-3")
+    assert code == 2 and "exists with a different recipe" in err
+
+
 # --- episodes of a run as data -------------------------------------------------------------------------
 
 

@@ -325,10 +325,10 @@ def test_recipes_validate_names_the_pip_command_for_a_missing_tracker(monkeypatc
     recipe = write_recipe(tmp_path / "r.yaml", run={"name": "t", "trackers": ["mlflow"]})
     with monkeypatch.context() as patch:
         patch.setitem(trackers.PACKAGES, "mlflow", "rlcli_no_such_package")
-        code, _, err = cli(capsys, "recipes", "validate", recipe)
-    assert code == 2 and "pip install rlcli_no_such_package" in " ".join(err.split()), err
-    code, _, err = cli(capsys, "recipes", "validate", recipe)
-    assert code == 0, err
+        code, out, _ = cli(capsys, "recipes", "validate", recipe)
+    assert code == 2 and "pip install rlcli_no_such_package" in " ".join(out.split()), out
+    code, out, _ = cli(capsys, "recipes", "validate", recipe)
+    assert code == 0, out
 
 
 def test_a_resumed_series_continues_its_tracker_runs_and_skips_the_steps_it_has(tmp_path):

@@ -32,10 +32,11 @@ LAYERS: list[set[str]] = [
 # staleness, selection) thus never reaches the learner, and the pure maths import no other step.
 GRPO_LAYERS: list[set[str]] = [
     {"loop"},  # the iteration, and GRPO's phases
+    {"retention"},  # grpo.keep_checkpoints: which checkpoints keep their weights
     {"evals", "metrics"},  # held-out evals during training; an iteration's metrics and live view
     {"learner", "sources"},  # torch state (setup, update, save); where rollouts come from
     {"batch", "worker", "resume"},  # advantages and sequences; the asynchronous worker; where a phase goes on
-    {"selection", "update", "schedule"},  # which groups train; the clipped steps; the learning rate
+    {"selection", "update", "schedule", "branches"},  # which groups train; clipped steps; learning rate; branch/i
     {"advantages", "loss", "staleness", "checkpoints"},  # pure maths; policy versions; where checkpoints go
 ]
 

@@ -42,9 +42,9 @@ def test_an_alias_bomb_is_refused_in_one_short_sentence(capsys, tmp_path, levels
     bomb = tmp_path / "bomb.yaml"
     bomb.write_text(laughs(levels) + f"run: {{name: bomb, description: *l{levels - 1}}}\n")
     assert len(bomb.read_text()) < 1000
-    code, _, err = cli(capsys, "recipes", "validate", "--schema", bomb)
-    assert code == 2 and "aliases repeat more than 10,000 values" in one_line(err)
-    assert len(err) < 400
+    code, out, _ = cli(capsys, "recipes", "validate", "--schema", bomb)
+    assert code == 2 and "aliases repeat more than 10,000 values" in one_line(out)
+    assert len(out) < 400
 
 
 def test_aliases_within_the_limit_and_merges_still_work(tmp_path):
@@ -70,24 +70,24 @@ def test_aliases_within_the_limit_and_merges_still_work(tmp_path):
 def test_recursive_and_deep_yaml_is_refused(capsys, tmp_path, text, expected):
     recipe = tmp_path / "r.yaml"
     recipe.write_text(text)
-    code, _, err = cli(capsys, "recipes", "validate", "--schema", recipe)
-    assert code == 2 and expected in one_line(err)
+    code, out, _ = cli(capsys, "recipes", "validate", "--schema", recipe)
+    assert code == 2 and expected in one_line(out)
 
 
 def test_a_section_written_twice_is_refused_naming_the_key_and_line(capsys, tmp_path):
     """PyYAML keeps the last of two equal keys: the first rollout section was dropped without a word."""
     recipe = tmp_path / "twice.yaml"
     recipe.write_text("run:\n  name: twice\nrollout:\n  tasks: 4\nrollout:\n  group_size: 2\n")
-    code, _, err = cli(capsys, "recipes", "validate", "--schema", recipe)
-    line = one_line(err)
+    code, out, _ = cli(capsys, "recipes", "validate", "--schema", recipe)
+    line = one_line(out)
     assert code == 2 and "line 5" in line and "key rollout is written twice, first at line 3" in line
 
 
 def test_a_key_written_twice_inside_a_section_is_refused(capsys, tmp_path):
     recipe = tmp_path / "twice.yaml"
     recipe.write_text("run:\n  name: twice\n  seed: 1\n  seed: 2\n")
-    code, _, err = cli(capsys, "recipes", "validate", "--schema", recipe)
-    assert code == 2 and "key seed is written twice, first at line 3" in one_line(err)
+    code, out, _ = cli(capsys, "recipes", "validate", "--schema", recipe)
+    assert code == 2 and "key seed is written twice, first at line 3" in one_line(out)
 
 
 def test_an_override_value_is_read_within_the_same_bounds(capsys, tmp_path):
@@ -103,8 +103,8 @@ def test_an_override_value_is_read_within_the_same_bounds(capsys, tmp_path):
 def test_a_huge_value_is_quoted_short(capsys, tmp_path):
     recipe = tmp_path / "long.yaml"
     recipe.write_text(f"run: {{name: long, seed: {'x' * 200_000}}}\n")
-    code, _, err = cli(capsys, "recipes", "validate", "--schema", recipe)
-    assert code == 2 and "run.seed" in one_line(err) and len(err) < 600
+    code, out, _ = cli(capsys, "recipes", "validate", "--schema", recipe)
+    assert code == 2 and "run.seed" in one_line(out) and len(out) < 600
 
 
 def test_every_error_message_is_bounded(capsys, tmp_path, rlcli_home):
@@ -186,9 +186,9 @@ def test_no_arguments_still_print_the_help(capsys):
 def test_bidi_controls_in_a_message_are_written_out(capsys, tmp_path):
     """After U+202E, a terminal shows the rest of the line right to left: `report\u202egpj.yaml` reads
     `reportlmay.jpg`."""
-    code, _, err = cli(capsys, "recipes", "validate", tmp_path / "report\u202egpj.yaml")
-    assert code == 2 and "report\\u202egpj.yaml" in one_line(err)
-    assert "\u202e" not in err
+    code, out, _ = cli(capsys, "recipes", "validate", tmp_path / "report\u202egpj.yaml")
+    assert code == 2 and "report\\u202egpj.yaml" in one_line(out)
+    assert "\u202e" not in out
 
 
 def test_everything_printed_has_its_control_characters_written_out():

@@ -134,6 +134,96 @@ def test_no_help_text_loses_brackets_to_rich_markup():
     walk(typer.main.get_command(app), "rlcli")
 
 
+def _commands() -> list[tuple[list[str], object]]:
+    """Every command and command group of the app, with the words that name it (["recipes", "list"])."""
+    import typer.main
+
+    from rlcli.cli.app import app
+
+    found = []
+
+    def walk(command, path: list[str]) -> None:
+        found.append((path, command))
+        for name, sub in getattr(command, "commands", {}).items():
+            walk(sub, [*path, name])
+
+    walk(typer.main.get_command(app), [])
+    return found
+
+
+def test_help_paragraphs_break_where_the_terminal_ends_not_where_the_source_did(capsys, monkeypatch):
+    """A docstring's paragraphs are folded to fit the source; rich help kept those line breaks in a
+    group's list of commands (`rlcli recipes --help` broke `list`'s line after "Run one with")."""
+    import inspect
+
+    from rich.text import Text
+
+    monkeypatch.setenv("COLUMNS", "3000")  # so wide that only a line break in the text breaks a line
+    for path, command in _commands():
+        code, out, _ = cli(capsys, *path, "--help")
+        assert code == 0, path
+        lines = out.splitlines()
+        texts = [(path, command.help)] + [([*path, n], sub.help) for n, sub in getattr(command, "commands", {}).items()]
+        for where, text in texts:
+            # the command's own paragraphs, and each subcommand's first (its line in the list)
+            paragraphs = (
+                inspect.cleandoc(text).split("\n\n") if where == path else [inspect.cleandoc(text).split("\n\n")[0]]
+            )
+            for paragraph in paragraphs:
+                if paragraph.startswith("Examples:"):
+                    continue
+                one = Text.from_markup(" ".join(paragraph.split())).plain
+                assert any(one in " ".join(line.split()) for line in lines), (where, paragraph)
+
+
+# The commands a newcomer reaches for first: each one's help ends with examples to copy.
+EXAMPLE_COMMANDS = [
+    ["run"], ["sft"], ["rollout"], ["label"], ["train", "grpo"], ["eval"],
+    ["runs", "show"], ["runs", "list"], ["recipes", "validate"],
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("path", EXAMPLE_COMMANDS, ids=" ".join)
+def test_main_commands_show_examples_that_parse(capsys, path):
+    """`--help` of each main command ends with an Examples section, a command line a line; each one
+    names this command and parses with its options (an example naming a renamed option fails here)."""
+    import shlex
+
+    code, out, _ = cli(capsys, *path, "--help")
+    assert code == 0
+    lines = out.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.strip() == "Examples:"), None)
+    assert start is not None, out
+    examples = [line.strip() for line in lines[start + 1 :] if line.strip().startswith("rlcli ")]
+    assert examples, out
+    commands = dict((" ".join(p), c) for p, c in _commands())
+    for example in examples:
+        words = shlex.split(example, comments=True)[1:]
+        while words[0] in ("--debug", "--runs-dir"):  # the shared options, before the command
+            words = words[2:] if words[0] == "--runs-dir" else words[1:]
+        assert words[: len(path)] == path, example
+        command = commands[" ".join(path)]
+        with command.make_context(" ".join(path), words[len(path) :]) as ctx:  # raises on a bad option
+            assert ctx.command is command
+
+
+@pytest.mark.parametrize("argv", [["recipes", "list"], ["envs", "list"], ["recipes", "explain", "grpo"]], ids=" ".join)
+def test_piped_tables_end_their_lines_at_their_last_character(capsys, argv):
+    """Piped, a table was padded with spaces to the console's width (160 columns) on every line."""
+    code, out, _ = cli(capsys, *argv)
+    assert code == 0 and out.count("\n") > 3
+    assert [line for line in out.splitlines() if line != line.rstrip()] == []
+
+
+def test_envs_list_says_textarena_games_may_have_two_players(capsys):
+    """It called the TextArena adapter's games single-player, though TicTacToe-v0 and others play a seat
+    against env.opponent."""
+    code, out, _ = cli(capsys, "envs", "list")
+    text = " ".join(out.split())
+    assert code == 0 and "single-player TextArena games" not in text
+    assert "two-player against env.opponent, e.g. textarena:TicTacToe-v0" in text
+
+
 def test_help_lists_the_commands(capsys):
     code, out, _ = cli(capsys, "--help")
     assert code == 0
@@ -142,11 +232,21 @@ def test_help_lists_the_commands(capsys):
 
 
 def test_version(capsys):
-    from importlib.metadata import version
+    """The version is set once, in rlcli.__version__ (pyproject.toml reads it there; it said 0.1.0 in both
+    after three releases' work), and --version prints the running code's, not an editable install's
+    metadata from the day it was installed."""
+    import re
 
+    import rlcli
+
+    pyproject = (REPO / "pyproject.toml").read_text()
+    assert 'dynamic = ["version"]' in pyproject and 'version = { attr = "rlcli.__version__" }' in pyproject
+    project = pyproject.split("\n[project]\n")[1].split("\n[")[0]
+    assert not re.search(r"^version\s*=", project, re.MULTILINE)  # no second place to forget
+    assert re.fullmatch(r"\d+\.\d+\.\d+", rlcli.__version__)
     code, out, err = cli(capsys, "--version")
     assert code == 0 and err == ""
-    assert out.strip() == f"rlcli {version('rlcli')}"
+    assert out.strip() == f"rlcli {rlcli.__version__}"
 
 
 @pytest.mark.parametrize(
@@ -177,18 +277,34 @@ def test_recipes_validate_good(capsys, good):
 
 
 def test_recipes_validate_good_and_bad(capsys, good, bad):
+    """A line a recipe, on stdout, passed or failed: the failures went to stderr, away from the passes."""
     code, out, err = cli(capsys, "recipes", "validate", good, bad)
-    assert code == 2
-    assert str(good) in unwrapped(out)
-    line = one_line(err)
-    assert str(bad) in line and "grpo.lrr" in line and "grpo.lr?" in line
+    assert code == 2 and err == ""
+    passed, failed = out.splitlines()
+    assert passed == f"✓ {good}"
+    assert failed.startswith(f"✗ {bad}:") and "grpo.lrr" in failed and "grpo.lr?" in failed
 
 
 def test_recipes_validate_reports_every_bad_file(capsys, tmp_path, bad):
     missing = tmp_path / "missing.yaml"
-    code, _, err = cli(capsys, "recipes", "validate", bad, missing)
+    code, out, _ = cli(capsys, "recipes", "validate", bad, missing)
     assert code == 2
-    assert "grpo.lrr" in err and str(missing) in err and "does not exist" in err
+    assert "grpo.lrr" in out and str(missing) in out and "does not exist" in out
+
+
+def test_recipes_validate_applies_overrides_as_a_stage_command_does(capsys, good, tmp_path):
+    """It took recipe files only: an override a stage command would refuse could not be checked first."""
+    code, out, _ = cli(capsys, "recipes", "validate", good, "grpo.lr=-1", "run.name=bad name!")
+    line = one_line(out)
+    assert code == 2 and line.startswith(f"✗ {good}:") and "grpo.lr" in line
+    code, out, _ = cli(capsys, "recipes", "validate", good, "run.name=bad name!")
+    assert code == 2 and "Run name 'bad name!' is not valid" in one_line(out)
+    code, out, _ = cli(capsys, "recipes", "validate", good, "sft.source=missing.jsonl", "--schema")
+    assert code == 0 and one_line(out) == f"✓ {good}"  # the schema alone: no file looked for
+    code, out, _ = cli(capsys, "recipes", "validate", good, "grpo.lr=1e-4", "--json")
+    assert code == 0 and json.loads(out)["overrides"] == ["grpo.lr=1e-4"]
+    code, _, err = cli(capsys, "recipes", "validate", "grpo.lr=1e-4")
+    assert code == 2 and "No recipe to validate" in one_line(err)
 
 
 def test_recipes_validate_json(capsys, good, bad):
@@ -218,8 +334,8 @@ def test_recipes_validate_refuses_a_run_name_every_command_refuses(capsys, tmp_p
     """It used to pass run names (résumé) that every command then refused."""
     recipe = write_recipe(tmp_path / "r.yaml", run={"name": name, "seed": 0})
     for schema in ([], ["--schema"]):  # a rule, the same on every machine
-        code, _, err = cli(capsys, "recipes", "validate", *schema, recipe)
-        line = one_line(err)
+        code, out, _ = cli(capsys, "recipes", "validate", *schema, recipe)
+        line = one_line(out)
         assert code == 2 and str(recipe) in line and f"Run name {name!r} is" in line, line
     code, _, err = cli(capsys, "rollout", "-r", recipe)
     assert code == 2 and f"Run name {name!r} is" in one_line(err)
@@ -243,8 +359,8 @@ def test_recipes_validate_checks_what_a_run_would_before_starting(capsys, monkey
 
     monkeypatch.setitem(trackers.PACKAGES, "wandb", MISSING_PACKAGE)
     recipe = write_recipe(tmp_path / "r.yaml", **section)
-    code, _, err = cli(capsys, "recipes", "validate", recipe)
-    assert code == 2 and expected in one_line(err) and str(recipe) in unwrapped(err), err
+    code, out, _ = cli(capsys, "recipes", "validate", recipe)
+    assert code == 2 and expected in one_line(out) and str(recipe) in out, out
     code, _, err = cli(capsys, "recipes", "validate", "--schema", recipe)  # the schema alone takes each
     assert code == 0, err
 
@@ -356,10 +472,15 @@ def test_open_run_run_option_names_the_run(tmp_path, good):
         rundb.close()
 
 
+def _produce_something(ctx: RunContext) -> None:
+    """A stage's output in the run's tables: from here on its recipe may change only with --force."""
+    ctx.store.log_metrics("grpo", 0, {"train/loss": 1.0})
+
+
 def test_open_run_changed_recipe_needs_force(tmp_path, good):
     runs = tmp_path / "runs"
-    with open_run(good, None, runs, []):
-        pass
+    with open_run(good, None, runs, []) as ctx:
+        _produce_something(ctx)
     with open_run(good, None, runs, ["grpo.iterations=20"]):  # resume-safe
         pass
     with pytest.raises(UsageError, match="grpo.lr"), open_run(good, None, runs, ["grpo.lr=1e-3"]):
@@ -370,12 +491,71 @@ def test_open_run_changed_recipe_needs_force(tmp_path, good):
 
 def test_open_run_continues_a_recorded_run_from_its_stored_recipe(tmp_path, good):
     runs = tmp_path / "runs"
-    with open_run(good, None, runs, ["grpo.lr=1e-3"]):
-        pass
+    with open_run(good, None, runs, ["grpo.lr=1e-3"]) as ctx:
+        _produce_something(ctx)
     with open_run(None, "good", runs, ["grpo.iterations=5"]) as ctx:
         assert ctx.recipe.grpo.lr == 1e-3 and ctx.recipe.grpo.iterations == 5
     with pytest.raises(UsageError, match="grpo.lr"), open_run(None, "good", runs, ["grpo.lr=1"]):
         pass
+
+
+def _fail_a_stage(ctx: RunContext, identity: dict) -> None:
+    """Stage sft fails as it starts, storing nothing; the command ends with its error."""
+
+    def work() -> None:
+        raise UsageError("row 2 is not a conversation")
+
+    run_stage(ctx.store, "sft", work, identity=identity)
+
+
+def test_a_run_whose_stages_stored_nothing_takes_the_corrected_recipe(tmp_path, good):
+    """A stage that failed before storing anything left a failed run that refused the corrected command:
+    "exists with a different recipe" (another data file), or the failed stage's identity (the same
+    file, mended). Nothing of it can mix with new work, so it starts over; once it has stored
+    something, a changed recipe needs --force again."""
+    runs = tmp_path / "runs"
+    with pytest.raises(UsageError), open_run(good, None, runs, ["grpo.lr=1e-3"]) as ctx:
+        _fail_a_stage(ctx, {"data_sha256": "bad"})
+    with open_run(good, None, runs, ["grpo.lr=2e-3"]) as ctx:  # the corrected recipe
+        assert ctx.store.stage("sft") is None  # the failed attempt, forgotten
+        run_stage(ctx.store, "sft", lambda: {"steps": 1}, identity={"data_sha256": "mended"})
+        _produce_something(ctx)
+    rundb = RunDB.open(runs)
+    try:
+        reasons = [version.reason for version in rundb.recipe_history("good")]
+        assert reasons == ["created", "recipe changed before the run produced anything: grpo.lr"], reasons
+    finally:
+        rundb.close()
+    with (
+        pytest.raises(UsageError, match="exists with a different recipe"),
+        open_run(good, None, runs, ["grpo.lr=3e-3"]),
+    ):
+        pytest.fail("entered a run that has stored work, with another recipe")
+
+
+def test_a_file_in_the_run_folder_is_output_too(tmp_path, good):
+    """A Trainer checkpoint written before any row (SFT's resume point) is work a changed recipe must not
+    resume from."""
+    runs = tmp_path / "runs"
+    with pytest.raises(UsageError), open_run(good, None, runs, []) as ctx:
+        (ctx.run_dir / "sft" / "checkpoint-2").mkdir(parents=True)
+        (ctx.run_dir / "sft" / "checkpoint-2" / "trainer_state.json").write_text("{}")
+        _fail_a_stage(ctx, {"data_sha256": "a"})
+    with (
+        pytest.raises(UsageError, match="exists with a different recipe"),
+        open_run(good, None, runs, ["grpo.lr=1e-3"]),
+    ):
+        pytest.fail("entered a run that has stored work, with another recipe")
+
+
+def test_starting_over_is_undone_when_the_correcting_command_fails_before_any_stage(tmp_path, good):
+    runs = tmp_path / "runs"
+    with pytest.raises(UsageError), open_run(good, None, runs, []) as ctx:
+        _fail_a_stage(ctx, {"data_sha256": "a"})
+    before = _run_rows(runs, "good")
+    with pytest.raises(UsageError, match="no checkpoint 7"), open_run(good, None, runs, ["grpo.lr=1e-3"]):
+        raise UsageError("no checkpoint 7")  # as eval -c 7 fails, before its stage starts
+    assert _run_rows(runs, "good") == before
 
 
 def test_open_run_refuses_a_locked_run(tmp_path, good):
@@ -565,7 +745,9 @@ def test_unexpected_error_is_one_line_without_debug(capsys, monkeypatch, good):
     monkeypatch.setattr(rlcli.engine.pipeline, "run_all", boom)
     code, _, err = cli(capsys, "run", "-r", good)
     assert code == 1
-    line = one_line(err)
+    summary, error = err.splitlines()  # the start-up summary as the work began, then the error
+    assert summary.startswith("rlcli run · run good:")
+    line = one_line(error)
     assert "RuntimeError" in line and "kaboom" in line and "--debug" in line
     with pytest.raises(RuntimeError, match="kaboom"):
         main(["--debug", "run", "-r", str(good)])

@@ -259,8 +259,8 @@ def test_fp8_on_vllm_s_cpu_build_is_refused_in_one_sentence(tmp_path, capsys):
         model={"name": "tiny-random", "device": "cpu"},
         rollout={"engine": "vllm", "vllm_quantization": "fp8"},
     )
-    code, _, err = cli(capsys, "recipes", "validate", str(recipe))
-    assert code == 2 and "rollout.vllm_quantization fp8: vLLM quantises to FP8 on CUDA GPUs only" in err
+    code, out, _ = cli(capsys, "recipes", "validate", str(recipe))
+    assert code == 2 and "rollout.vllm_quantization fp8: vLLM quantises to FP8 on CUDA GPUs only" in out
 
 
 def test_a_stage_that_cannot_fit_the_card_is_refused_before_anything_is_written(tmp_path, capsys, fake_gpus):
@@ -281,8 +281,8 @@ def test_a_stage_that_cannot_fit_the_card_is_refused_before_anything_is_written(
     assert code == 2 and "Traceback" not in err
     assert "update on cuda:0: needs about" in err and "set grpo.gradient_checkpointing: true" in err
     assert not (runs / "rlcli.db").exists()
-    code, _, err = cli(capsys, "recipes", "validate", str(recipe))
-    assert code == 2 and "update on cuda:0" in err
+    code, out, _ = cli(capsys, "recipes", "validate", str(recipe))
+    assert code == 2 and "update on cuda:0" in out
 
 
 def test_sft_trains_with_gradient_checkpointing(tmp_path, capsys):

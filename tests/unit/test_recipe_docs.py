@@ -139,3 +139,23 @@ def test_the_docs_say_that_with_env_workers_0_a_timed_out_call_runs_on_in_a_thre
         assert "thread" in field.description and "each" in field.description, path
     text = (DOCS.parent / "environments.md").read_text()
     assert "each timed-out call leaves a thread running" in " ".join(text.split())
+
+
+def test_explain_fits_80_columns_with_every_field_name_whole():
+    """At a terminal's 80 columns, every line fits and no field name is split across two lines
+    (grpo.minibatch_siz / e); the type, the default and the description are read under it."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "COLUMNS": "80"}
+    done = subprocess.run(
+        [sys.executable, "-m", "rlcli", "recipes", "explain"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert max(map(len, lines)) <= 80
+    names = {word.strip("│┃ ") for line in lines for word in line.split("│")}
+    missing = [f.path for s in schema_docs() for f in s.fields if f.path not in names]
+    assert not missing, missing
+    assert "float > 0, or null" in done.stdout and "Peak learning rate (AdamW)." in done.stdout

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+import rlcli
 from rlcli.errors import RlcliError, UsageError
 from rlcli.recipe import Recipe, load_recipe
 from rlcli.store.checkpoints import add_checkpoint, checkpoints, require_folder, resolve_checkpoint
@@ -41,7 +42,19 @@ COLUMNS = {
         "git_sha",
         "hostname",
     ],
-    "stages": ["id", "run", "name", "status", "params", "result", "error", "started_at", "finished_at", "pid"],
+    "stages": [
+        "id",
+        "run",
+        "name",
+        "status",
+        "params",
+        "result",
+        "error",
+        "started_at",
+        "finished_at",
+        "pid",
+        "elapsed_s",
+    ],
     "episodes": [
         "id",
         "run",
@@ -260,16 +273,23 @@ def test_other_migration_sets_are_ignored(runs_dir):
     assert ("notes", "001_x", "x") in before
 
 
+def _newest_migration() -> str:
+    from sqlite_utils import Database
+
+    from rlcli.store.migrations import migrations
+
+    return migrations.pending(Database(memory=True))[-1].name
+
+
 def _older_database(runs_dir: Path) -> None:
     """A run database as the rlcli before the newest migration left it, with a run and a metric."""
     from sqlite_utils import Database
 
     from rlcli.store.migrations import migrations
 
-    newest = migrations.pending(Database(memory=True))[-1].name
     runs_dir.mkdir()
     conn = sqlite3.connect(runs_dir / DB_NAME)
-    migrations.apply(Database(conn), stop_before=newest)
+    migrations.apply(Database(conn), stop_before=_newest_migration())
     older = RunDB(Database(conn), runs_dir / DB_NAME)
     older.start_run("r1", Recipe(), None)
     older.log_metrics("r1", "grpo", 0, {"rollout/reward_mean": 0.5})
@@ -284,7 +304,7 @@ def test_a_read_only_open_never_writes_and_migrates_an_older_file_where_it_may(r
     monkeypatch.setenv("RLCLI_HOME", str(runs_dir))
     code, out, err = cli(capsys, "runs", "show", "r1", "--json")  # migrated first: the folder may be written
     assert code == 0, err
-    assert migration_rows(path)[-1][1] == "011_tracker_steps"
+    assert migration_rows(path)[-1][1] == _newest_migration()
     rundb = RunDB.open(runs_dir, read_only=True)
     try:
         assert [r.name for r in rundb.list_runs()] == ["r1"]
@@ -353,7 +373,7 @@ def test_start_run_records_recipe_and_provenance(rundb, tmp_path):
     for pkg in ("python", "rlcli", "torch", "transformers", "trl", "peft"):
         assert pkg in versions
     assert versions["torch"] == metadata.version("torch")
-    assert versions["rlcli"] == metadata.version("rlcli")
+    assert versions["rlcli"] == rlcli.__version__  # the code's own (an editable install's metadata may lag)
     assert rundb.run_recipe("r1") == recipe
 
 
@@ -593,6 +613,22 @@ def test_run_stage_retries_a_failed_stage(rundb, run1, store):
     assert row.status == "done" and row.error is None and row.result == {"ok": True}
     assert row.started_at == started  # the stage's first start is kept
     assert len(rundb.stages(run1)) == 1
+
+
+def test_a_stage_run_again_later_lasts_the_time_of_its_runs_not_the_gap_between(rundb, run1, store):
+    # An eval of grpo.eval_tasks during training, asked again for eval.tasks at the end: two short
+    # runs of one stage with all of GRPO between them.
+    run_stage(store, "eval/base", lambda: {"tasks": 2})
+    with rundb.transaction() as db:  # the first run, a day earlier
+        db.execute(
+            "update stages set started_at = '2026-11-27T10:00:00.000000+00:00', "
+            "finished_at = '2026-11-27T10:00:01.000000+00:00' where name = 'eval/base'"
+        )
+    store.mark_stage("eval/base", "pending")  # more tasks asked for (engine/evaluate.py)
+    run_stage(store, "eval/base", lambda: {"tasks": 4})
+    row = rundb.stage(run1, "eval/base")
+    assert row.started_at.startswith("2026-11-27T10:00:00")  # the first start is kept
+    assert row.duration_s is not None and row.duration_s < 60  # two instant runs, not the day between
 
 
 def test_run_stage_records_interrupted(rundb, run1, store):

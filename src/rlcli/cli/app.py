@@ -24,7 +24,7 @@ app = typer.Typer(
     help="Reinforcement-learning experiments on language-model agents, from the terminal.\n\n"
     "Each stage is resumable and recorded in a SQLite run database (<runs-dir>/rlcli.db).",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,  # rlcli --install-completion: tab completes commands, options and run stages
     pretty_exceptions_enable=False,
     rich_markup_mode="rich",
 )
@@ -38,9 +38,9 @@ app.add_typer(recipes.app, name="recipes")
 
 def print_version(value: bool) -> None:
     if value:
-        from importlib.metadata import version
+        from rlcli import __version__
 
-        console.print(f"rlcli {version('rlcli')}", highlight=False)
+        console.print(f"rlcli {__version__}", highlight=False)
         raise typer.Exit()
 
 

@@ -78,11 +78,12 @@ def stage_run(
     When the command ends, failing or not, what its stages built is freed (engine/memory.py); the vLLM
     engine stays for the rest of the process (an in-process caller's next command reuses it)."""
     from rlcli.engine.memory import release_stage_memory
-    from rlcli.engine.opening import open_run, tracked
+    from rlcli.engine.opening import open_run, startup_summary, tracked
     from rlcli.engine.threads import set_threads
 
     with open_run(recipe_path, run, shared(cli_ctx).runs_dir, overrides, force, stages) as ctx, tracked(ctx):
         set_threads(ctx.recipe.run.threads, lambda text: err_console.print(text, highlight=False))
+        ctx.summary = lambda: f"{cli_ctx.command_path} · {startup_summary(ctx, stages)}"
         try:
             yield ctx
         except BaseException as exc:

@@ -24,8 +24,9 @@ if TYPE_CHECKING:
 app = typer.Typer(help="Environments: list them, try one in the terminal.", no_args_is_help=True)
 
 ADAPTER_NOTE = (
-    "Adapters (pip install 'rlcli[envs]'): textarena:<GameId> (single-player TextArena games, e.g. "
-    "textarena:GuessTheNumber-v0), reasoning_gym:<dataset> (e.g. reasoning_gym:chain_sum), "
+    "Adapters (pip install 'rlcli[envs]'): textarena:<GameId> (TextArena games: single-player, e.g. "
+    "textarena:GuessTheNumber-v0, and two-player against env.opponent, e.g. textarena:TicTacToe-v0), "
+    "reasoning_gym:<dataset> (e.g. reasoning_gym:chain_sum), "
     "gymnasium:<EnvId> (text observations, Discrete or Text actions, e.g. gymnasium:FrozenLake-v1); "
     "openenv:<url-or-module> (an OpenEnv server; pip install 'rlcli[openenv]') and verifiers:<env-id> "
     "(an installed verifiers environment; pip install 'rlcli[verifiers]'); miniwob:<task> (a MiniWoB++ web "

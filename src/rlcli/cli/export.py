@@ -58,11 +58,13 @@ def export_cmd(
         ),
     ] = None,
     checkpoint: Annotated[
-        str,
+        str | None,
         typer.Option(
-            help="latest (with grpo.keep_best: the best), best (the best held-out success), sft or a checkpoint id."
+            help="latest (the newest checkpoint), best (the best held-out success), sft or a checkpoint id "
+            "(default: best with grpo.keep_best, else latest).",
+            show_default=False,
         ),
-    ] = "latest",
+    ] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an earlier export in that folder.")] = False,
     push_to_hub: PushOpt = None,
     private: PrivateOpt = False,
@@ -83,6 +85,8 @@ def export_cmd(
     store = open_recorded_run(cli_ctx, run)
     try:
         recipe = store.recipe()
+        # grpo.keep_best: the run's result is its best checkpoint, not its last.
+        checkpoint = checkpoint or ("best" if recipe.grpo.keep_best else "latest")
         found = resolve_checkpoint(store, checkpoint)
         note = checkpoint_note(store, checkpoint)
         if note:

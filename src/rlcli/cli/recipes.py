@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.markup import escape
 
-from rlcli.cli.common import JsonOpt, Overrides, console, err_console, print_error
+from rlcli.cli.common import JsonOpt, Overrides, console, err_console
 from rlcli.errors import UsageError, shorten
 
 if TYPE_CHECKING:  # rlcli.recipe imports pydantic: only the commands that need it load it
@@ -53,35 +53,57 @@ def recipes_copy(
     dest: Annotated[
         Path | None,
         typer.Argument(
-            help="Where to write it: a file, or a folder to put NAME.yaml in (default: ./NAME.yaml).",
+            help="Where to write it: a file, or a folder to put my-NAME.yaml in (default: ./my-NAME.yaml).",
             show_default=False,
         ),
     ] = None,
 ) -> None:
-    """Copy a shipped recipe out to edit; never replaces an existing file. Prints the new file's path."""
-    import shutil
+    """Copy a shipped recipe out to edit; never replaces an existing file. Prints the new file's path.
 
-    from rlcli.recipe import shipped_recipes
+    The copy is its own: its run is named after its file (my-NAME by default, never the shipped run's
+    name), its header's commands name it, and a first line says that the notes below (timings,
+    results) were measured on the shipped recipe.
+
+    Examples:
+      rlcli recipes copy quickstart  # ./my-quickstart.yaml, run my-quickstart
+      rlcli recipes copy arithmetic experiments/add-lr.yaml
+    """
+    from rlcli.recipe import copied_recipe_text, copy_run_name, shipped_recipes
+    from rlcli.store.db import check_run_name
 
     shipped = shipped_recipes()
     if name not in shipped:
         raise UsageError(f"No shipped recipe named {name!r}; expected one of: {', '.join(shipped)}.")
-    target = dest or Path(f"{name}.yaml")
+    target = dest or Path(f"my-{name}.yaml")
     if target.is_dir():
-        target = target / f"{name}.yaml"
+        target = target / f"my-{name}.yaml"
     if target.exists():
         raise UsageError(
             f"{target} already exists; expected a new file (rlcli never overwrites one): name another DEST."
         )
     if not target.parent.is_dir():
         raise UsageError(f"{target.parent} is not a folder; expected DEST in an existing folder.")
-    shutil.copyfile(shipped[name], target)
+    run = copy_run_name(name, target)
+    try:
+        check_run_name(run)
+    except UsageError as exc:
+        raise UsageError(f"{str(exc).rstrip('.')}; a copy's run is named after its file: rename {target}.") from None
+    with target.open("x") as out:  # "x": a file made meanwhile is not replaced either
+        out.write(copied_recipe_text(name, target, run))
     print(target)
 
 
 @app.command("validate")
 def recipes_validate(
-    files: Annotated[list[Path], typer.Argument(help="Recipe YAML files, or shipped recipes' names.")],
+    items: Annotated[
+        list[str],
+        typer.Argument(
+            metavar="RECIPES... [OVERRIDES]",
+            help="Recipe YAML files, or shipped recipes' names; then any overrides as dotted key=value "
+            "(grpo.lr=1e-5), applied to each recipe as a stage command applies them.",
+            show_default=False,
+        ),
+    ],
     as_json: JsonOpt = False,
     schema: Annotated[
         bool,
@@ -92,19 +114,27 @@ def recipes_validate(
         ),
     ] = False,
 ) -> None:
-    """Check recipes as a run would before it starts: the schema, then the model known, reward functions
-    resolvable, the env loadable with its kwargs, trackers installed, MCP servers answering (loads no
-    model). Exits 2 if any fails.
+    """Check recipes, with the overrides a command line would give them, as a stage command does before
+    it starts: the schema and the run name, then the model known, reward functions resolvable, the env
+    loadable with its kwargs, SFT's data there, trackers installed, MCP servers answering (loads no
+    model). A line per recipe, passed or failed, on stdout; exits 2 if any fails.
 
-    With --json: an object with "ok" and "files" (each with "path", "ok" and a list of "errors"), nothing on stderr."""
+    With --json: an object with "ok", "overrides" and "files" (each with "path", "ok" and a list of "errors").
+
+    Examples:
+      rlcli recipes validate my-recipe.yaml
+      rlcli recipes validate my-recipe.yaml sft.source=data.jsonl grpo.lr=1e-5
+      rlcli recipes validate --schema quickstart arithmetic
+    """
     from rlcli.engine.preflight import check_recipe
     from rlcli.recipe import load_recipe
     from rlcli.store.db import check_run_name
 
+    files, overrides = recipes_and_overrides(items)
     results = []
     for path in files:
         try:
-            recipe = load_recipe(path)  # its errors name the file
+            recipe = load_recipe(path, overrides)  # its errors name the file
             try:
                 check_run_name(recipe.run.name)  # every command that runs the recipe checks it so
                 if not schema:
@@ -112,18 +142,27 @@ def recipes_validate(
             except UsageError as exc:
                 raise UsageError(f"{path}: {exc}") from None
         except UsageError as exc:
-            results.append({"path": str(path), "ok": False, "errors": [shorten(str(exc))]})
-            if not as_json:
-                print_error(str(exc), mark="[red]✗[/red]")
+            results.append({"path": path, "ok": False, "errors": [shorten(str(exc))]})
+            if not as_json:  # soft_wrap: a line a recipe, however long, for grep and the eye
+                console.print(f"[red]✗[/red] {escape(shorten(str(exc)))}", highlight=False, soft_wrap=True)
         else:
-            results.append({"path": str(path), "ok": True, "errors": []})
+            results.append({"path": path, "ok": True, "errors": []})
             if not as_json:
-                console.print(f"[green]✓[/green] {escape(str(path))}", highlight=False)
+                console.print(f"[green]✓[/green] {escape(path)}", highlight=False, soft_wrap=True)
     ok = all(result["ok"] for result in results)
     if as_json:
-        print(json.dumps({"ok": ok, "files": results}, indent=2))
+        print(json.dumps({"ok": ok, "overrides": overrides, "files": results}, indent=2))
     if not ok:
         raise typer.Exit(2)
+
+
+def recipes_and_overrides(items: list[str]) -> tuple[list[str], list[str]]:
+    """`recipes validate`'s arguments: the recipes, then the overrides (key=value, not a file's path)."""
+    overrides = [item for item in items if "=" in item and not Path(item).is_file()]
+    files = [item for item in items if item not in overrides]
+    if not files:
+        raise UsageError(f"No recipe to validate among {' '.join(items)}; expected a recipe file or name first.")
+    return files, overrides
 
 
 @app.command("plan")
@@ -239,11 +278,14 @@ def _print_sections(sections: list[SectionDoc]) -> None:
 
     for section in sections:
         title = escape(f"{section.name} ({section.type}): {section.description}")
-        table = Table(title=title, title_justify="left")
-        for column in ("field", "type", "default", "description"):
-            table.add_column(column, overflow="fold")
+        # A field's name is never split; its type, default and description share the rest of the width
+        # (four columns left the description a sliver of a terminal's 80).
+        table = Table(title=title, title_justify="left", show_lines=True)
+        table.add_column("field", no_wrap=True)
+        table.add_column("type · default, then what it does", overflow="fold")
         for field in section.fields:
-            table.add_row(field.path, field.type, _default_text(field), _description(field))
+            default = "required" if field.required else f"default {_default_text(field)}"
+            table.add_row(field.path, f"{field.type} · {default}\n{_description(field)}")
         console.print(table, markup=False, highlight=False)
 
 

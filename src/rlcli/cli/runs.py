@@ -11,7 +11,7 @@ import typer
 
 from rlcli.cli.common import JsonOpt, console, err_console, open_existing, open_recorded_run, shared, stage_run
 from rlcli.cli.export import DryRunOpt, PrivateOpt, PushJsonOpt, PushOpt, check_push_options, finish_push
-from rlcli.errors import UsageError
+from rlcli.errors import RlcliError, UsageError
 
 app = typer.Typer(help="Inspect runs recorded in the run database.", no_args_is_help=True)
 
@@ -25,7 +25,12 @@ class ExportFormat(str, Enum):
 
 @app.command("list")
 def runs_list(cli_ctx: typer.Context, as_json: JsonOpt = False) -> None:
-    """List runs with status, creation time and latest key metrics."""
+    """List runs with status, creation time and latest key metrics.
+
+    Examples:
+      rlcli runs list
+      rlcli --runs-dir elsewhere/runs runs list --json
+    """
     from rlcli.report import tables, views
     from rlcli.store.db import DB_NAME, RunDB, check_runs_folder, default_runs_dir
 
@@ -51,7 +56,12 @@ def runs_list(cli_ctx: typer.Context, as_json: JsonOpt = False) -> None:
 
 @app.command("show")
 def runs_show(cli_ctx: typer.Context, run: RunArg, as_json: JsonOpt = False) -> None:
-    """Show a run: stages with durations, reward and success curves, latest metrics, checkpoints, evals."""
+    """Show a run: stages with durations, reward and success curves, latest metrics, checkpoints, evals.
+
+    Examples:
+      rlcli runs show quickstart
+      rlcli runs show quickstart --json
+    """
     from rlcli.report import tables, views
 
     store = open_recorded_run(cli_ctx, run)
@@ -89,7 +99,10 @@ def runs_compare(
 @app.command("plot")
 def runs_plot(
     cli_ctx: typer.Context,
-    run: RunArg,
+    runs: Annotated[
+        list[str],
+        typer.Argument(help="Run name; give two or more to overlay their curves, a colour a run.", show_default=False),
+    ],
     metric: Annotated[
         list[str] | None,
         typer.Option(
@@ -101,7 +114,8 @@ def runs_plot(
         typer.Option(
             "--out",
             "-o",
-            help="Image file to write: .png, .pdf or .svg (default: <runs-dir>/<run>/metrics.png, replaced each time).",
+            help="Image file to write: .png, .pdf or .svg (default: <runs-dir>/<run>/metrics.png, or with more runs "
+            "<runs-dir>/<first run>/vs-<run>.png; replaced each time).",
             show_default=False,
         ),
     ] = None,
@@ -111,34 +125,81 @@ def runs_plot(
     """Plot reward, success, loss, KL and entropy curves and eval success (95% CI) to an image.
 
     Prints the file written; with --json, an object with "run", "files" (a list of the paths written),
-    "series" (each curve drawn: stage, steps, values) and "evals" (each bar: label, rate, interval)."""
+    "series" (each curve drawn: stage, steps, values) and "evals" (each bar: label, rate, interval); with
+    more runs, "runs" holds one such "run", "series" and "evals" per run."""
     from rlcli.export_folder import check_file_target
     from rlcli.report import plot
+    from rlcli.store.run_store import RunStore
 
+    names = list(dict.fromkeys(runs))
     if out is not None:
         check_file_target(out, "--out", overwrite)  # before reading the database
-    store = open_recorded_run(cli_ctx, run)
+    rundb = open_existing(cli_ctx, f"No run named {names[0]!r}")
     try:
-        # The default file lives in the run's folder, where rlcli owns it: it is replaced unasked.
-        path = out or store.rundb.path.parent / run / "metrics.png"
-        drawn = plot.plot_run(store, path, metric, overwrite or out is None)
+        # The default file lives in the first run's folder, where rlcli owns it: it is replaced unasked.
+        default = "metrics.png" if len(names) == 1 else "-".join(f"vs-{name}" for name in names[1:]) + ".png"
+        path = out or rundb.path.parent / names[0] / default
+        drawn = plot.plot_run([RunStore(rundb, name) for name in names], path, metric, overwrite or out is None)
     finally:
-        store.rundb.close()
-    print(json.dumps({"run": run, "files": [str(path)], **drawn}, indent=2) if as_json else path)
+        rundb.close()
+    if not as_json:
+        print(path)
+    elif len(drawn) == 1:
+        print(json.dumps({"run": names[0], "files": [str(path)], **drawn[0]}, indent=2))
+    else:
+        print(json.dumps({"runs": drawn, "files": [str(path)]}, indent=2))
+
+
+def complete_stage(ctx: typer.Context, incomplete: str) -> list[str]:
+    """--stage's tab completion: the stages with episodes of the run named before it, and the short names
+    they begin (eval, eval/base, rollout). Nothing, never an error, when there is no such run or database."""
+    import sqlite3
+
+    from rlcli.store.db import DB_NAME, RunDB, default_runs_dir
+    from rlcli.store.episodes import episode_stages_newest_first
+    from rlcli.store.run_store import RunStore
+
+    # Completing an option's value, click stops parsing at that option, before it assigns the positional
+    # arguments: the words it has not assigned are in ctx.args, the run's name first.
+    run = ctx.params.get("run") or next(iter(ctx.args), None)
+    # Completion parses without running the app's callback: --runs-dir (or RLCLI_HOME) is in the root's params.
+    runs_dir = ctx.find_root().params.get("runs_dir") or default_runs_dir()
+    if not run or not (Path(runs_dir) / DB_NAME).is_file():
+        return []
+    try:
+        rundb = RunDB.open(runs_dir, read_only=True)
+    except (RlcliError, sqlite3.Error):
+        return []
+    try:
+        stages = episode_stages_newest_first(RunStore(rundb, run))
+    finally:
+        rundb.close()
+    names = {name[:i] for name in stages for i, char in enumerate(name) if char in "/@" and i} | set(stages)
+    return sorted(name for name in names if name.startswith(incomplete))
 
 
 @app.command("episodes")
 def runs_episodes(
     cli_ctx: typer.Context,
     run: RunArg,
-    best: Annotated[bool, typer.Option("--best", help="Highest total reward first.")] = False,
-    worst: Annotated[bool, typer.Option("--worst", help="Lowest total reward first.")] = False,
+    best: Annotated[
+        bool, typer.Option("--best", help="Highest total reward (else return) first, then the newest.")
+    ] = False,
+    worst: Annotated[
+        bool, typer.Option("--worst", help="Lowest total reward (else return) first, then the newest.")
+    ] = False,
     iteration: Annotated[
         int | None, typer.Option("--iteration", help="Only episodes of this training iteration.", show_default=False)
     ] = None,
     stage: Annotated[
         str | None,
-        typer.Option("--stage", help="Only episodes of this stage (rollout/3, eval/base, ...).", show_default=False),
+        typer.Option(
+            "--stage",
+            help="Only episodes of this stage (rollout/3, eval/base@t0.8-k1), or of the newest stage whose name it "
+            "begins (eval, rollout, eval/base); tab completes.",
+            show_default=False,
+            autocompletion=complete_stage,
+        ),
     ] = None,
     limit: Annotated[int, typer.Option("--limit", "-n", min=1, help="How many episodes to show.")] = 5,
     label_set: Annotated[
@@ -160,9 +221,11 @@ def runs_episodes(
     ] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace the --html file if it exists.")] = False,
 ) -> None:
-    """Read episodes: messages by role (images as \\[image <sha256> WxH]), reward components, end
-    reason, and the error of failed ones."""
+    """Read episodes, the newest first: messages by role (images as \\[image <sha256> WxH]), reward
+    components, end reason, and the error of failed ones. Without --stage, the policy's episodes (the
+    expert's demonstrations only in a run that has no others)."""
     from rlcli.report import tables, views
+    from rlcli.store.episodes import choose_episode_stage
 
     if best and worst:
         raise UsageError("--best and --worst exclude each other; give one of them.")
@@ -174,9 +237,19 @@ def runs_episodes(
         check_file_target(html, "--html", overwrite)  # before reading the database
     store = open_recorded_run(cli_ctx, run)
     try:
+        if stage is not None:
+            choice = choose_episode_stage(store, stage)
+            if choice.stage != stage:  # a note, not a result: stdout stays the episodes (or JSON)
+                err_console.print(
+                    f"--stage {stage} is {choice.stage}"
+                    + (f", the newest of {len(choice.matches)}." if len(choice.matches) > 1 else "."),
+                    highlight=False,
+                    markup=False,
+                )
+            stage = choice.stage
         episodes = views.select_episodes(
             store,
-            order="best" if best else "worst" if worst else "id",
+            order="best" if best else "worst" if worst else "newest",
             iteration=iteration,
             stage=stage,
             limit=limit,
@@ -371,4 +444,5 @@ def runs_resume(cli_ctx: typer.Context, run: RunArg) -> None:
         from rlcli.engine.pipeline import run_all
         from rlcli.report.tables import stage_summary_table
 
-        run_all(ctx, on_summary=lambda summary: ctx.console.print(stage_summary_table(summary)))
+        # Results on stdout, as `rlcli run` prints them; ctx.console is stderr, for progress.
+        run_all(ctx, on_summary=lambda summary: console.print(stage_summary_table(summary)))

@@ -32,12 +32,27 @@ def run_cmd(
     run: RunOpt = None,
     force: ForceOpt = False,
 ) -> None:
-    """Run every stage of a recipe (SFT, GRPO, eval), skipping what is already done."""
+    """Run every stage of a recipe (SFT, GRPO, eval), skipping what is already done.
+
+    Examples:
+      rlcli run -r quickstart  # the shipped quickstart, on CPU
+      rlcli run -r my-quickstart.yaml grpo.iterations=8 --run short
+      rlcli run --run short  # go on with a recorded run, its recipe as stored
+    """
     with stage_run(cli_ctx, recipe, run, overrides, force) as ctx:
         from rlcli.engine.pipeline import run_all
+        from rlcli.report.plot import plot_run
         from rlcli.report.tables import stage_summary_table
+        from rlcli.store.evals import eval_results
 
         run_all(ctx, on_summary=lambda summary: console.print(stage_summary_table(summary)))
+        # The curves, where `rlcli runs plot RUN` writes them: the run's folder is rlcli's, so the file is
+        # replaced each time (a run again after more stages draws them too). A run of no stage has none.
+        curves = ctx.run_dir / "metrics.png" if ctx.store.latest_metrics() or eval_results(ctx.store) else None
+        if curves is not None:
+            plot_run([ctx.store], curves, overwrite=True)
+    if curves is not None:
+        console.print(f"curves: {curves}", soft_wrap=True, highlight=False, markup=False)
 
 
 @app.command("sft")
@@ -48,7 +63,12 @@ def sft_cmd(
     run: RunOpt = None,
     force: ForceOpt = False,
 ) -> None:
-    """SFT warm-start from a dataset, expert demonstrations, or the run's best episodes."""
+    """SFT warm-start from a dataset, expert demonstrations, or the run's best episodes.
+
+    Examples:
+      rlcli sft -r quickstart  # on the recipe's sft.source: expert demos
+      rlcli sft -r my-recipe.yaml sft.source=data.jsonl sft.epochs=2
+    """
     with stage_run(cli_ctx, recipe, run, overrides, force, ["sft"]) as ctx:
         from rlcli.engine.sft import run_sft
         from rlcli.report.tables import sft_table
@@ -69,7 +89,12 @@ def rollout_cmd(
     split: Annotated[str, typer.Option(help="Task split: train or eval.")] = "train",
     force: ForceOpt = False,
 ) -> None:
-    """Collect episodes (tasks x group size) with a policy and record them token by token."""
+    """Collect episodes (tasks x group size) with a policy and record them token by token.
+
+    Examples:
+      rlcli rollout -r quickstart --policy expert --stage demos
+      rlcli rollout -r quickstart --policy latest --split eval rollout.tasks=16
+    """
     with stage_run(cli_ctx, recipe, run, overrides, force, ["eval"]) as ctx:
         from rlcli.engine.rollout import run_rollout_stage
         from rlcli.report.tables import episodes_table
@@ -87,7 +112,11 @@ def label_cmd(
     label_set: Annotated[str, typer.Option(help="Name under which these reward components are stored.")] = "default",
     force: ForceOpt = False,
 ) -> None:
-    """(Re)label the run's episodes with the recipe's reward functions, without new rollouts."""
+    """(Re)label the run's episodes with the recipe's reward functions, without new rollouts.
+
+    Examples:
+      rlcli label -r my-recipe.yaml --label-set strict
+    """
     with stage_run(cli_ctx, recipe, run, overrides, force, []) as ctx:
         from rlcli.engine.labelling import run_label_stage
         from rlcli.report.tables import labels_table
@@ -103,7 +132,13 @@ def train_grpo_cmd(
     run: RunOpt = None,
     force: ForceOpt = False,
 ) -> None:
-    """Online GRPO: per iteration rollout -> label -> advantages -> update -> checkpoint."""
+    """Online GRPO: per iteration rollout -> label -> advantages -> update -> checkpoint.
+
+    Examples:
+      rlcli train grpo -r arithmetic
+      rlcli train grpo -r arithmetic grpo.iterations=20  # resumes, no --force
+      rlcli train grpo -r arithmetic grpo.lr=3e-5 --run arithmetic-lr3e-5
+    """
     with stage_run(cli_ctx, recipe, run, overrides, force, ["grpo"]) as ctx:
         from rlcli.engine.grpo.loop import run_grpo
 
@@ -149,20 +184,26 @@ def eval_cmd(
         typer.Option(
             "--checkpoint",
             "-c",
-            help="base, sft, latest, best (the best held-out success so far) or a checkpoint id; repeatable "
-            "(default: eval.checkpoints).",
+            help="base, sft, latest (the newest checkpoint), best (the best held-out success so far) or a "
+            "checkpoint id; repeatable (default: eval.checkpoints, and best with grpo.keep_best).",
         ),
     ] = None,
     as_json: JsonOpt = False,
     force: ForceOpt = False,
 ) -> None:
-    """Evaluate checkpoints on held-out tasks: success rate (95% CI), mean return, pass@k."""
+    """Evaluate checkpoints on held-out tasks: success rate (95% CI), mean return, pass@k.
+
+    Examples:
+      rlcli eval -r quickstart  # the checkpoints eval.checkpoints names
+      rlcli eval -r quickstart -c best eval.tasks=96
+      rlcli eval -r quickstart -c base -c latest --json
+    """
     with stage_run(cli_ctx, recipe, run, overrides, force, ["eval"]) as ctx:
-        from rlcli.engine.evaluate import run_eval
+        from rlcli.engine.evaluate import recipe_checkpoints, run_eval
         from rlcli.report.tables import evals_table, games_table
         from rlcli.report.views import eval_view
 
-        rows = [eval_view(r) for r in run_eval(ctx, checkpoint or ctx.recipe.eval.checkpoints)]
+        rows = [eval_view(r) for r in run_eval(ctx, checkpoint or recipe_checkpoints(ctx.recipe))]
         (err_console if as_json else console).print(evals_table(rows))
         if (games := games_table(rows)) is not None:  # two-player games: win/draw/loss per opponent and seat
             (err_console if as_json else console).print(games)

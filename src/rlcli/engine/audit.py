@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 from rlcli.engine.evaluate import wilson_interval
 from rlcli.envs.protocol import EnvFactory, EnvFailure, as_messages, call_with_timeout, task_seed
 from rlcli.envs.tool_use import without_call_records
+from rlcli.store.records import Turn
 
 if TYPE_CHECKING:
     from rlcli.recipe import Recipe
@@ -281,6 +282,35 @@ def replay_mismatch(first: Played, second: Played, seed: int) -> str | None:
     return None
 
 
+def replays_alike(factory: EnvFactory, seed: int, original: Played, settings: AuditSettings) -> str | None:
+    """Play task `seed` again in a fresh env with `original`'s actions: where the two plays differ, or None."""
+    moves = iter(original.actions)
+    again = play(factory, seed, lambda messages: next(moves), replace(settings, max_turns=len(original.actions)))
+    return replay_mismatch(original, again, seed)
+
+
+def replay_check(factory: EnvFactory, seed: int, settings: AuditSettings) -> str | None:
+    """The audit's replay check on one task: the expert's episode (random words' for an env without an
+    expert) played again with the same actions; where the plays differ, or None."""
+    if has_expert(factory):
+        original = play_expert(factory, seed, settings)
+    else:
+        words = degenerate_policies(settings.reply_tokens, "yes")["random words"]
+        original = play(factory, seed, partial(_reply, words, random.Random(seed)), settings)
+    return replays_alike(factory, seed, original, settings)
+
+
+def stored_play(opening: list[dict], turns: list[Turn]) -> Played:
+    """Stored turns as the audit sees a play (canonical observations, rewards), to compare a branch's
+    replayed turns with its parent's by `replay_mismatch`: `opening` is the reset's messages."""
+    played = Played(observations=[_canonical(opening)])
+    for turn in turns:
+        played.actions.append(turn.text)
+        played.observations.append(_canonical(json.loads(turn.observation)))
+        played.rewards.append(float(turn.reward or 0.0))
+    return played
+
+
 def leaks(factory: EnvFactory, settings: AuditSettings) -> tuple[int, list[tuple[int, int]]]:
     """(held-out tasks compared, the (held-out seed, training seed) pairs that are one task)."""
     opening: dict[tuple[str, str], int] = {}  # (first observation, task) -> a training seed showing it
@@ -328,9 +358,7 @@ def audit(
     mismatch = None
     originals = played.get("expert", played["random words"])[: settings.replays]
     for seed, original in zip(seeds, originals):
-        moves = iter(original.actions)
-        again = play(factory, seed, lambda messages: next(moves), replace(settings, max_turns=len(original.actions)))
-        mismatch = replay_mismatch(original, again, seed)
+        mismatch = replays_alike(factory, seed, original, settings)
         if mismatch:
             break
     held_out, leaked = leaks(factory, settings)

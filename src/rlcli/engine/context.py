@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar, overload
 
 from rich.console import Console
 
-from rlcli.console import err_console
+from rlcli.console import RunProgress, err_console
 from rlcli.engine.memory import cuda_torch
 from rlcli.recipe import Recipe
 from rlcli.store.db import RunDB
@@ -43,13 +43,24 @@ class RunContext:
     runs_dir: Path
     # Progress bars and notes go to stderr, so that --json output on stdout stays clean.
     console: Console = field(default_factory=lambda: err_console)
+    progress: RunProgress = field(init=False)  # the command's overall progress, on the console
+    # The command's start-up summary (engine/opening.py), made and printed once, as its work begins
+    # (announce): a command refused before any work prints its one sentence alone, and loads nothing.
+    summary: Callable[[], str] | None = None
 
     def __post_init__(self) -> None:
         self.runs_dir = Path(self.runs_dir)
+        self.progress = RunProgress(self.console)
 
     @property
     def run_dir(self) -> Path:
         return self.runs_dir / self.run
+
+    def announce(self) -> None:
+        """Print the start-up summary, the first time only."""
+        if self.summary is not None:
+            summary, self.summary = self.summary, None
+            self.console.print(summary(), highlight=False, markup=False)
 
     @property
     def store(self) -> RunStore:
@@ -95,6 +106,7 @@ class RunContext:
         work returned, or, for a stage already done, the one read back from its stored result.
         On a GPU the stage's peak memory (per device) is recorded with it (GPU_MEMORY_KEYS), in the
         transaction that marks it done."""
+        self.announce()
         peak = GpuPeak()
         made: list[StageResult] = []  # what a typed stage's work returned
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from rlcli.engine.context import RunContext
@@ -138,8 +139,10 @@ def game_outcomes(episodes: list[Episode]) -> dict[str, Any]:
 
 
 def run_eval(ctx: RunContext, checkpoints: list[str]) -> list[EvalResult]:
-    """Evaluate each checkpoint (base, sft, latest, best, expert or an id) once; return their results."""
-    results, seen = [], set()
+    """Evaluate each checkpoint (base, sft, latest, best, expert or an id) once; return their results,
+    each named as asked (its label: `best (#25)`)."""
+    results: list[EvalResult] = []
+    seen: dict[PolicyRef, str] = {}  # the weights evaluated -> the name they were asked for by
     for which in checkpoints:
         asked = PolicyRef.from_cli(which)
         ckpt = resolve_checkpoint(ctx.store, asked) if asked != EXPERT else None
@@ -150,11 +153,21 @@ def run_eval(ctx: RunContext, checkpoints: list[str]) -> list[EvalResult]:
             ctx.console.print("eval: the run has no checkpoint yet; 'latest' is the base model.")
         evaluated = EXPERT if asked == EXPERT else PolicyRef.of_checkpoint(ckpt)
         if evaluated in seen:
+            if which != seen[evaluated]:
+                weights = "the base model" if ckpt is None else f"checkpoint {ckpt.id}"
+                ctx.console.print(f"eval: {which} is {weights}, evaluated above as {seen[evaluated]}.", highlight=False)
             continue
-        seen.add(evaluated)
+        seen[evaluated] = which
         for opponent in eval_opponents(ctx.recipe):
             results.append(evaluate_checkpoint(ctx, which, ckpt, ctx.recipe.eval.tasks, opponent=opponent))
     return results
+
+
+def recipe_checkpoints(recipe: Recipe) -> list[str]:
+    """What `rlcli run` and a bare `rlcli eval` evaluate: eval.checkpoints (sft only when the recipe
+    has SFT), and with grpo.keep_best also best, the run's result, beside the newest (`latest`)."""
+    wanted = [c for c in recipe.eval.checkpoints if c != "sft" or recipe.sft.source != "none"]
+    return wanted + ["best"] if recipe.grpo.keep_best and "best" not in wanted else wanted
 
 
 def eval_opponents(recipe: Recipe) -> list[str | int | None]:
@@ -204,7 +217,8 @@ def evaluate_checkpoint(
     )
     result = eval_result(ctx.store, stage)
     assert result is not None  # the stage just completed
-    return result
+    # A stage done before (a checkpoint GRPO evaluated by id, now asked for as best) is named as asked now.
+    return replace(result, checkpoint=which)
 
 
 def _evaluate(

@@ -32,7 +32,7 @@ def open_run(
     from rlcli.engine.preflight import check_recipe
     from rlcli.recipe import load_recipe, recipe_file
     from rlcli.store.db import RunDB, check_run_name, default_runs_dir
-    from rlcli.store.run_folders import MARKER, claim_run_folder
+    from rlcli.store.run_folders import MARKER, claim_run_folder, holds_no_output
     from rlcli.store.stages import RunLock
     from rlcli.usercode import code_hashes
 
@@ -76,8 +76,18 @@ def open_run(
                     highlight=False,
                 )
             before = rundb.run_state(name)
+            # A recorded run that has produced nothing (its stages failed or were stopped before they
+            # stored anything) starts over with the recipe given, which may correct the one it failed on.
+            starts_over = before.row is not None and not rundb.has_outputs(name) and holds_no_output(runs_dir, name)
             try:
-                rundb.start_run(name, recipe, str(recipe_path) if recipe_path else None, force=force, code=code)
+                rundb.start_run(
+                    name,
+                    recipe,
+                    str(recipe_path) if recipe_path else None,
+                    force=force,
+                    code=code,
+                    starts_over=starts_over,
+                )
                 try:
                     ctx = RunContext(recipe, rundb, name, runs_dir, console=err_console)
                     check_opponents(ctx)  # needs the run's checkpoints; before any work
@@ -92,6 +102,52 @@ def open_run(
                 raise
     finally:
         rundb.close()
+
+
+def startup_summary(ctx: RunContext, stages: list[str] | None) -> str:
+    """One line of what a stage command is about to run where, and what the `auto` settings chose
+    (marked "(auto)"): the model, its adapter and precision, the device, the generation engine (on a
+    GPU, vLLM's share of it and its sleep level), torch's threads, and the stages, when the command
+    runs the recipe's (stages None; else the command names its stage)."""
+    import torch
+
+    from rlcli.generation.engines import generation_engine
+    from rlcli.models.loading import load_dtype, resolve_device
+
+    def chosen(setting: str | int | None) -> str:
+        return " (auto)" if setting in ("auto", None) else ""
+
+    recipe = ctx.recipe
+    device = resolve_device(recipe.model.device)
+    dtype = str(load_dtype(recipe.model, recipe.quantization, device)).removeprefix("torch.")
+    model = [recipe.model.name]
+    if recipe.lora is not None:
+        model.append(f"LoRA r{recipe.lora.r}")
+    if recipe.quantization.mode != "none":
+        model.append(recipe.quantization.mode)
+    model.append(f"{dtype}{chosen(recipe.model.dtype)} on {device}{chosen(recipe.model.device)}")
+    engine = generation_engine(recipe)
+    engine_text = f"engine {engine}{chosen(recipe.rollout.engine)}"
+    if engine == "vllm" and device.startswith("cuda"):
+        from rlcli.generation.memory_plan import plan_on_this_machine
+
+        plan = plan_on_this_machine(recipe, stages or [])
+        if plan is not None and plan.choices.vllm_memory is not None:
+            sleep = plan.choices.sleep_level
+            engine_text += f", {plan.choices.vllm_memory:.0%} of the GPU, " + (
+                f"sleep level {sleep}" if sleep else "no sleep"
+            )
+    threads = torch.get_num_threads()
+    parts = [
+        f"run {ctx.run}: {', '.join(model)}",
+        engine_text,
+        f"{threads} torch thread{'s' if threads != 1 else ''}{chosen(recipe.run.threads)}",
+    ]
+    if stages is None:
+        from rlcli.engine.pipeline import planned_stages
+
+        parts.append(f"stages {', '.join(planned_stages(recipe))}")
+    return " · ".join(parts)
 
 
 @contextlib.contextmanager

@@ -3,7 +3,8 @@
 run.stages may repeat grpo, dpo and eval (the VerIPO loop sft -> grpo -> dpo -> grpo -> eval): the k-th
 grpo is GRPO phase k (engine/grpo/loop.py: iterations k*grpo.iterations onwards, from the newest checkpoint),
 the k-th dpo is stage dpo (k = 0) or dpo/<k+1>, mining the groups stored so far, and an eval evaluates
-eval.checkpoints as they are when it runs (its stages are named by checkpoint, so repeats never collide).
+eval.checkpoints (and, with grpo.keep_best, best) as they are when it runs (its stages are named by
+checkpoint, so repeats never collide).
 """
 
 from __future__ import annotations
@@ -33,8 +34,14 @@ def run_all(ctx: RunContext, on_summary: Callable[[StageSummary], None] | None =
     the run's best and latest checkpoints, which are also returned.
 
     Between stages, what the one before built goes before the next starts (engine/memory.py): its
-    model, optimizer and scheduler, and the vLLM engine unless the next stage samples with it."""
-    show = on_summary or (lambda summary: None)
+    model, optimizer and scheduler, and the vLLM engine unless the next stage samples with it.
+    ctx.progress shows the stage at work among them all."""
+
+    def show(summary: StageSummary) -> None:
+        if on_summary is not None:
+            with ctx.progress.paused():  # a result on stdout, printed clear of the progress bar
+                on_summary(summary)
+
     recipe = ctx.recipe
     stages = planned_stages(recipe)
     seen: Counter[str] = Counter()  # how many times each stage came before: its repeat's name
@@ -42,16 +49,19 @@ def run_all(ctx: RunContext, on_summary: Callable[[StageSummary], None] | None =
         from rlcli.engine.dpo import check_text_model
 
         check_text_model(recipe)
-    for index, stage in enumerate(stages):
-        repeat = seen[stage]
-        seen[stage] += 1
-        try:
-            _run_stage(ctx, stage, repeat, show)
-        except BaseException as exc:
-            release_stage_memory(keep_engine=True, failure=exc)  # the run ends here
-            raise
-        if index + 1 < len(stages):  # after the last, the command ends and frees (cli/common.py, stage_run)
-            release_stage_memory(keep_engine=keeps_engine(stages[index + 1], _samples_with_vllm(recipe)))
+    with ctx.progress.running(ctx.run, stages):
+        for index, stage in enumerate(stages):
+            if index:  # the first began with the block
+                ctx.progress.stage(index)
+            repeat = seen[stage]
+            seen[stage] += 1
+            try:
+                _run_stage(ctx, stage, repeat, show)
+            except BaseException as exc:
+                release_stage_memory(keep_engine=True, failure=exc)  # the run ends here
+                raise
+            if index + 1 < len(stages):  # after the last, the command ends and frees (cli/common.py, stage_run)
+                release_stage_memory(keep_engine=keeps_engine(stages[index + 1], _samples_with_vllm(recipe)))
     ending = best_and_latest(ctx.store)
     if ending.latest is not None or ending.best is not None:
         show(ending)
@@ -74,10 +84,9 @@ def _run_stage(ctx: RunContext, stage: str, repeat: int, show: Callable[[StageSu
 
         show(run_dpo(ctx, dpo_stage(repeat)))
     else:
-        from rlcli.engine.evaluate import run_eval
+        from rlcli.engine.evaluate import recipe_checkpoints, run_eval
 
-        wanted = [c for c in recipe.eval.checkpoints if c != "sft" or recipe.sft.source != "none"]
-        show(run_eval(ctx, wanted))
+        show(run_eval(ctx, recipe_checkpoints(recipe)))
 
 
 def _samples_with_vllm(recipe: Recipe) -> bool:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from rlcli.engine.context import RunContext
 from rlcli.engine.episode_runner import EpisodeRunner, EpisodeSpec, RolloutLimits
 from rlcli.engine.games import GameRunner, Opponent, recipe_opponent, stored_keys
+from rlcli.envs.sandbox import use_bwrap
 from rlcli.envs.tool_use import ToolUseSpec, tool_use_spec
 from rlcli.envs.tools import close_toolboxes
 from rlcli.envs.workers import EnvHost, EnvWorkerPool, InProcessEnvs
@@ -67,6 +68,7 @@ def env_host(env_cfg: EnvSection, kwargs: dict, factory: Callable[[], Any], tool
         cpu_s=env_cfg.worker_cpu_s,
         isolation=env_cfg.isolation,
         tools=tools,
+        in_bwrap=use_bwrap(env_cfg.sandbox, "env.sandbox"),
     )
 
 

@@ -81,14 +81,29 @@ def data_sha256(path: Path) -> str | None:
     return digest.hexdigest()
 
 
-def read_rows(path: Path, split: str = "train") -> list[tuple[int, Any]]:
+def check_data_path(path: Path) -> None:
+    """Refuse an sft.source that names no data SFT can read: neither a folder nor a file of a known
+    suffix. Preflight runs it, so that the mistake costs no model load and leaves no failed stage."""
     if path.is_dir():
-        return list(enumerate(_dataset_rows(path, split), 1))
+        return
     if not path.is_file():
+        # `sft.source=null` on a command line is the text "null" (the field is text): meant as no SFT.
+        hint = "; for no SFT, write sft.source=none" if str(path) in ("null", "~") else ""
         raise UsageError(
             f"sft.source: {path} is not none, expert, episodes, or an existing data file or folder "
-            "(nor hub:ORG/NAME, a hub dataset)."
+            f"(nor hub:ORG/NAME, a hub dataset){hint}."
         )
+    if path.suffix.lower() not in FILE_SUFFIXES:
+        raise UsageError(
+            f"sft.source: {path} has an unknown suffix; expected {', '.join(FILE_SUFFIXES)}, "
+            "or a folder written by datasets' save_to_disk."
+        )
+
+
+def read_rows(path: Path, split: str = "train") -> list[tuple[int, Any]]:
+    check_data_path(path)
+    if path.is_dir():
+        return list(enumerate(_dataset_rows(path, split), 1))
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
         return _jsonl_rows(path, _read_text(path))
@@ -100,18 +115,13 @@ def read_rows(path: Path, split: str = "train") -> list[tuple[int, Any]]:
             # datasets' to_json writes one object per line, even into a .json file.
             return _jsonl_rows(path, text)
         return list(enumerate(data if isinstance(data, list) else [data], 1))
-    if suffix == ".parquet":
-        import pyarrow
-        import pyarrow.parquet
+    import pyarrow  # .parquet, the last of FILE_SUFFIXES
+    import pyarrow.parquet
 
-        try:
-            return list(enumerate(pyarrow.parquet.read_table(path).to_pylist(), 1))
-        except pyarrow.ArrowException as exc:
-            raise UsageError(f"{path}: not a readable parquet file ({exc}).") from None
-    raise UsageError(
-        f"sft.source: {path} has an unknown suffix; expected {', '.join(FILE_SUFFIXES)}, "
-        "or a folder written by datasets' save_to_disk."
-    )
+    try:
+        return list(enumerate(pyarrow.parquet.read_table(path).to_pylist(), 1))
+    except pyarrow.ArrowException as exc:
+        raise UsageError(f"{path}: not a readable parquet file ({exc}).") from None
 
 
 def _read_text(path: Path) -> str:

@@ -52,6 +52,7 @@ class Supervision:
 
     time_limit_s: float | None = None  # wall clock from the start; past it the tree is killed
     max_processes: int | None = None  # processes in the program's tree at once
+    wrapper_processes: int = 0  # processes of a wrapper around the program (bubblewrap's), not counted above
     max_memory_bytes: int | None = None  # resident memory of the program's tree, all processes together
     rlimits: tuple[tuple[str, int], ...] = ()  # ("RLIMIT_AS", bytes): set in the program before it starts
     drop_capabilities: bool = False  # running as root: the program holds no capability (cannot read rlcli's /proc)
@@ -65,7 +66,7 @@ def die_with_parent(argv: Sequence[str], supervision: Supervision = Supervision(
     thread that starts it, on Linux) ends, and enforces `supervision`."""
     given = supervision
     rlimits = ",".join(f"{name}={value}" for name, value in given.rlimits)
-    numbers = (given.time_limit_s, given.max_processes, given.max_memory_bytes)
+    numbers = (given.time_limit_s, given.max_processes, given.wrapper_processes, given.max_memory_bytes)
     config = [str(os.getpid()), *("" if n is None else str(n) for n in numbers), rlimits]
     config += ["1" if given.drop_capabilities else "", given.output or "", given.report or "", given.remove or ""]
     return [sys.executable, "-I", "-S", supervisor.__file__, *config, *argv]

@@ -1,7 +1,7 @@
 """The process supervisor that envs/subprocesses.py's die_with_parent runs a program under.
 
-Run as `python -I -S supervisor.py PARENT_PID TIME_LIMIT_S MAX_PROCESSES MAX_MEMORY_BYTES RLIMITS
-DROP_CAPABILITIES OUTPUT REPORT REMOVE ARGV...` (an empty field: not set; RLIMITS: `RLIMIT_AS=bytes,...`;
+Run as `python -I -S supervisor.py PARENT_PID TIME_LIMIT_S MAX_PROCESSES WRAPPER_PROCESSES MAX_MEMORY_BYTES
+RLIMITS DROP_CAPABILITIES OUTPUT REPORT REMOVE ARGV...` (an empty field: not set; RLIMITS: `RLIMIT_AS=bytes,...`;
 see subprocesses.Supervision for what each means). It starts for every python_exec call and every
 server, so it imports only the lightest of the standard library (no json, dataclasses or pathlib:
 they would double its start-up) and nothing of rlcli's.
@@ -42,10 +42,11 @@ class _Config:
     """The command line's fields, parsed."""
 
     def __init__(self, fields: list[str]) -> None:
-        parent, limit, processes, memory, rlimits, drop, output, report, remove = fields
+        parent, limit, processes, wrapper, memory, rlimits, drop, output, report, remove = fields
         self.parent = int(parent)
         self.time_limit_s = float(limit) if limit else None
         self.max_processes = int(processes) if processes else None
+        self.wrapper_processes = int(wrapper)
         self.max_memory_bytes = int(memory) if memory else None
         pairs = [pair.partition("=") for pair in rlimits.split(",") if pair]
         self.rlimits = [(name, int(value)) for name, _, value in pairs]
@@ -104,7 +105,7 @@ class _Tree:
         """Why the tree is past a bound, or ''."""
         members = self.members()
         most = config.max_processes
-        if most is not None and len(members) > most:
+        if most is not None and len(members) - config.wrapper_processes > most:
             return f"stopped: it ran more than {most} processes at once"
         most = config.max_memory_bytes
         if most is not None and LINUX:
@@ -270,4 +271,4 @@ def _leave(config: _Config) -> NoReturn:
 
 
 if __name__ == "__main__":
-    _supervise(_Config(sys.argv[1:10]), sys.argv[10:])
+    _supervise(_Config(sys.argv[1:11]), sys.argv[11:])

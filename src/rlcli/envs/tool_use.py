@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from rlcli.envs.protocol import Env, EnvFactory
+from rlcli.envs.sandbox import use_bwrap
 from rlcli.envs.subprocesses import hide_environment
 from rlcli.envs.tool_calls import parse_tool_calls
 from rlcli.envs.tools import (
@@ -63,7 +64,19 @@ def tool_use_spec(env_cfg: EnvSection, root: str | Path, tokenizer: object = Non
         McpServerSpec(tuple(server.command), tuple(sorted(server.env.items())), server.cwd)
         for server in env_cfg.mcp_servers
     )
-    tools = ToolsSpec(tuple(env_cfg.tools), servers, str(root), env_cfg.tool_time_limit(), env_cfg.tool_result_chars)
+    # Made a yes or no here, in the main process before any stage: bwrap that cannot run is refused, auto
+    # says once which it took, and workers get the answer.
+    code_in_bwrap = "python_exec" in env_cfg.tools and use_bwrap(env_cfg.code_sandbox, "env.code_sandbox")
+    servers_in_bwrap = bool(servers) and use_bwrap(env_cfg.sandbox, "env.sandbox")
+    tools = ToolsSpec(
+        tuple(env_cfg.tools),
+        servers,
+        str(root),
+        env_cfg.tool_time_limit(),
+        env_cfg.tool_result_chars,
+        code_in_bwrap,
+        servers_in_bwrap,
+    )
     if "python_exec" in tools.functions:
         hide_environment()  # model-written code (here, or in an env worker below) cannot read its API keys
     template = getattr(tokenizer, "response_template", None)

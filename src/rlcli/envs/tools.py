@@ -18,7 +18,8 @@ without closing it (SIGKILL, the out-of-memory killer), the server's stdin reach
 servers exit; one busy in a call that never returns would not, so on Linux each server is also
 started with a parent-death signal (PR_SET_PDEATHSIG: SIGKILL), which the kernel sends it when the
 thread that started it (the box's event loop) ends. Processes a server starts itself are its own to
-stop.
+stop. With env.sandbox (ToolsSpec.servers_in_bwrap) each server runs in bubblewrap (envs/sandbox.py),
+seeing the folder it starts in read-only and only its own env entries.
 
 A server whose process dies (a crash, the out-of-memory killer) is noticed by the call that finds its
 connection closed: that call raises ToolServerLost, an env failure (the episode fails rather than being
@@ -52,7 +53,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from rlcli.envs.protocol import EnvFailure, run_in_thread
-from rlcli.envs.python_exec import python_exec
+from rlcli.envs.python_exec import python_exec_tool
+from rlcli.envs.sandbox import BASE_ENV, Sandbox, hidden_runs, sandboxed
 from rlcli.envs.subprocesses import die_with_parent
 from rlcli.errors import UsageError
 from rlcli.usercode import import_file
@@ -61,7 +63,10 @@ if TYPE_CHECKING:
     from mcp import ClientSession
 
 _T = TypeVar("_T")
-BUILTIN_TOOLS: dict[str, Callable[..., Any]] = {"python_exec": python_exec}
+# The built-in tools, each made for a ToolsSpec (python_exec: in bubblewrap or not).
+BUILTIN_TOOLS: dict[str, Callable[[ToolsSpec], Callable[..., Any]]] = {
+    "python_exec": lambda spec: python_exec_tool(spec.code_in_bwrap)
+}
 # Seconds to wait, past a call's own limit, for the event loop to report that it cancelled the call;
 # only a loop stuck in a server's synchronous code would run this out.
 _LOOP_GRACE_S = 5.0
@@ -93,6 +98,9 @@ class ToolsSpec:
     root: str = "."  # where relative file.py paths and relative cwd resolve
     timeout_s: float = 30.0  # env.tool_timeout_s: a call past it is cancelled and reported
     max_result_chars: int = 4000  # a result longer than this is cut, saying how much was cut
+    # env.code_sandbox and env.sandbox, each made a yes or no by sandbox.use_bwrap in the main process:
+    code_in_bwrap: bool = False  # python_exec's code runs in bubblewrap
+    servers_in_bwrap: bool = False  # the MCP servers run in bubblewrap
 
 
 @dataclass
@@ -183,15 +191,14 @@ class ToolBox:
         self._servers: list[_McpServer] = []
         self._closed = False
         try:
-            root = Path(spec.root)
             for entry in spec.functions:
-                self._add(FunctionTool(_resolve_function(entry, root)), f"env.tools entry {entry!r}")
+                self._add(FunctionTool(_resolve_function(entry, spec)), f"env.tools entry {entry!r}")
             for fn in extra:
                 self._add(FunctionTool(fn), f"the env's own tool {_qualname(fn)}")
             if spec.mcp_servers:
                 self._loop = _EventLoop()
                 for server_spec in spec.mcp_servers:  # started together here, waited for in order below
-                    self._servers.append(_McpServer(server_spec, root, spec.timeout_s, self._loop))
+                    self._servers.append(_McpServer(server_spec, spec, self._loop))
                 for server in self._servers:
                     for tool in server.wait_ready():
                         self._add(tool, f"MCP server `{server.label}`")
@@ -327,9 +334,10 @@ def _forget_parents_boxes() -> None:
 os.register_at_fork(after_in_child=_forget_parents_boxes)
 
 
-def _resolve_function(entry: str, root: Path) -> Callable[..., Any]:
+def _resolve_function(entry: str, spec: ToolsSpec) -> Callable[..., Any]:
     if entry in BUILTIN_TOOLS:
-        return BUILTIN_TOOLS[entry]
+        return BUILTIN_TOOLS[entry](spec)
+    root = Path(spec.root)
     target, sep, attr = entry.rpartition(":")
     if not sep or not target or not attr:
         builtins = ", ".join(BUILTIN_TOOLS)
@@ -349,6 +357,15 @@ def _resolve_function(entry: str, root: Path) -> Callable[..., Any]:
     if not callable(fn):
         raise UsageError(f"env.tools entry {entry!r}: {target} has no function {attr!r}.")
     return fn
+
+
+def _in_sandbox(command: Sequence[str], env: Mapping[str, str], cwd: Path) -> list[str]:
+    """An MCP server's argv in bubblewrap: it sees the folder it starts in read-only (but for rlcli's runs
+    folder) and rlcli's own package, so that `python my_server.py` and `python -m rlcli.envs.search_server`
+    both start."""
+    shown = (str(cwd.resolve()), str(Path(__file__).resolve().parent.parent))  # the folder, and rlcli/
+    sandbox = Sandbox(tuple(env.items()), cwd=shown[0], readable=shown, hidden=hidden_runs(shown))
+    return sandboxed(command, sandbox)
 
 
 def _qualname(fn: Callable[..., Any]) -> str:
@@ -391,18 +408,19 @@ class _McpServer:
     """One stdio MCP server: its process and session live in a task on the box's event loop. A server whose
     process dies is noticed by the call that finds its connection closed, and started again (see _serve)."""
 
-    def __init__(self, spec: McpServerSpec, root: Path, timeout_s: float, loop: _EventLoop) -> None:
+    def __init__(self, spec: McpServerSpec, tools: ToolsSpec, loop: _EventLoop) -> None:
         if not spec.command:
             raise UsageError("env.mcp_servers has an empty command: expected the argv of a stdio MCP server.")
         self.label = shlex.join(spec.command)
-        self.timeout_s = timeout_s
+        self.timeout_s = tools.timeout_s
         self.loop = loop
-        self.cwd = root / (spec.cwd or ".")
+        self.cwd = Path(tools.root) / (spec.cwd or ".")
         if not self.cwd.is_dir():
             raise UsageError(f"MCP server `{self.label}`: its cwd {self.cwd} is not a folder.")
-        # The parent's whole environment: the SDK would otherwise pass only HOME, PATH, SHELL, TERM, USER
-        # and LOGNAME, and a server may need a virtualenv's variables, a proxy, or an API key of the user's.
-        self.env = {**os.environ, **dict(spec.env)}
+        # Unsandboxed, the parent's whole environment: the SDK would otherwise pass only HOME, PATH, SHELL,
+        # TERM, USER and LOGNAME, and a server may need a virtualenv's variables, a proxy, or an API key of
+        # the user's. In bubblewrap, none of rlcli's variables: only its own env entries.
+        self.env = {**(BASE_ENV if tools.servers_in_bwrap else os.environ), **dict(spec.env)}
         program = spec.command[0]
         found = (
             shutil.which(str(self.cwd / program))
@@ -413,7 +431,8 @@ class _McpServer:
             raise UsageError(
                 f"MCP server `{self.label}`: command {program!r} not found (expected a program on PATH or a path)."
             )
-        self.argv = die_with_parent(spec.command)  # on Linux, killed when the loop's thread ends
+        command = _in_sandbox(spec.command, self.env, self.cwd) if tools.servers_in_bwrap else list(spec.command)
+        self.argv = die_with_parent(command)  # on Linux, killed when the loop's thread ends
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=_STDERR_TAIL_LINES)
         self.stderr_reader: threading.Thread | None = None
         self.ready: concurrent.futures.Future[list[_McpTool]] = concurrent.futures.Future()  # the first start's

@@ -31,16 +31,24 @@ Worker processes (`EnvWorkerPool`):
   cannot do itself. A subprocess that starts a session or group of its own (setsid) is out of reach;
 - may get limits: env.worker_memory_mb (address space, RLIMIT_AS: past it allocations fail with
   MemoryError) and env.worker_cpu_s (CPU seconds per call, RLIMIT_CPU: past it the kernel kills
-  the worker).
+  the worker);
+- may run in bubblewrap (env.sandbox: `_SandboxedWorker`): no network, none of rlcli's processes or
+  variables, the system, rlcli's Python, the folder rlcli runs in and the folders on its sys.path
+  read-only (but the runs folder), a scratch folder of their own. multiprocessing cannot start a
+  process through a wrapper, so such a worker is a command (bubblewrap under the supervisor of
+  envs/subprocesses.py) that inherits its end of the pipe and reads its WorkerSpec from it; it dies
+  with the main process through both. Its tools run inside its sandbox (a sandbox makes none inside).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import multiprocessing
 import os
 import signal
+import subprocess
 import sys
 import time
 from collections import deque
@@ -51,7 +59,8 @@ from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
 
 from rlcli.envs.protocol import EnvFailure, EnvTimeout, call_with_timeout
-from rlcli.envs.subprocesses import exit_with_parent, kill_group_when_gone
+from rlcli.envs.sandbox import BASE_ENV, Sandbox, hidden_runs, program_returncode, sandboxed
+from rlcli.envs.subprocesses import die_with_parent, exit_with_parent, kill_group_when_gone
 from rlcli.envs.tool_use import ToolUseSpec
 from rlcli.errors import UsageError
 
@@ -173,6 +182,7 @@ class WorkerSpec:
     memory_mb: int | None = None
     cpu_s: float | None = None
     tools: ToolUseSpec | None = None  # the recipe's tools: the worker's envs answer tool calls
+    in_bwrap: bool = False  # env.sandbox made a yes or no (sandbox.use_bwrap): the worker runs in bubblewrap
 
 
 @dataclass
@@ -375,9 +385,21 @@ class EnvWorkerPool(RemoteEnvs[_Worker]):
         root: Path | None = None,
         isolation: str = "worker",
         tools: ToolUseSpec | None = None,
+        in_bwrap: bool = False,
     ):
+        if in_bwrap and tools is not None:  # already in the worker's sandbox, where none can be made
+            inside = dataclasses.replace(tools.tools, code_in_bwrap=False, servers_in_bwrap=False)
+            tools = dataclasses.replace(tools, tools=inside)
         self.spec = WorkerSpec(
-            env_name, dict(env_kwargs), str(root or Path.cwd()), list(sys.path), os.getpid(), memory_mb, cpu_s, tools
+            env_name,
+            dict(env_kwargs),
+            str(root or Path.cwd()),
+            list(sys.path),
+            os.getpid(),
+            memory_mb,
+            cpu_s,
+            tools,
+            in_bwrap,
         )
         super().__init__(isolation)
         self.timeout_s = timeout_s
@@ -402,8 +424,13 @@ class EnvWorkerPool(RemoteEnvs[_Worker]):
 
     def _start(self, slot: int) -> _Worker:
         mine, theirs = self.context.Pipe()
-        process = self.context.Process(target=serve, args=(theirs, self.spec), name=f"rlcli-env-{slot}")
-        process.start()
+        process: Any
+        if self.spec.in_bwrap:
+            process = _SandboxedWorker(theirs, self.spec)
+            mine.send(self.spec)
+        else:
+            process = self.context.Process(target=serve, args=(theirs, self.spec), name=f"rlcli-env-{slot}")
+            process.start()
         theirs.close()  # only the worker holds its end now: its death reads as EOF here
         return _Worker(slot, process, mine)
 
@@ -464,6 +491,52 @@ class EnvWorkerPool(RemoteEnvs[_Worker]):
                 self._answer(request, message)
 
 
+class _SandboxedWorker:
+    """A worker in bubblewrap (env.sandbox), with what the pool reads of a multiprocessing Process: the
+    command `serve_inherited`, under the supervisor, given `conn`'s descriptor; its WorkerSpec is the first
+    message on the pipe. It sees the spec's root (where env files are found), the folder of an env file
+    named elsewhere, and this process's Python path. Killing it kills the supervisor, whose death kills
+    bubblewrap and, with it, every process of the sandbox (--die-with-parent and the PID namespace)."""
+
+    def __init__(self, conn: Connection, spec: WorkerSpec) -> None:
+        root = spec.root
+        target = spec.env_name.partition(":")[0]
+        env_file = [str((Path(root) / target).resolve().parent)] if target.endswith(".py") else []
+        package = str(Path(__file__).resolve().parent.parent)  # where this process imports rlcli from
+        python_path = [path for path in sys.path if os.path.isabs(path) and os.path.isdir(path)]
+        shown = list(dict.fromkeys([root, *env_file, *python_path, package]))
+        sandbox = Sandbox(tuple(BASE_ENV.items()), cwd=root, readable=tuple(shown), hidden=hidden_runs(shown))
+        code = f"from rlcli.envs.workers import serve_inherited; serve_inherited({conn.fileno()})"
+        # Its own session, as a multiprocessing worker ignores Ctrl-C: the main process handles it.
+        self.popen = subprocess.Popen(
+            die_with_parent(sandboxed([sys.executable, "-c", code], sandbox)),
+            pass_fds=(conn.fileno(),),
+            stdin=subprocess.DEVNULL,
+            env=BASE_ENV,
+            start_new_session=True,
+        )
+        self.pid = self.popen.pid
+        self.sentinel = os.pidfd_open(self.pid)  # readable once it has ended: multiprocessing's wait takes it
+
+    @property
+    def exitcode(self) -> int | None:
+        code = self.popen.poll()
+        return None if code is None else program_returncode(code)
+
+    def is_alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def kill(self) -> None:
+        self.popen.kill()
+
+    def join(self, timeout: float | None = None) -> None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(timeout)
+        if self.popen.returncode is not None and self.sentinel >= 0:
+            os.close(self.sentinel)
+            self.sentinel = -1
+
+
 def _over_time(verb: str, timeout_s: float) -> str:
     return f"{verb} exceeded the {timeout_s:g}s step time limit"
 
@@ -497,9 +570,17 @@ def _kill(worker: _Worker) -> None:
 # --- inside a worker ---------------------------------------------------------------
 
 
+def serve_inherited(fd: int) -> None:
+    """A sandboxed worker's life (env.sandbox): the pipe is the inherited descriptor fd, its first message
+    the WorkerSpec."""
+    conn = Connection(fd)
+    serve(conn, conn.recv())
+
+
 def serve(conn: Connection, spec: WorkerSpec) -> None:
     """A worker's life: build the env factory, then answer calls in order until the pipe closes."""
-    exit_with_parent(spec.parent_pid)
+    if not spec.in_bwrap:  # in bubblewrap its parent is not the main process, and bubblewrap ties them instead
+        exit_with_parent(spec.parent_pid)
     os.setpgid(0, 0)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
     kill_group_when_gone()

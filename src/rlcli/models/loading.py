@@ -440,6 +440,8 @@ def _check_checkpoint(path: str | Path) -> Path:
     path = Path(path)
     if not path.is_dir():
         raise UsageError(f"Checkpoint {path} does not exist.")
+    if is_pruned(path):
+        raise UsageError((path / PRUNED_NOTE).read_text().strip())
     if not (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
         raise UsageError(
             f"Checkpoint {path} is neither a LoRA adapter (adapter_config.json) nor a model folder (config.json)."
@@ -538,6 +540,35 @@ def save_checkpoint(model: Any, tokenizer: Any, path: str | Path) -> Path:
     return _save_folder(model, tokenizer, Path(path))
 
 
+# What a pruned checkpoint folder holds instead of its weights: the sentence saying why, which a load
+# of the folder ends with.
+PRUNED_NOTE = "PRUNED.txt"
+
+
+def prune_checkpoint(folder: Path, note: str) -> None:
+    """Delete the weights and trainer state in a checkpoint folder, leaving `note` in their place. The
+    note goes in first, whole (renamed into place): a kill part-way leaves a folder that reads as
+    pruned, and pruning it again deletes the rest."""
+    marker = folder / PRUNED_NOTE
+    if not marker.is_file():
+        partial = folder / f".{PRUNED_NOTE}.partial"
+        partial.write_text(note + "\n")
+        _fsync(partial)
+        os.replace(partial, marker)
+        _fsync(folder)
+    for entry in folder.iterdir():
+        if entry.name == PRUNED_NOTE:
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+
+
+def is_pruned(folder: Path) -> bool:
+    return (folder / PRUNED_NOTE).is_file()
+
+
 def export_merged(
     model_cfg: ModelSection,
     lora_cfg: LoraSection | None,
@@ -558,11 +589,13 @@ def export_merged(
     is the command-line option that named `out_dir`, for the refusals.
     """
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.utils import logging as hf_logging
 
     from rlcli.models import vision
 
     out_dir = Path(out_dir)
     check_export_target(out_dir, option, overwrite)  # before minutes of loading and merging
+    hf_logging.disable_progress_bar()  # its loading and shard-writing bars, among the command's sentences
     checkpoint = _check_checkpoint(adapter_path)
     is_adapter = (checkpoint / "adapter_config.json").is_file()
     if is_adapter != (lora_cfg is not None):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,9 @@ def export_run(
     secrets redacted: rlcli.redaction); return row counts.
 
     One file per table, as in the database (turns join episodes on episode_id): token ids and
-    logprobs become lists, and columns holding JSON text (messages, task, info, details) stay text.
+    logprobs become lists. Columns holding JSON text (messages, task, info, details) are nested JSON in
+    JSONL, and stay text in parquet, where a column has one type and a message's content varies (text,
+    or a list of text and image parts).
     `out` may be new, empty, or (with `overwrite`) an earlier export; any other folder is refused.
 
     Every table and run.json are read in one read transaction, so the export of a run that another
@@ -41,13 +43,19 @@ def export_run(
         run = store.require_run()
         for table in run_tables(store):
             path = staging / f"{table.name}.{fmt}"
-            counts[table.name] = _write_jsonl(path, table.rows) if fmt == "jsonl" else _write_parquet(path, table)
+            counts[table.name] = _write_jsonl(path, _nested(table)) if fmt == "jsonl" else _write_parquet(path, table)
         details = run_details(store)
         details["recipe"] = shareable_recipe(run.recipe)  # the database keeps the secrets; run.json is shared
         (staging / "run.json").write_text(json.dumps(details, indent=2))
         for file, data in (extra(counts) if extra else {}).items():
             (staging / file).write_bytes(data)
     return counts
+
+
+def _nested(table: TableDump) -> Iterator[dict[str, Any]]:
+    """The table's rows with its JSON text parsed, so that a JSONL line holds JSON, not JSON in a string."""
+    for row in table.rows:
+        yield {k: json.loads(v) if k in table.json_columns and v else v for k, v in row.items()}
 
 
 def _write_jsonl(path: Path, rows: Iterable[dict[str, Any]]) -> int:

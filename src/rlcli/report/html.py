@@ -44,16 +44,27 @@ table.rewards td, table.rewards th { border-bottom: 1px solid #ddd; padding: 2px
 def episodes_page(run: str, episodes: list[dict[str, Any]], pngs: dict[str, bytes]) -> str:
     """The page for episodes as views.select_episodes gives them; `pngs` holds their stored images by sha256."""
     title = f"{run}: {len(episodes)} episode{'s' if len(episodes) != 1 else ''}"
-    body = "\n".join(episode_section(ep, pngs) for ep in episodes)
+    body = "\n".join(episode_section(ep, pngs, branches_of(episodes).get(ep["id"], [])) for ep in episodes)
     return (
         f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{_e(title)}</title>'
         f"<style>{STYLE}</style></head>\n<body><h1>{_e(title)}</h1>\n{body}\n</body></html>\n"
     )
 
 
-def episode_section(ep: dict[str, Any], pngs: dict[str, bytes]) -> str:
+def branches_of(episodes: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
+    """grpo.branch: the branches among `episodes` by their parent's id, in the order of their turn."""
+    out: dict[int, list[dict[str, Any]]] = {}
+    for ep in episodes:
+        if ep.get("parent_episode_id") is not None:
+            out.setdefault(ep["parent_episode_id"], []).append(ep)
+    return {parent: sorted(children, key=lambda ep: ep["branch_turn"]) for parent, children in out.items()}
+
+
+def episode_section(ep: dict[str, Any], pngs: dict[str, bytes], branches: list[dict[str, Any]] | None = None) -> str:
     """One episode (views.select_episodes) as a <section>: its facts, reward components and transcript,
-    with its screenshots inline and clicks marked; the page needs STYLE. `runs report` shows these too."""
+    with its screenshots inline and clicks marked; the page needs STYLE. `runs report` shows these too.
+    grpo.branch: a branch names its parent and turn; `branches` (this episode's, on the page) are
+    listed under the parent's turn each branched from, linked."""
     title = f"episode {ep['id']} · {ep['stage']} · task {ep['task_index']} sample {ep['sample_index']}"
     if ep["reward"] is not None:
         title += f" · reward {fmt(ep['reward'])}"
@@ -62,6 +73,12 @@ def episode_section(ep: dict[str, Any], pngs: dict[str, bytes]) -> str:
         f"return {fmt(ep['env_return'])} · turns {ep['num_turns']} · tokens {ep['num_tokens']} · policy {ep['policy']}"
     )
     out = [f"<h2>{_e(title)}</h2>", f'<p class="facts">{_e(facts)}</p>']
+    if ep.get("parent_episode_id") is not None:
+        parent, turn = ep["parent_episode_id"], ep["branch_turn"]
+        out.append(
+            f'<p class="facts">branch of <a href="#episode-{parent}">episode {parent}</a> from its turn {turn} '
+            f"(the turns before it replay the parent's)</p>"
+        )
     if ep["error"]:
         out.append(f'<p class="error">error: {_e(ep["error"])}</p>')
     if ep["rewards"]:
@@ -75,8 +92,16 @@ def episode_section(ep: dict[str, Any], pngs: dict[str, bytes]) -> str:
             f"<tr><th>component</th><th>value</th><th>weight</th><th>note</th></tr>{rows}</table>"
         )
     out += _messages(ep["messages"], pngs)
+    if branches:
+        items = "".join(
+            f'<li>turn {b["branch_turn"]}: <a href="#episode-{b["id"]}">episode {b["id"]}</a>'
+            + ("" if b["reward"] is None else f" · reward {fmt(b['reward'])}")
+            + "</li>"
+            for b in branches
+        )
+        out.append(f'<p class="facts">branches</p><ul class="branches">{items}</ul>')
     kind = "failed" if ep["status"] == "failed" else "success" if ep["success"] else "episode"
-    return f'<section class="{kind}">\n' + "\n".join(out) + "\n</section>"
+    return f'<section class="{kind}" id="episode-{ep["id"]}">\n' + "\n".join(out) + "\n</section>"
 
 
 def _messages(messages: list[dict[str, Any]], pngs: dict[str, bytes]) -> list[str]:

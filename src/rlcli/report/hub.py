@@ -226,7 +226,8 @@ def dataset_card_files(store: RunStore, repo_id: str, fmt: str, counts: dict[str
         *rows,
         "",
         "`run.json` holds the run's details (stages, checkpoints, evals) and its recipe. Columns holding JSON "
-        "(messages, task, info, details) are JSON text; rlcli's docs/database.md describes every column.",
+        f"(messages, task, info, details) are {'nested JSON' if fmt == 'jsonl' else 'JSON text'}; rlcli's "
+        "docs/database.md describes every column.",
         "",
         *_evaluation(store),
         *_license(recipe),

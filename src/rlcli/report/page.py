@@ -134,12 +134,14 @@ def _evals(data: dict[str, Any]) -> str:
         row = ending[role]
         if row is not None and row["success_rate"] is not None:
             lines.append(
-                f"{role}: checkpoint {row['name']} ({row['stage']}, iteration {fmt(row['iteration'])}), "
-                f"held-out success {row['success_rate']:.1%} over {row['tasks']} tasks"
+                f"{role}, {views.CHECKPOINT_ROLES[role]}: checkpoint {row['name']} ({row['stage']}, iteration "
+                f"{fmt(row['iteration'])}), held-out success {row['success_rate']:.1%} over {row['tasks']} tasks "
+                f"({row['decoding']})"
             )
     if lines:
-        note = " (grpo.keep_best: `latest` means the best one)" if ending["keep_best"] else ""
-        out.append("<p>" + "<br>".join(_e(line) for line in lines) + _e(note) + "</p>")
+        if ending["keep_best"]:
+            lines.append(views.KEEP_BEST_NOTE)
+        out.append("<p>" + "<br>".join(_e(line) for line in lines) + "</p>")
     return "\n".join(out)
 
 

@@ -9,17 +9,26 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
-from rich.console import Console, Group
+from rich.console import Console, ConsoleOptions, Group, RenderResult
+from rich.measure import Measurement
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
 from rlcli.console import number
 from rlcli.report.text import literal, printable, tool_call_note
-from rlcli.report.views import COMPARE_METRICS, KEY_METRICS, OTHER_CHECKPOINTS, ending_view, eval_view
+from rlcli.report.views import (
+    CHECKPOINT_ROLES,
+    COMPARE_METRICS,
+    KEEP_BEST_NOTE,
+    OTHER_CHECKPOINTS,
+    ending_view,
+    eval_view,
+)
 from rlcli.rewards.episodes import message_text
 from rlcli.store.checkpoints import BestAndLatest
 from rlcli.store.names import BASE, PolicyRef, stage_family
@@ -39,23 +48,49 @@ def fmt(value: Any, digits: int = 4) -> str:
 
 
 def runs_table(rows: list[dict[str, Any]]) -> Table:
+    """What each run is and how it did on held-out tasks (views.runs_summary). The last training
+    iteration's reward, success and loss are left to --json: beside the run they read as its result."""
     table = Table(title="Runs")
-    for col in ("run", "status", "created", *KEY_METRICS):
+    for col in ("run", "status", "model", "env", "stages", "held-out", "checkpoint", "created"):
         table.add_column(col)
     for row in rows:
-        metrics = row["metrics"]
+        held = row["held_out"]
         table.add_row(
-            row["name"],
+            literal(row["name"]),
             row["status"],
-            row["created_at"][:19].replace("T", " "),
-            *(fmt(metrics.get(k)) for k in KEY_METRICS),
+            literal(short_model(row["model"])),
+            literal(row["env"] or "–"),
+            row["stages_done"]["summary"],
+            held_out_cell(held),
+            literal(held["label"]) if held else "",
+            row["created_at"][:16].replace("T", " "),
         )
     return table
+
+
+def short_model(name: str | None) -> str:
+    """A model's name without its hub organisation or folders: SmolLM2-135M-Instruct."""
+    return name.rstrip("/").rsplit("/", 1)[-1] if name else "–"
+
+
+def held_out_cell(held: dict[str, Any] | None, labelled: bool = False) -> str:
+    """A held-out success with its 95% interval, 52% [42–62%] (labelled: and the policy, latest (#25));
+    a dash when nothing was evaluated."""
+    if held is None:
+        return "–"
+    cell = f"{held['success_rate']:.0%} [{held['ci_low'] * 100:.0f}–{held['ci_high']:.0%}]"
+    return f"{cell} {printable(held['label'])}" if labelled else cell
 
 
 def print_run(console: Console, data: dict[str, Any], series: dict[str, dict[str, Any]] | None = None) -> None:
     """The `runs show` view; `series` (from metric_series) adds a trend column to the metrics."""
     header = Text.assemble((data["name"], "bold"), f"  status: {data['status']}  created: {data['created_at'][:19]}")
+    held = data["held_out"]
+    header.append(
+        f"\nmodel: {printable(short_model(data['model']))}  env: {printable(data['env'] or '–')}  "
+        f"stages done: {data['stages_done']['summary']}\nheld-out "
+        + (f"{held_out_cell(held, labelled=True)}, {held['tasks']}×{held['k']} {held['decoding']}" if held else "–")
+    )
     if data.get("description"):
         header.append(f"\n{printable(data['description'])}", style="italic")
     if data.get("error"):
@@ -202,18 +237,59 @@ def checkpoints_table(rows: list[dict[str, Any]], shown: int = 10) -> Table:
     return table
 
 
-def evals_table(rows: list[dict[str, Any]]) -> Table:
-    # Sized for an 80-column terminal; avg@k is left to --json (with k samples of every task it
-    # equals the success rate).
+# The eval table's columns in the order they give way to a narrow terminal. The checkpoint, whom it
+# played, how it sampled, its success with the 95% interval and the failed episodes always stay.
+EVAL_COLUMNS_DROPPED_FIRST = ("tokens", "turns", "pass@k", "entropy", "return", "tasks×k")
+
+
+def evals_table(rows: list[dict[str, Any]]) -> FittedTable:
+    """The eval table, as wide as the terminal allows (avg@k is left to --json: with k samples of every
+    task it equals the success rate)."""
     columns, cells = eval_cells(rows)
-    table = Table(title="Evaluation (held-out tasks)")
-    for col in columns:
-        # The labels never fold or cut: the numbers give way first.
-        label = col in ("checkpoint", "vs", "decoding")
-        table.add_column(col, justify="left" if label else "right", min_width=min(len(col), 8), no_wrap=label)
-    for row in cells:
-        table.add_row(literal(row[0]), *row[1:])
-    return table
+
+    def build(left_out: list[str]) -> Table:
+        table = Table(title="Evaluation (held-out tasks)")
+        if left_out:
+            table.caption = f"left out at this width: {', '.join(left_out)} (runs show --json has them)"
+        kept = [i for i, col in enumerate(columns) if col not in left_out]
+        for i in kept:
+            # No cell folds or is cut: a column gives way whole instead.
+            label = columns[i] in ("checkpoint", "vs", "decoding")
+            table.add_column(columns[i], justify="left" if label else "right", no_wrap=True)
+        for row in cells:
+            table.add_row(*(literal(row[i]) if i == 0 else row[i] for i in kept))
+        return table
+
+    return FittedTable(build, [col for col in EVAL_COLUMNS_DROPPED_FIRST if col in columns])
+
+
+UNBOUNDED = 100_000  # columns: wider than any table
+
+
+class FittedTable:
+    """A table that leaves out columns, in the order given, until it fits the width it is printed at:
+    rich would otherwise fold numbers into several lines or cut them ("34%–6…")."""
+
+    def __init__(self, build: Callable[[list[str]], Table], droppable: list[str]) -> None:
+        self.build = build  # the table without the columns named
+        self.droppable = droppable
+
+    def fitted(self, console: Console, options: ConsoleOptions) -> Table:
+        left_out: list[str] = []
+        table = self.build(left_out)
+        unbounded = options.update_width(UNBOUNDED)  # Measurement.get clamps a measure to the width it is given
+        for column in self.droppable:
+            if Measurement.get(console, unbounded, table).maximum <= options.max_width:
+                break
+            left_out.append(column)
+            table = self.build(left_out)
+        return table
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        yield self.fitted(console, options)
+
+    def __rich_measure__(self, console: Console, options: ConsoleOptions) -> Measurement:
+        return Measurement.get(console, options, self.fitted(console, options))
 
 
 def games_table(rows: list[dict[str, Any]]) -> Table | None:
@@ -280,9 +356,15 @@ def compare_table(rows: list[dict[str, Any]]) -> Table:
     for row in rows:
         table.add_column(row["name"], justify="right")
 
+    table.add_row("model", *(literal(short_model(r["model"])) for r in rows))
+    table.add_row("env", *(literal(r["env"] or "–") for r in rows))
+    table.add_row("stages done", *(r["stages_done"]["summary"] for r in rows))
+    table.add_row("held-out", *(held_out_cell(r["held_out"], labelled=True) for r in rows))
+    # The recipe fields in which the runs differ, in place of their hashes.
+    for field in dict.fromkeys(f for r in rows for f in r["recipe_differs"]):
+        table.add_row(literal(field), *(_recipe_value(r["recipe_differs"], field) for r in rows))
     table.add_row("status", *(r["status"] for r in rows))
     table.add_row("created", *(r["created_at"][:16].replace("T", " ") for r in rows))
-    table.add_row("recipe sha256", *(r["recipe_sha256"][:12] for r in rows))
     table.add_row("episodes", *(str(r["episodes"]) for r in rows))
     for key in COMPARE_METRICS:
         if any(key in r["latest_metrics"] for r in rows):
@@ -292,6 +374,15 @@ def compare_table(rows: list[dict[str, Any]]) -> Table:
         table.add_row(literal(f"eval success: {label}"), *(_fmt_eval(r["best_evals"].get(label), label) for r in rows))
     table.add_row("reward curve", *(sparkline(r["reward_curve"], 24) or "–" for r in rows))
     return table
+
+
+def _recipe_value(fields: dict[str, Any], field: str) -> Text:
+    """A recipe value as YAML would say it (1.0, null, [sft, grpo] as JSON); a dash for a field the run's
+    rlcli did not have."""
+    if field not in fields:
+        return literal("–")
+    value = fields[field]
+    return literal(value if isinstance(value, str) and value else json.dumps(value))
 
 
 def _fmt_eval(best: dict[str, Any] | None, label: str) -> str:
@@ -321,6 +412,8 @@ def episode_panel(ep: dict[str, Any]) -> Panel:
         f"return {fmt(ep['env_return'])} · turns {ep['num_turns']} · tokens {ep['num_tokens']} · policy {ep['policy']}"
     )
     parts: list[Any] = [facts]
+    if ep.get("parent_episode_id") is not None:  # grpo.branch: the turns before branch_turn replay the parent's
+        parts.append(literal(f"branch of episode {ep['parent_episode_id']} from its turn {ep['branch_turn']}"))
     if ep["error"]:
         parts.append(literal(f"error: {ep['error']}", style="bold red"))
     if ep["rewards"]:
@@ -389,25 +482,37 @@ def image_marker(part: dict[str, Any]) -> str:
 
 
 def episodes_table(title: str, summary: EpisodeSummary) -> Table:
-    table = Table(title=literal(f"{title}: episodes"))
-    values = asdict(summary)
-    for key in values:
-        table.add_column(key, justify="right")
-    table.add_row(*(fmt(v, digits=3) for v in values.values()))
+    """A rollout stage's summary, a row per figure: seven columns of them overflow 80."""
+    table = Table(title=literal(f"{title}: episodes"), show_header=False)
+    table.add_column(style="bold")
+    table.add_column(justify="right")
+    for key, value in asdict(summary).items():
+        table.add_row(key, fmt(value, digits=3))
     return table
 
 
-def labels_table(summaries: list[Any]) -> Table:
-    """One row per labelled stage (engine.labelling.LabelSummary)."""
-    keys = sorted({k for s in summaries for k in s.means})
-    table = Table(title="Labels")
-    for col in ("stage", "label set", "episodes", *keys):
-        table.add_column(literal(col))
-    for s in summaries:
-        table.add_row(
-            literal(s.stage), literal(s.label_set), str(s.episodes), *(fmt(s.means.get(k), digits=3) for k in keys)
-        )
-    return table
+def labels_table(summaries: list[Any]) -> FittedTable:
+    """One row per labelled stage (engine.labelling.LabelSummary): the total's mean, then each component's;
+    at a narrow terminal the last components give way first."""
+    # A column per mean, headed by what it is the mean of: "total" (LabelSummary's reward_mean), then
+    # each component.
+    names = {"reward_mean": "total"} if any("reward_mean" in s.means for s in summaries) else {}
+    names |= {k: k.removesuffix("_mean") for k in sorted({k for s in summaries for k in s.means} - set(names))}
+
+    def build(left_out: list[str]) -> Table:
+        shown = {key: name for key, name in names.items() if name not in left_out}
+        table = Table(title="Labels: means per episode")
+        if left_out:
+            table.caption = f"left out at this width: {', '.join(left_out)} (rlcli runs episodes shows them)"
+        for col in ("stage", "label set", "episodes", *shown.values()):
+            table.add_column(literal(col), justify="left" if col in ("stage", "label set") else "right", no_wrap=True)
+        for s in summaries:
+            table.add_row(
+                literal(s.stage), literal(s.label_set), str(s.episodes), *(fmt(s.means.get(k), digits=3) for k in shown)
+            )
+        return table
+
+    return FittedTable(build, list(names.values())[:0:-1])
 
 
 def sft_table(summary: Any) -> Table:
@@ -487,7 +592,7 @@ def _fmt_duration(seconds: float) -> str:
     return f"{hours}h{minutes:02d}m"
 
 
-def stage_summary_table(summary: Any) -> Table:
+def stage_summary_table(summary: Any) -> Table | FittedTable:
     """What `rlcli run` prints as a stage finishes: the eval results, the SFT summary, or last the
     run's best and latest checkpoints."""
     if isinstance(summary, list):
@@ -509,7 +614,11 @@ def best_latest_table(ending: dict[str, Any]) -> Table:
         if row is None:
             table.add_row(role, "–", "", "", "not evaluated" if role == "best" else "")
             continue
-        success = "–" if row["success_rate"] is None else f"{row['success_rate']:.1%} ({row['tasks']} tasks)"
+        success = (
+            "–"
+            if row["success_rate"] is None
+            else f"{row['success_rate']:.1%} ({row['tasks']} tasks, {row['decoding']})"
+        )
         table.add_row(
             role,
             literal(row["name"]),
@@ -517,6 +626,6 @@ def best_latest_table(ending: dict[str, Any]) -> Table:
             fmt(row["iteration"]),
             success,
         )
-    if ending["keep_best"] and ending["best"] is not None:
-        table.caption = "grpo.keep_best: `latest` (export, eval) means the best one"
+    meanings = "; ".join(f"{role}: {meaning}" for role, meaning in CHECKPOINT_ROLES.items())
+    table.caption = meanings + (f". {KEEP_BEST_NOTE}" if ending["keep_best"] else "")
     return table

@@ -6,7 +6,8 @@ docs/reporting.md describes the commands built on these functions.
 
 from __future__ import annotations
 
-from dataclasses import asdict
+import json
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from rlcli.report.ratings import elo_ratings
@@ -16,6 +17,7 @@ from rlcli.store.episodes import episode_counts, eval_games, labelled_episodes
 from rlcli.store.evals import eval_results
 from rlcli.store.events import list_events
 from rlcli.store.images import image_sizes, load_images
+from rlcli.store.names import BEST, EXPERT, LATEST, DpoStage, EvalStage, SftStage, TrainStage, try_parse_stage
 from rlcli.store.records import GPU_MEMORY_KEYS, Checkpoint, EvalResult, LabelledEpisode, Run
 from rlcli.store.run_store import RunStore
 from rlcli.store.stages import displayed_status
@@ -35,15 +37,118 @@ HELDOUT_KEY = "eval/success_rate"  # grpo.eval_every; step -1 is the starting po
 
 
 def runs_summary(rundb: RunDB) -> list[dict[str, Any]]:
-    return [
-        {
-            "name": run.name,
-            "status": _status(rundb, run),
-            "created_at": run.created_at,
-            "metrics": {k: v for k, v in rundb.latest_metrics(run.name).items() if k in KEY_METRICS},
-        }
-        for run in rundb.list_runs()
-    ]
+    """`runs list`: what each run is and how it did on held-out tasks; `metrics` (the last training
+    iteration's) only in --json, where a script reads them as what they are."""
+    out = []
+    for run in rundb.list_runs():
+        store = RunStore(rundb, run.name)
+        out.append(
+            {
+                "name": run.name,
+                "status": _status(rundb, run),
+                "created_at": run.created_at,
+                **identity_view(store, run),
+                "metrics": {k: v for k, v in rundb.latest_metrics(run.name).items() if k in KEY_METRICS},
+            }
+        )
+    return out
+
+
+def identity_view(store: RunStore, run: Run) -> dict[str, Any]:
+    """What `runs list`, `show` and `compare` lead with: the model, the env, the stages done and the
+    held-out result (None when nothing has been evaluated)."""
+    keep_best = bool(run.recipe.get("grpo", {}).get("keep_best"))
+    held = held_out(eval_results(store), keep_best)
+    done = stages_done(store, run)
+    return {
+        "model": run.recipe.get("model", {}).get("name"),
+        "env": run.recipe.get("env", {}).get("name"),
+        "stages_done": {**asdict(done), "summary": done.summary},
+        "held_out": asdict(held) if held else None,
+    }
+
+
+@dataclass(frozen=True)
+class StagesDone:
+    """How far a run got: the stages done of each kind, and GRPO's iterations against the recipe's."""
+
+    sft: bool
+    grpo_iterations: int  # train/<i> stages done
+    grpo_planned: int  # grpo.iterations times the grpo phases in run.stages
+    dpo: int  # DPO stages done
+    evals: int  # eval stages done, grpo.eval_every's among them
+
+    @property
+    def summary(self) -> str:
+        """e.g. "sft, grpo 12/32, 5 evals"; "none" before any stage is done."""
+        parts = ["sft"] if self.sft else []
+        if self.grpo_planned:
+            parts.append(f"grpo {self.grpo_iterations}/{self.grpo_planned}")
+        elif self.grpo_iterations:  # `rlcli train grpo` on a recipe whose run.stages leaves grpo out
+            parts.append(f"grpo {self.grpo_iterations}")
+        if self.dpo:
+            parts.append("dpo" if self.dpo == 1 else f"{self.dpo} dpo")
+        if self.evals:
+            parts.append(f"{self.evals} eval{'s' if self.evals > 1 else ''}")
+        return ", ".join(parts) or "none"
+
+
+def stages_done(store: RunStore, run: Run) -> StagesDone:
+    # The stored recipe as a dict: a listing must not depend on every recipe validating under this rlcli.
+    iterations = run.recipe.get("grpo", {}).get("iterations") or 0
+    planned = run.recipe.get("run", {}).get("stages")
+    phases = planned.count("grpo") if isinstance(planned, list) else 1
+    done = [try_parse_stage(s.name) for s in store.stages() if s.done]
+    return StagesDone(
+        sft=any(isinstance(s, SftStage) and not s.demos for s in done),
+        grpo_iterations=sum(isinstance(s, TrainStage) for s in done),
+        grpo_planned=iterations * phases,
+        dpo=sum(isinstance(s, DpoStage) for s in done),
+        evals=sum(isinstance(s, EvalStage) for s in done),
+    )
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    """The one held-out result that says how a run did (held_out)."""
+
+    label: str  # the policy evaluated, as the eval table names it: latest (#25), sft (#1), #33, base
+    stage: str
+    decoding: str  # greedy, or t<temperature>-k<k>
+    success_rate: float
+    ci_low: float  # the 95% Wilson interval
+    ci_high: float
+    tasks: int
+    k: int
+
+
+def held_out(results: list[EvalResult], keep_best: bool) -> HeldOut | None:
+    """The eval that says how a run did: among the evals of the policy asked for as the run's result
+    (best with grpo.keep_best, else latest: what `rlcli run`'s last eval asks for), else as latest or
+    best, else among all, that of the most-trained checkpoint (the largest id; the base model counts as
+    the earliest), over the most episodes (tasks × k), the newest of equals. Never the expert's; games
+    against opponents only where nothing else was evaluated."""
+    policy = [r for r in results if r.checkpoint != str(EXPERT)]
+    alone = [r for r in policy if r.opponent is None] or policy
+    result = str(BEST) if keep_best else str(LATEST)
+    pool = (
+        [r for r in alone if r.checkpoint == result]
+        or [r for r in alone if r.checkpoint in (str(LATEST), str(BEST))]
+        or alone
+    )
+    if not pool:
+        return None
+    best = max(pool, key=lambda r: (-1 if r.checkpoint_id is None else r.checkpoint_id, r.tasks * r.k, r.id or 0))
+    return HeldOut(
+        label=best.label,
+        stage=best.stage,
+        decoding=best.decoding,
+        success_rate=best.success_rate,
+        ci_low=best.ci_low,
+        ci_high=best.ci_high,
+        tasks=best.tasks,
+        k=best.k,
+    )
 
 
 def run_details(store: RunStore) -> dict[str, Any]:
@@ -72,6 +177,7 @@ def run_details(store: RunStore) -> dict[str, Any]:
     return {
         "name": run.name,
         "status": status,
+        **identity_view(store, run),
         "error": run.error,  # why the last command on it failed
         "description": run.description,
         "created_at": run.created_at,
@@ -104,6 +210,14 @@ def _status(rundb: RunDB, run: Run) -> str:
     return displayed_status(rundb.path.parent, run)
 
 
+# What `best` and `latest` mean, in the words every view of them uses (store/checkpoints.py resolves them).
+CHECKPOINT_ROLES = {
+    "best": "the highest held-out success (-c best)",
+    "latest": "the newest checkpoint (-c latest)",
+}
+KEEP_BEST_NOTE = "grpo.keep_best: the run's result is best; `rlcli run` evaluates it and `rlcli export` exports it"
+
+
 def ending_view(ending: BestAndLatest) -> dict[str, Any]:
     """The best checkpoint by held-out success and the newest one; `name` is what -c takes."""
 
@@ -115,6 +229,7 @@ def ending_view(ending: BestAndLatest) -> dict[str, Any]:
             "iteration": ckpt.iteration if ckpt else None,
             "success_rate": success,
             "tasks": ending.tasks if success is not None else None,
+            "decoding": ending.decoding if success is not None else None,
         }
 
     best, latest = ending.best, ending.latest
@@ -144,10 +259,21 @@ OTHER_CHECKPOINTS = "other checkpoints"  # `runs compare`'s row for the best of 
 
 
 def compare_runs(rundb: RunDB, names: list[str]) -> list[dict[str, Any]]:
+    """`runs compare`: each run's identity and held-out result, the recipe fields in which the runs differ
+    (`recipe_differs`: dotted field -> this run's value; a field its rlcli did not have is left out), its
+    latest metrics and its best eval per checkpoint label."""
+    runs = [RunStore(rundb, name).require_run() for name in names]
+    recipes = [_flat(run.recipe) for run in runs]
+    missing = object()
+    differs = [
+        field
+        for field in dict.fromkeys(f for recipe in recipes for f in recipe)
+        if field != "run.name" and len({json.dumps(r.get(field, missing), default=str) for r in recipes}) > 1
+    ]
     out = []
-    for name in names:
+    for run, recipe in zip(runs, recipes):
+        name = run.name
         store = RunStore(rundb, name)
-        run = store.require_run()
         latest = store.latest_metrics()
         best: dict[str, dict[str, Any]] = {}
         for result in eval_results(store):
@@ -164,6 +290,8 @@ def compare_runs(rundb: RunDB, names: list[str]) -> list[dict[str, Any]]:
                 "name": name,
                 "status": _status(rundb, run),
                 "created_at": run.created_at,
+                **identity_view(store, run),
+                "recipe_differs": {field: recipe[field] for field in differs if field in recipe},
                 "recipe_sha256": run.recipe_sha256,
                 "episodes": episode_counts(store)[0],
                 "latest_metrics": {k: latest[k] for k in COMPARE_METRICS if k in latest},
@@ -171,6 +299,17 @@ def compare_runs(rundb: RunDB, names: list[str]) -> list[dict[str, Any]]:
                 "reward_curve": _curve(store, REWARD_KEY),
             }
         )
+    return out
+
+
+def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A recipe as dotted field -> value (grpo.lr); lists stay whole values."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
     return out
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from rlcli.errors import UsageError
 from rlcli.store.db import RunDB, now
 from rlcli.store.evals import eval_decoding, eval_results, leading_tasks_success
-from rlcli.store.names import EXPERT, SFT_STAGE, PolicyRef, TrainStage, eval_stage, try_parse_stage
+from rlcli.store.names import BASE, EXPERT, SFT_STAGE, EvalStage, PolicyRef, TrainStage, try_parse_stage
 from rlcli.store.records import Checkpoint
 from rlcli.store.run_store import RunStore
 
@@ -62,8 +62,8 @@ def resolve_checkpoint(store: RunStore, which: str | PolicyRef) -> Checkpoint | 
     """base -> None (the base model); sft / latest / best / a numeric id -> that checkpoint (`which`
     in the CLI form, PolicyRef.from_cli).
 
+    latest: the newest checkpoint (None before the first: the base model), whatever the recipe says.
     best: the best held-out success (see best_checkpoint), which may be None (the base model).
-    latest: the newest checkpoint, or with grpo.keep_best the best one once evals exist.
     """
     ref = which if isinstance(which, PolicyRef) else PolicyRef.from_cli(which)
     if ref.kind == "base":
@@ -73,13 +73,11 @@ def resolve_checkpoint(store: RunStore, which: str | PolicyRef) -> Checkpoint | 
         best = best_checkpoint(store)
         if best is None:
             raise UsageError(
-                f"Run {store.run!r} has no held-out eval results to pick the best checkpoint from; "
+                f"Run {store.run!r} has no held-out eval of its checkpoints or base model to pick the best from; "
                 "run with grpo.eval_every or rlcli eval first."
             )
         return best.checkpoint
     if ref.kind == "latest":
-        if store.recipe().grpo.keep_best and (best := best_checkpoint(store)) is not None:
-            return best.checkpoint
         return rows[-1] if rows else None
     if ref.kind == "sft":
         sft_rows = [r for r in rows if r.stage == SFT_STAGE]
@@ -102,8 +100,9 @@ class RankedCheckpoint:
     """A checkpoint (None: the base model) with its held-out success, as `best` compares them."""
 
     checkpoint: Checkpoint | None
-    success_rate: float  # over the first `tasks` eval tasks, with the recipe's eval decoding
+    success_rate: float  # over the first `tasks` eval tasks, sampled as `decoding` says
     tasks: int
+    decoding: str  # how the evals compared sampled: greedy, or t<temperature>-k<k>
     stage: str  # the eval stage the rate comes from
 
     @property
@@ -112,43 +111,62 @@ class RankedCheckpoint:
         return str(PolicyRef.of_checkpoint(self.checkpoint))
 
     def describe(self) -> str:
-        """e.g. "checkpoint 7 (iteration 11, held-out 0.41)"."""
+        """e.g. "checkpoint 7 (iteration 11, held-out 0.41 on 32 tasks, t0.8-k1)"."""
+        held_out = f"held-out {self.success_rate:.2f} on {self.tasks} tasks, {self.decoding}"
         if self.checkpoint is None:
-            return f"the base model (held-out {self.success_rate:.2f})"
+            return f"the base model ({held_out})"
         c = self.checkpoint
         where = "sft" if c.stage == SFT_STAGE else f"iteration {c.iteration}"
-        return f"checkpoint {c.id} ({where}, held-out {self.success_rate:.2f})"
+        return f"checkpoint {c.id} ({where}, {held_out})"
 
 
 def ranked_checkpoints(store: RunStore) -> list[RankedCheckpoint]:
     """The base model and checkpoints with comparable held-out evals, in training order (base,
     then by checkpoint id).
 
-    Comparable: evaluated with the recipe's eval decoding (temperature, k) on at least the tasks
-    that grpo.eval_tasks (default eval.tasks) names, compared on those first tasks; when no eval
-    reached that many, on as many as the largest eval has. An eval of more tasks (a later `rlcli
-    eval` with a larger eval.tasks) still compares: its first tasks are the same episodes.
+    Comparable: evaluated with one decoding (temperature, k) on at least the tasks that
+    grpo.eval_tasks (default eval.tasks) names, compared on those first tasks; when no eval reached
+    that many, on as many as the largest eval has. An eval of more tasks (a later `rlcli eval` with
+    a larger eval.tasks) still compares: its first tasks are the same episodes. The decoding is the
+    one that evaluated the most policies (a tie: the recipe's eval decoding, then the newer
+    one), so that an eval at another temperature (`rlcli eval -c best eval.temperature=0`) neither
+    finds nothing to rank nor moves `best` to a checkpoint ranked on fewer evals.
     """
     recipe = store.recipe()
-    temperature, k = eval_decoding(recipe)
     by_id = {c.id: c for c in checkpoints(store)}
-    found: list[tuple[Checkpoint | None, int, str]] = []
+    # Per decoding (temperature, k), in the order first used: each eval stage's policy and its most tasks.
+    decodings: dict[tuple[float, int], dict[str, tuple[Checkpoint | None, int]]] = {}
     for result in eval_results(store):
         ckpt = by_id.get(result.checkpoint_id) if result.checkpoint_id is not None else None
         if result.checkpoint_id is not None and ckpt is None:
             continue  # a checkpoint row that is gone
-        policy = PolicyRef.of_checkpoint(ckpt)
-        if result.stage == eval_stage(policy, temperature, k):  # this leaves out expert and other decodings
-            found.append((ckpt, result.tasks, result.stage))
-    if not found:
+        stage = try_parse_stage(result.stage)
+        # The expert is no candidate, and a game against an opponent is another measure.
+        if not isinstance(stage, EvalStage) or stage.policy == EXPERT or stage.opponent is not None:
+            continue
+        evaluated = decodings.setdefault((stage.temperature, stage.k), {})
+        evaluated[result.stage] = (ckpt, max(result.tasks, evaluated.get(result.stage, (None, 0))[1]))
+    if not decodings:
         return []
-    most = max(have for _, have, _ in found)
+    preferred, keys = eval_decoding(recipe), list(decodings)
+    ranked = [_ranked(store, decodings[key], key) for key in keys]
+    return max(enumerate(ranked), key=lambda pair: (len(pair[1]), keys[pair[0]] == preferred, pair[0]))[1]
+
+
+def _ranked(
+    store: RunStore, evaluated: dict[str, tuple[Checkpoint | None, int]], decoding: tuple[float, int]
+) -> list[RankedCheckpoint]:
+    """The policies evaluated with one decoding (eval stage -> (checkpoint, tasks)), compared on the
+    same first tasks, in training order."""
+    recipe = store.recipe()
+    most = max(have for _, have in evaluated.values())
     tasks = min(recipe.grpo.eval_tasks or recipe.eval.tasks or most, most)
+    shown = EvalStage(BASE, *decoding).decoding or "greedy"
     ranked = []
-    for ckpt, have, stage in found:
+    for stage, (ckpt, have) in evaluated.items():
         rate = leading_tasks_success(store, stage, tasks) if have >= tasks else None
         if rate is not None:
-            ranked.append(RankedCheckpoint(ckpt, rate, tasks, stage))
+            ranked.append(RankedCheckpoint(ckpt, rate, tasks, shown, stage))
     return sorted(ranked, key=lambda r: -1 if r.checkpoint is None else r.checkpoint.id)
 
 
@@ -164,11 +182,9 @@ def _best(ranked: list[RankedCheckpoint]) -> RankedCheckpoint | None:
 
 
 def checkpoint_note(store: RunStore, which: str) -> str | None:
-    """What `best`, or `latest` under grpo.keep_best, meant this time; None when it names itself."""
-    if which == "best" or (which == "latest" and store.recipe().grpo.keep_best):
-        best = best_checkpoint(store)
-        if best is not None:
-            return f"{'latest = best' if which == 'latest' else 'best'} = {best.describe()}"
+    """What `best` meant this time, and on which evals; None for the names that say it themselves."""
+    if which == "best" and (best := best_checkpoint(store)) is not None:
+        return f"best = {best.describe()}"
     return None
 
 
@@ -180,7 +196,8 @@ class BestAndLatest:
     latest: Checkpoint | None
     latest_success: float | None  # the latest's held-out success, compared like best's; None if not evaluated
     tasks: int | None  # how many eval tasks the comparison is over; None with nothing evaluated
-    keep_best: bool  # grpo.keep_best: `latest` means best
+    decoding: str | None  # how those evals sampled (greedy, t0.8-k1); None with nothing evaluated
+    keep_best: bool  # grpo.keep_best: the run's result is best (`rlcli run` evaluates it, export takes it)
 
 
 def best_and_latest(store: RunStore) -> BestAndLatest:
@@ -192,6 +209,7 @@ def best_and_latest(store: RunStore) -> BestAndLatest:
         latest,
         latest_rank.success_rate if latest_rank else None,
         ranked[0].tasks if ranked else None,
+        ranked[0].decoding if ranked else None,
         store.recipe().grpo.keep_best,
     )
 

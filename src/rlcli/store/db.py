@@ -251,11 +251,15 @@ class RunDB:
         *,
         force: bool = False,
         code: dict[str, str] | None = None,
+        starts_over: bool = False,
     ) -> Run:
         """Create the run, or resume it if the recipe is unchanged in every field that matters.
 
         `code` maps the code files the recipe names to their SHA-256; a new recipe or changed code
-        adds an entry to the run's recipe history.
+        adds an entry to the run's recipe history. `starts_over`: the run has produced nothing (see
+        has_outputs; its folder holds nothing either), so it takes any recipe, and its stages, which
+        failed or were stopped before they stored anything, are forgotten to start again: a command
+        that failed on a mistake must not stand in the way of the command that corrects it.
         """
         resolved = recipe.to_dict()
         code = code or {}
@@ -264,14 +268,15 @@ class RunDB:
             reasons = ["created"]
         else:
             changed = changed_fields(existing.recipe, resolved)
-            if changed and not force:
+            if changed and not force and not starts_over:
                 raise UsageError(
                     f"Run {name!r} exists with a different recipe (changed: {', '.join(changed)}); "
                     "use another --run name, or --force to continue it with the new recipe."
                 )
             reasons = []
             if changed:
-                reasons.append(f"recipe changed with --force: {', '.join(changed)}")
+                how = "before the run produced anything" if starts_over and not force else "with --force"
+                reasons.append(f"recipe changed {how}: {', '.join(changed)}")
             elif existing.recipe_sha256 != recipe.sha256():
                 reasons.append("recipe changed in resume-safe fields")
             if changed_code := self.code_changes(name, code):
@@ -280,6 +285,8 @@ class RunDB:
             if existing is None:
                 self.db.table("runs").insert(self._new_run_row(name, recipe, recipe_path))
             else:
+                if starts_over:
+                    self.db.execute("delete from stages where run = ?", [name])
                 self.db.table("runs").update(
                     name, {"recipe": json.dumps(resolved), "recipe_sha256": recipe.sha256(), "updated_at": now()}
                 )
@@ -349,16 +356,34 @@ class RunDB:
 
     def restore_run(self, state: RunState) -> bool:
         """Put the run back as `state` found it, unless a stage of it has started or changed since
-        (then work was done, and the run keeps it); True when it was put back."""
+        (then work was done, and the run keeps it); True when it was put back. The stages that
+        start_run forgot when the run started over come back too."""
         with self.transaction():
-            if self._stage_rows(state.name) != state.stages:
+            stages = self._stage_rows(state.name)
+            forgotten = bool(state.stages) and not stages  # by start_run, and no stage started since
+            if stages != state.stages and not forgotten:
                 return False
+            for row in state.stages if forgotten else []:
+                self.db.execute(f"insert into stages values ({', '.join('?' * len(row))})", row)
             self.db.execute("delete from run_recipes where run = ? and id > ?", [state.name, state.last_recipe_id])
             if state.row is None:
                 self.db.execute("delete from runs where name = ?", [state.name])
             else:
                 self.db.table("runs").update(state.name, state.row)
         return True
+
+    # The tables that say what a run is and how its stages went, not what they produced.
+    RUN_RECORD_TABLES = frozenset({"runs", "run_recipes", "stages", "run_events"})
+
+    def has_outputs(self, name: str) -> bool:
+        """Whether any stage of the run has stored anything: a row of it in any table with a `run`
+        column but those of RUN_RECORD_TABLES (episodes, metrics, checkpoints, evals, pairs, ...)."""
+        for table in self.db.tables:
+            if table.name in self.RUN_RECORD_TABLES or "run" not in table.columns_dict:
+                continue
+            if self.db.execute(f"select 1 from [{table.name}] where run = ? limit 1", [name]).fetchone():
+                return True
+        return False
 
     def _stage_rows(self, name: str) -> list[tuple]:
         return self.db.execute("select * from stages where run = ? order by id", [name]).fetchall()
@@ -492,8 +517,11 @@ def package_versions() -> dict[str, str | None]:
     import platform
     from importlib import metadata
 
-    versions: dict[str, str | None] = {"python": platform.python_version()}
-    for pkg in ("rlcli", "torch", "transformers", "trl", "peft", "bitsandbytes", "datasets"):
+    from rlcli import __version__
+
+    # rlcli's own from the code that runs: an editable install's metadata keeps the version it was installed at.
+    versions: dict[str, str | None] = {"python": platform.python_version(), "rlcli": __version__}
+    for pkg in ("torch", "transformers", "trl", "peft", "bitsandbytes", "datasets"):
         try:
             versions[pkg] = metadata.version(pkg)
         except metadata.PackageNotFoundError:

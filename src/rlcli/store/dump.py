@@ -25,11 +25,21 @@ TABLE_QUERIES = {
 }
 
 
+# The columns that hold JSON text (docs/database.md), per exported table.
+JSON_COLUMNS = {
+    "episodes": frozenset({"task", "messages"}),
+    "turns": frozenset({"observation", "info", "images"}),
+    "evals": frozenset({"details"}),
+    "run_events": frozenset({"details"}),
+}
+
+
 @dataclass
 class TableDump:
     name: str
     dtypes: dict[str, str]  # column -> int64 | float64 | string, or a list column's element dtype
     list_columns: frozenset[str]  # the columns whose values are lists (token ids, logprobs)
+    json_columns: frozenset[str]  # the columns whose values are JSON text (messages, task, info, details)
     rows: Iterator[dict[str, Any]]  # streamed: a long run's turns need not fit in memory
 
 
@@ -42,7 +52,8 @@ def run_tables(store: RunStore) -> Iterator[TableDump]:
             c.name: BLOB_COLUMNS[c.name][0] if c.name in BLOB_COLUMNS else SQL_DTYPES[c.type.upper()] for c in columns
         }
         lists = frozenset(c.name for c in columns if c.name in BLOB_COLUMNS)
-        yield TableDump(table, dtypes, lists, _decoded(store.rundb.db.query(sql, [store.run])))
+        json_text = JSON_COLUMNS.get(table, frozenset())
+        yield TableDump(table, dtypes, lists, json_text, _decoded(store.rundb.db.query(sql, [store.run])))
 
 
 def _decoded(rows: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
-from dataclasses import asdict
-from typing import Any
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
 
 from rlcli.errors import UsageError
 from rlcli.store.blobs import pack_floats, pack_ids, unpack_floats, unpack_ids
@@ -13,6 +13,7 @@ from rlcli.store.db import RunDB
 from rlcli.store.images import insert_images
 from rlcli.store.names import (
     ANY_SUPERSEDED_LIKE,
+    EXPERT,
     EvalStage,
     stale_stage,
     stale_stages_like,
@@ -267,18 +268,32 @@ def episodes_for_sft(store: RunStore) -> list[LabelledEpisode]:
     return out
 
 
+EpisodeOrder = Literal["newest", "best", "worst"]
+
+# best and worst rank by the label set's total, then the env's return and success (which rank the
+# unlabelled episodes of an eval stage), and among equals the newest first: a tie is the later policy's.
+# Episodes without a total (failed or unlabelled) come after those with one, and failed ones last.
+_ORDER_BY: dict[EpisodeOrder, str] = {
+    "newest": "e.id desc",
+    "best": "e.status = 'failed', total is null, total desc, e.env_return desc, e.success desc, e.id desc",
+    "worst": "e.status = 'failed', total is null, total asc, e.env_return asc, e.success asc, e.id desc",
+}
+
+
 def labelled_episodes(
     store: RunStore,
     *,
-    order: str = "id",
+    order: EpisodeOrder = "newest",
     iteration: int | None = None,
     stage: str | None = None,
     limit: int = 5,
     label_set: str | None = None,
 ) -> list[LabelledEpisode]:
-    """Episodes with their reward components; order is id, best or worst (by the label set's total).
+    """Episodes with their reward components, ordered as _ORDER_BY says.
 
-    Without a label set, the one that labelled most of the chosen episodes is used.
+    Without a stage, the policy's episodes: the expert's demonstrations (sft/demos, eval/expert) are read by
+    naming their stage, or where the run has no others. Without a label set, the one that labelled most of
+    the chosen episodes is used.
     """
     store.require_run()
     where: list[str] = ["e.run = ?"]
@@ -289,9 +304,12 @@ def labelled_episodes(
     if iteration is not None:
         where.append("e.iteration = ?")
         params.append(iteration)
-    condition = " and ".join(where)
-    if not store.rundb.db.execute(f"select 1 from episodes e where {condition} limit 1", params).fetchone():
+    if not _any_episode(store, where, params):
         raise UsageError(_no_episodes(store, stage, iteration))
+    if stage is None and _any_episode(store, [*where, "e.policy != ?"], [*params, str(EXPERT)]):
+        where.append("e.policy != ?")
+        params.append(str(EXPERT))
+    condition = " and ".join(where)
 
     label_sets = [
         name
@@ -308,17 +326,11 @@ def labelled_episodes(
         )
     label_set = label_set or (label_sets[0] if label_sets else None)
 
-    # Episodes without a total (failed or unlabelled) come last whichever way the order goes.
-    order_by = {
-        "id": "e.id",
-        "best": "total is null, total desc, e.id",
-        "worst": "total is null, total asc, e.id",
-    }[order]
     rows = list(
         store.rundb.db.query(
             f"select e.*, r.value as total from episodes e left join rewards r "
             f"on r.episode_id = e.id and r.label_set = ? and r.component = '{TOTAL}' "
-            f"where {condition} order by {order_by} limit ?",
+            f"where {condition} order by {_ORDER_BY[order]} limit ?",
             [label_set, *params, limit],
         )
     )
@@ -337,6 +349,49 @@ def labelled_episodes(
         total = row.pop("total")
         out.append(LabelledEpisode(_episode(row), label_set, total, components[row["id"]]))
     return out
+
+
+def _any_episode(store: RunStore, where: list[str], params: list[str | int]) -> bool:
+    condition = " and ".join(where)
+    return store.rundb.db.execute(f"select 1 from episodes e where {condition} limit 1", params).fetchone() is not None
+
+
+@dataclass(frozen=True)
+class StageChoice:
+    """The stage a `--stage` name chose: the name itself, the one stage it begins, or the newest of them."""
+
+    stage: str
+    matches: tuple[str, ...]  # the run's stages with episodes that the name begins, newest first
+
+
+def choose_episode_stage(store: RunStore, name: str) -> StageChoice:
+    """The stage with episodes that `name` means: that stage, else those whose name it begins at a part's
+    end (eval -> eval/..., eval/base -> eval/base@t0.8-k1; eval/ckpt-2 is not eval/ckpt-25), the newest of
+    them (the one whose episodes were stored last). A name that begins none is refused, with the stages."""
+    store.require_run()
+    stages = episode_stages_newest_first(store)
+    if name in stages:
+        return StageChoice(name, (name,))
+    matches = tuple(s for s in stages if begins(name, s))
+    if not matches:
+        raise UsageError(_no_episodes(store, name, None))
+    return StageChoice(matches[0], matches)
+
+
+def begins(prefix: str, stage: str) -> bool:
+    """Whether `prefix` is `stage` or begins it at the end of one of its parts (before / @ - +)."""
+    rest = stage.removeprefix(prefix)
+    return stage.startswith(prefix) and (not rest or not prefix or not rest[0].isalnum() or not prefix[-1].isalnum())
+
+
+def episode_stages_newest_first(store: RunStore) -> list[str]:
+    """The run's stages that stored episodes, the one that stored the last episode first."""
+    return [
+        stage
+        for (stage,) in store.rundb.db.execute(
+            "select stage from episodes where run = ? group by stage order by max(id) desc", [store.run]
+        ).fetchall()
+    ]
 
 
 def _no_episodes(store: RunStore, stage: str | None, iteration: int | None) -> str:

@@ -1,4 +1,9 @@
-"""Eval results: one row per eval stage (a checkpoint evaluated with one decoding)."""
+"""Eval results: one row per eval stage (a checkpoint evaluated with one decoding) and task count.
+
+A stage asked again for more tasks (GRPO's evals on grpo.eval_tasks, then `rlcli run`'s on
+eval.tasks) plays only the tasks it lacks, and its smaller eval keeps its row beside the larger one:
+both were measured, and the held-out curve shows the smaller one.
+"""
 
 from __future__ import annotations
 
@@ -24,16 +29,23 @@ def eval_decoding(recipe: Recipe) -> tuple[float, int]:
 
 
 def replace_eval(rundb: RunDB, result: EvalResult) -> None:
-    """Store a stage's eval result in place of any earlier one (a re-run with more tasks)."""
+    """Store a stage's eval result in place of an earlier one over as many tasks (a stage redone)."""
     row = {**asdict(result), "details": json.dumps(result.details)}
     row.pop("id")
     with rundb.transaction() as db:
-        db.execute("delete from evals where run = ? and stage = ?", [result.run, result.stage])
+        db.execute(
+            "delete from evals where run = ? and stage = ? and tasks = ?", [result.run, result.stage, result.tasks]
+        )
         db.table("evals").insert(row)
 
 
 def eval_result(store: RunStore, stage: str) -> EvalResult | None:
-    rows = list(store.rundb.db.table("evals").rows_where("run = ? and stage = ?", [store.run, stage]))
+    """The stage's eval over the most tasks."""
+    rows = list(
+        store.rundb.db.table("evals").rows_where(
+            "run = ? and stage = ?", [store.run, stage], order_by="tasks desc, id desc", limit=1
+        )
+    )
     return _eval(rows[0]) if rows else None
 
 

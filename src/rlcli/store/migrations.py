@@ -304,3 +304,20 @@ def tracker_steps(db: Database) -> None:
         pk=("run", "stage"),
         foreign_keys=[("run", "runs", "name")],
     )
+
+
+@migrations(name="012_stage_elapsed")
+def stage_elapsed(db: Database) -> None:
+    # The seconds a stage worked, summed over its runs: an eval stage asked again for more tasks at
+    # the end of a run, or a stage resumed after Ctrl-C, spans hours of other work between its first
+    # start and its last end. Null on rows of an older rlcli, whose duration is that span.
+    db.table("stages").add_column("elapsed_s", float)
+
+
+@migrations(name="013_branches")
+def branches(db: Database) -> None:
+    # grpo.branch (engine/grpo/branches.py): an episode played from a stored turn of another one, its
+    # parent's actions before that turn replayed; null on every other episode.
+    db.table("episodes").add_column("parent_episode_id", int)
+    db.table("episodes").add_column("branch_turn", int)
+    db.table("episodes").create_index(["parent_episode_id"])

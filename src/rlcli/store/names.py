@@ -10,6 +10,7 @@ typed record. The forms (docs/database.md):
   rollout/<i>, rollout/<i>+<r>       GRPO iteration i's rollouts; r >= 1: grpo.dynamic_sampling's extra rounds
   label/<i>, label/<i>+<r>           their labels under the label set grpo
   label/<label set>/<stage>          `rlcli label`'s labels of one stage
+  branch/<i>                         GRPO iteration i's branches (grpo.branch) and their labels
   train/<i>                          GRPO iteration i's update (and the checkpoint it saves)
   eval/<key>[@t<temp>-k<k>][/vs-<o>] an eval of key base, expert or ckpt-<id>; @: when it samples; /vs-: its
                                      opponent in a two-player game (random, bot, base, ckpt-<id>; eval.opponents)
@@ -43,7 +44,7 @@ RESERVED_LABEL_SETS = (GRPO_LABEL_SET,)
 
 STAGE_FORMS = (
     "sft, sft/demos, dpo, dpo/<name>, grpo, grpo/<phase>, rollout/<i>[+<round>], label/<i>[+<round>], "
-    "label/<label set>/<stage>, train/<i>, eval/<base|expert|ckpt-<id>>[@t<temperature>-k<k>][/vs-<opponent>], "
+    "label/<label set>/<stage>, branch/<i>, train/<i>, eval/<base|expert|ckpt-<id>>[@t<temperature>-k<k>][/vs-<opponent>], "
     "stale/<stage>/<n>, superseded/<stage>/<n>, or a user stage name without '/'"
 )
 _N = r"(0|[1-9][0-9]*)"  # a count as rlcli writes it: no sign, no leading zeros
@@ -228,6 +229,17 @@ class LabelStage:
 
 
 @dataclass(frozen=True)
+class BranchStage:
+    """grpo.branch's continuations from stored turns of rollout/<iteration>, labelled under label set grpo."""
+
+    iteration: int
+
+    @property
+    def name(self) -> str:
+        return f"branch/{self.iteration}"
+
+
+@dataclass(frozen=True)
 class TrainStage:
     iteration: int
 
@@ -305,6 +317,7 @@ StageName = (
     | RolloutStage
     | GrpoLabelStage
     | LabelStage
+    | BranchStage
     | TrainStage
     | EvalStage
     | StaleStage
@@ -330,6 +343,10 @@ def grpo_label_stage(iteration: int, round_: int = 0) -> str:
 
 def label_stage(label_set: str, stage: str) -> str:
     return LabelStage(label_set, stage).name
+
+
+def branch_stage(iteration: int) -> str:
+    return BranchStage(iteration).name
 
 
 def train_stage(iteration: int) -> str:
@@ -406,6 +423,8 @@ def parse_stage(name: str) -> StageName:
         parsed = GrpoStage(int(rest))
     elif head == "train" and re.fullmatch(_N, rest):
         parsed = TrainStage(int(rest))
+    elif head == "branch" and re.fullmatch(_N, rest):
+        parsed = BranchStage(int(rest))
     elif head in ("rollout", "label") and (match := _ITERATION.fullmatch(rest)):
         iteration, round_ = int(match.group(1)), int(match.group(2) or 0)
         parsed = RolloutStage(iteration, round_) if head == "rollout" else GrpoLabelStage(iteration, round_)

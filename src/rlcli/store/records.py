@@ -61,9 +61,10 @@ class Stage:
     params: dict[str, Any]
     result: dict[str, Any] | None  # the stage's summary, once done
     error: str | None
-    started_at: str | None
-    finished_at: str | None
+    started_at: str | None  # its first start
+    finished_at: str | None  # the end of its last run
     pid: int | None
+    elapsed_s: float | None = None  # seconds it worked, summed over its runs that ended; None: an older rlcli's row
 
     @property
     def done(self) -> bool:
@@ -71,6 +72,11 @@ class Stage:
 
     @property
     def duration_s(self) -> float | None:
+        """The time the stage worked. A stage can run twice with hours of other stages between (an eval
+        asked again for more tasks, a resume), so this is not its first start to its last end,
+        except on an older rlcli's row, which has nothing else."""
+        if self.elapsed_s is not None:
+            return self.elapsed_s
         if not self.started_at or not self.finished_at:
             return None
         elapsed = dt.datetime.fromisoformat(self.finished_at) - dt.datetime.fromisoformat(self.started_at)
@@ -120,6 +126,10 @@ class Episode:
     transient: bool = False  # failed in a way that need not recur (an env call timed out); stored: final
     lost: int = 0  # attempts whose env was lost with a worker killed for another episode, played again
     earlier_errors: str | None = None  # how each earlier attempt ended, one line each
+    # grpo.branch: the episode this one branched from, and its turn where this one's own sampling began
+    # (the turns before it replay the parent's actions); None for an episode played from its reset.
+    parent_episode_id: int | None = None
+    branch_turn: int | None = None
     turns: list[Turn] = field(default_factory=list, compare=False)  # loaded only by queries that need them
     # sha256 -> PNG of the images its turns show, to store with it (the images table); empty when read back
     images: dict[str, bytes] = field(default_factory=dict, compare=False)
@@ -216,7 +226,7 @@ class EvalResult:
     id: int | None  # None until stored
     run: str
     stage: str
-    checkpoint: str  # base | sft | latest | expert | an id, as asked
+    checkpoint: str  # base | sft | latest | best | expert | an id, as asked
     checkpoint_id: int | None  # the resolved checkpoint, None for the base model
     split: str
     tasks: int
@@ -234,8 +244,9 @@ class EvalResult:
 
     @property
     def label(self) -> str:
-        """A short display name that tells checkpoints apart: "latest" names a different checkpoint each
-        time it is evaluated, so say which it was: `latest (#25)`; a checkpoint asked for by id is `#25`.
+        """A short display name that tells checkpoints apart: "latest" (the newest) and "best" (the highest
+        held-out success) name other checkpoints as a run goes on, so say which it was: `latest (#33)`,
+        `best (#25)`; a checkpoint asked for by id is `#25`.
         How it sampled is `decoding`, a column of its own in tables."""
         which, ckpt = self.checkpoint, self.checkpoint_id
         if ckpt is None:

@@ -48,6 +48,13 @@ def claim_run_folder(runs_dir: Path, run: str, recorded: bool) -> bool:
     return False  # an older rlcli's run: its folder stays unmarked
 
 
+def holds_no_output(runs_dir: Path, run: str) -> bool:
+    """Whether the run's folder holds no file but its marker and lock: no checkpoint, no half-written
+    Trainer state, no tracker log (empty folders a stage made before it failed do not count)."""
+    folder = runs_dir / run
+    return not any(p.is_file() and p.relative_to(folder).as_posix() not in (MARKER, LOCK) for p in folder.rglob("*"))
+
+
 def check_deletable(folder: Path, run: str) -> None:
     """Refuse to delete a run folder unless rlcli made it: a link, or a folder without the marker (a run
     recorded by an older rlcli), is left to be deleted by hand, as the sentence says."""

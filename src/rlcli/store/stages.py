@@ -13,6 +13,7 @@ import errno
 import fcntl
 import json
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
@@ -157,15 +158,21 @@ def run_stage(
     started = row.started_at if row and row.started_at else now()
     stored = {**(params or {}), **identity}
     store.mark_stage(name, "running", started_at=started, params=stored, error=None, pid=os.getpid())
+    # The stage's time is its runs' time: a run killed outright (kill -9) records none of its own.
+    earlier, began = (row.duration_s if row else None) or 0.0, time.monotonic()
+
+    def elapsed() -> float:
+        return round(earlier + time.monotonic() - began, 3)
+
     try:
         result = work() or {}
         with store.rundb.transaction():
             if commit is not None:
                 commit(result)
-            store.mark_stage(name, "done", result=result, finished_at=now())
+            store.mark_stage(name, "done", result=result, finished_at=now(), elapsed_s=elapsed())
     except BaseException as exc:
         reason = "interrupted" if isinstance(exc, KeyboardInterrupt) else (str(exc) or type(exc).__name__)
-        store.mark_stage(name, "failed", error=reason, finished_at=now())
+        store.mark_stage(name, "failed", error=reason, finished_at=now(), elapsed_s=elapsed())
         raise
     return result
 

@@ -32,11 +32,13 @@ class TaskStats:
 
 
 # What the stats count: a run's finished train episodes that the label set labelled, but for those a
-# GRPO resume superseded (played with weights it recomputed; store/episodes.py, supersede_stage).
+# GRPO resume superseded (played with weights it recomputed; store/episodes.py, supersede_stage) and
+# grpo.branch's branches (played from a stored turn, not an attempt at the task from its start).
 _AGGREGATE = """
     select e.task_index, count(*), sum(e.success), avg(r.value), max(e.iteration)
     from episodes e join rewards r on r.episode_id = e.id and r.label_set = ? and r.component = ?
-    where e.run = ? and e.split = 'train' and e.status = 'ok' and e.stage not like ? {extra}
+    where e.run = ? and e.split = 'train' and e.status = 'ok' and e.stage not like ?
+      and e.parent_episode_id is null {extra}
     group by e.task_index order by e.task_index
 """
 

@@ -179,3 +179,43 @@ def step_group_advantages(
         out.append(adv[start : start + len(returns)])
         start += len(returns)
     return out, float(live.double().mean())
+
+
+def branch_point_advantages(returns_to_go: Sequence[float]) -> tuple[float, list[float]]:
+    """grpo.branch: a branch point's Monte-Carlo value and the per-turn advantage of each turn taken there.
+    `returns_to_go` holds, from the branch turn t on, the return of the parent episode and of each of its
+    continuations; V(s_t) is their mean and each turn's advantage its return-to-go minus V(s_t)."""
+    value = sum(returns_to_go) / len(returns_to_go)
+    return value, [float(g) - value for g in returns_to_go]
+
+
+def outside_advantages(
+    member_returns: Sequence[float],
+    member_groups: Sequence[int],
+    outsider_turn_returns: Sequence[Sequence[float]],
+    outsider_groups: Sequence[int],
+    method: str = "grpo",
+    eps: float = 1e-6,
+) -> list[list[float]]:
+    """Turn advantages of episodes measured against a group they do not join (grpo.branch's continuations,
+    against their parent's group), so that the group's own advantages stay what they were without them.
+
+    A group's baseline is the mean of its members' returns (`member_returns`, what their episode advantages
+    are computed from; for rloo the mean of the others is all of them), its scale the unbiased std + eps
+    for grpo and batch (batch: over every member), 1 for dr_grpo and rloo; a group whose members' returns
+    are all equal gives 0, as it gives its members."""
+    if method not in ADVANTAGE_METHODS:
+        raise ValueError(f"unknown advantage method {method!r}; expected one of {', '.join(ADVANTAGE_METHODS)}")
+    out = []
+    for returns, group in zip(outsider_turn_returns, outsider_groups, strict=True):
+        values = [
+            float(r) for r, g in zip(member_returns, member_groups, strict=True) if method == "batch" or g == group
+        ]
+        if len(values) < 2 or max(values) == min(values):
+            out.append([0.0] * len(returns))
+            continue
+        members = torch.tensor(values, dtype=torch.float64)
+        scale = float(members.std()) + eps if method in ("grpo", "batch") else 1.0
+        mean = float(members.mean())
+        out.append([(float(g) - mean) / scale for g in returns])
+    return out

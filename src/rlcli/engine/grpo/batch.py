@@ -11,6 +11,7 @@ import torch
 
 from rlcli.engine.context import RunContext
 from rlcli.engine.grpo import advantages, loss
+from rlcli.engine.grpo.branches import stored_branches
 from rlcli.engine.grpo.selection import Selection, hard_tasks, total
 from rlcli.engine.grpo.staleness import staleness
 from rlcli.engine.grpo.update import TrainSequence
@@ -62,12 +63,16 @@ def build_batch(ctx: RunContext, chosen: Selection, rae_baselines: dict[str, flo
     if discarded := set_aside_count(ctx.store, rollout_stage(it)):
         metrics["train/discarded_episodes"] = discarded
     turn_adv, rae = turn_advantages(cfg, episodes, rewards, groups, rae_baselines, metrics)
+    branched: list[tuple[LabelledEpisode, list[float]]] = []
+    credited: set[int] = set()  # episodes with a branch point: trained even in a group of equal rewards
+    if cfg.branch is not None:
+        branched, credited = branch_credit(cfg, episodes, groups, turn_adv, stored_branches(ctx, it), metrics)
 
     replay_ids = {e.episode.id for e in chosen.replayed}
     sequences: list[TrainSequence] = []
     for i, labelled in enumerate(episodes):
         ep = labelled.episode
-        if cfg.drop_zero_var_groups and cfg.advantage != "rae" and bool(zero_var[i]):
+        if cfg.drop_zero_var_groups and cfg.advantage != "rae" and bool(zero_var[i]) and i not in credited:
             continue
         if cfg.mask_truncated and ep.hit_a_cap:
             continue
@@ -78,6 +83,8 @@ def build_batch(ctx: RunContext, chosen: Selection, rae_baselines: dict[str, flo
             seq.truncated = ep.hit_a_cap
             seq.stale = lags[i] > 0 or ep.id in replay_ids  # a replay's behaviour policy is its recorded one
             sequences.append(seq)
+    for labelled, per_turn in branched:
+        sequences += branch_sequences(cfg, labelled, per_turn)
     metrics["train/sequences"] = len(sequences)
     return IterationBatch(
         it,
@@ -132,6 +139,80 @@ def turn_advantages(
         metrics["train/step_groups_live"] = live
         per_turn = [[a + cfg.step_groups * s for a, s in zip(ep, st)] for ep, st in zip(per_turn, step)]
     return per_turn, None
+
+
+def branch_credit(
+    cfg: GrpoSection,
+    episodes: list[LabelledEpisode],
+    groups: torch.Tensor,
+    turn_adv: list[list[float]],
+    branches: list[LabelledEpisode],
+    metrics: dict[str, float],
+) -> tuple[list[tuple[LabelledEpisode, list[float]]], set[int]]:
+    """grpo.branch's per-turn credit (grpo/branches.py). For each branch point (a parent in the batch,
+    turn t) V(s_t) is the mean return-to-go from t of the parent and its continuations, and the turn
+    each took at t adds weight * (its return-to-go - V(s_t)) to its episode advantage; the parent's
+    entry of `turn_adv` is updated in place. A continuation's episode advantage is measured against its
+    parent's group without joining it (advantages.outside_advantages); its turns before t are the
+    parent's and train with the parent (branch_sequences masks them). Returns the continuations with
+    their per-turn advantages and the positions of the parents credited."""
+    assert cfg.branch is not None
+    gamma = cfg.gamma if cfg.gamma is not None else 1.0
+    position = {stored_id(e): i for i, e in enumerate(episodes)}
+    points: dict[tuple[int, int], list[LabelledEpisode]] = {}
+    for b in branches:
+        parent, turn = b.episode.parent_episode_id, b.episode.branch_turn
+        if parent in position and turn is not None:  # a parent that grpo.dynamic_sampling left out trains nothing
+            points.setdefault((position[parent], turn), []).append(b)
+    trained = [b for members in points.values() for b in members]
+    parent_groups = [int(groups[i]) for (i, _), members in points.items() for _ in members]
+    # The episode term, on every turn as the group's own members get it (discounted with grpo.gamma).
+    member_returns = [
+        advantages.discounted_turn_returns(turn_rewards(e), cfg.gamma)[0] if cfg.gamma is not None else total(e)
+        for e in episodes
+    ]
+    outsider_returns = [
+        advantages.discounted_turn_returns(turn_rewards(b), cfg.gamma)
+        if cfg.gamma is not None
+        else [total(b)] * len(b.episode.turns)
+        for b in trained
+    ]
+    episode_term = advantages.outside_advantages(
+        member_returns, groups.tolist(), outsider_returns, parent_groups, cfg.advantage
+    )
+    own = {id(b): adv for b, adv in zip(trained, episode_term)}
+    live = 0
+    credited: set[int] = set()  # parents with a point whose returns differ: trained even in a group of equal rewards
+    for (i, turn), members in points.items():
+        to_go = [advantages.discounted_turn_returns(turn_rewards(e), gamma)[turn] for e in (episodes[i], *members)]
+        _, step = advantages.branch_point_advantages(to_go)
+        if len(set(to_go)) > 1:
+            live += 1
+            credited.add(i)
+        turn_adv[i][turn] += cfg.branch.weight * step[0]
+        for b, a in zip(members, step[1:]):
+            own[id(b)][turn] += cfg.branch.weight * a
+    metrics["train/branch_points"] = len(points)
+    metrics["train/branch_points_live"] = live / len(points) if points else 0.0
+    return [(b, own[id(b)]) for b in trained], credited
+
+
+def branch_sequences(cfg: GrpoSection, labelled: LabelledEpisode, per_turn: list[float]) -> list[TrainSequence]:
+    """A continuation's training sequences: its turns from its branch turn on, each on its advantage; the
+    replayed turns before it are context (the parent trains them)."""
+    ep, start = labelled.episode, labelled.episode.branch_turn or 0
+    if cfg.mask_truncated and ep.hit_a_cap:
+        return []
+    if cfg.drop_zero_var_groups and not any(per_turn[start:]):  # nothing to learn, as a group of equal rewards
+        return []
+    out = []
+    for seq in episode_sequences(stored_id(labelled), ep.task_index, ep.turns):
+        seq.mask = [m if turn >= start else 0.0 for m, turn in zip(seq.mask, seq.turn_of_token)]
+        seq.advantage = [per_turn[t] for t in seq.turn_of_token]
+        seq.truncated = ep.hit_a_cap
+        if any(seq.mask):
+            out.append(seq)
+    return out
 
 
 def acted_on(turns: list[Turn]) -> list[str]:

@@ -3,6 +3,7 @@
 Per iteration i, three stages of the run:
   rollout/i  tasks x group_size episodes with the current policy (stored token by token)
   label/i    the recipe's reward functions applied to them (label set "grpo")
+  branch/i   grpo.branch: continuations sampled from stored turns, labelled (grpo/branches.py)
   train/i    advantages -> K epochs of clipped-ratio updates -> checkpoint -> metrics
 
 _run_phase is that loop. The learner (policy, optimizer, learning-rate schedule, KL reference; its
@@ -73,6 +74,7 @@ from rlcli.engine.grpo.checkpoints import saves_checkpoint
 from rlcli.engine.grpo.evals import HeldOutEvals
 from rlcli.engine.grpo.learner import METRICS_STAGE, GrpoTrainer
 from rlcli.engine.grpo.metrics import MetricsView, iteration_metrics
+from rlcli.engine.grpo.retention import prune_checkpoints
 from rlcli.engine.grpo.selection import choose_groups
 from rlcli.engine.grpo.sources import Rollout, rollout_source
 from rlcli.engine.labelling import GRPO_LABEL_SET, label_stage_episodes
@@ -156,21 +158,25 @@ def _run_phase(ctx: RunContext, phase: int, start: Checkpoint | None) -> dict[st
         "last_iteration": trainer.end - 1,
         "start": None if start is None else start.id,
     }
+    ctx.announce()  # before minutes of loading the policy and starting its engine
     iterations = trainer.resume()
     if not iterations:
         ctx.console.print(f"{trainer.title}: all {recipe.grpo.iterations} iterations are done.")
         HeldOutEvals(ctx, None, None).before(trainer)  # a kill may have cut off the last: loaded from disk
         send_unsent(ctx, METRICS_STAGE)  # and kept the last iteration's metrics, stored, from run.trackers
+        prune_checkpoints(ctx, trainer.end - 1)  # and the pruning after it
         return summary
     try:
         trainer.setup()
         evals = HeldOutEvals(ctx, trainer.model, trainer.tokenizer)
         view = MetricsView(ctx.console)
         with (
+            ctx.progress.running(ctx.run, ["grpo"]),  # inside `rlcli run`, its own bar shows instead
             stage_tracker(ctx, METRICS_STAGE) as tracker,
             rollouts.running(),
         ):
             evals.before(trainer)
+            ctx.progress.steps(trainer.next_iteration - trainer.first, recipe.grpo.iterations, "iteration")
             for it in iterations:
                 # plan and play: rollout/i, the iteration's tasks drawn and recorded, its episodes stored
                 rollout = rollouts.play(it)
@@ -180,6 +186,7 @@ def _run_phase(ctx: RunContext, phase: int, start: Checkpoint | None) -> dict[st
                         lambda: label_stage_episodes(ctx, rollout_stage(it), GRPO_LABEL_SET, reward_fns),
                     )
                 rollouts.refill(it, rollout, reward_fns)  # grpo.dynamic_sampling: rounds while short of signal
+                rollouts.branch(it, rollout, reward_fns)  # grpo.branch: branch/i, continuations from stored turns
                 rollouts.before_update(it)  # a vLLM engine sleeps through the update
                 # train/i: choose groups -> batch -> update -> save -> commit
                 metrics = _train(ctx, trainer, it, rollout)
@@ -189,6 +196,8 @@ def _run_phase(ctx: RunContext, phase: int, start: Checkpoint | None) -> dict[st
                 view.show(it, metrics)
                 for warning in guardrails.check(ctx, it):  # once its metrics and held-out eval are stored
                     ctx.console.print(f"warning: {warning.message}", style="yellow", highlight=False)
+                prune_checkpoints(ctx, it)  # grpo.keep_checkpoints, once the new checkpoint's eval is done
+                ctx.progress.steps(it + 1 - trainer.first, recipe.grpo.iterations, "iteration")
     finally:
         # Failing or not, the policy, optimizer and schedule go with the phase: a failed iteration's
         # traceback, and the closures it holds, keep an empty learner.

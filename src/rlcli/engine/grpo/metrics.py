@@ -30,34 +30,46 @@ def iteration_metrics(rollout: Rollout, stats: IterationStats) -> dict[str, Any]
 
 
 class MetricsView:
-    """One line per iteration with the numbers a researcher watches."""
+    """One line per iteration with the numbers a researcher watches: as many of COLUMNS, the most
+    watched first, as the console is wide (eight at a terminal's 80 columns, all of them piped); the
+    run database has every metric (`rlcli runs show`)."""
 
     COLUMNS = (
-        ("iter", None),
         ("reward", "rollout/reward_mean"),
         ("success", "rollout/success_rate"),
         ("held-out", "eval/success_rate"),
         ("loss", "train/loss"),
         ("kl", "train/kl"),
         ("entropy", "train/entropy"),
-        ("clip", "train/clip_frac_high"),
-        ("|g|", "train/grad_norm"),
         ("0-var", "train/zero_var_groups"),
         ("tok/s", "perf/tokens_per_s"),
         ("t_roll", "perf/time_rollout_s"),
         ("t_train", "perf/time_train_s"),
+        ("|g|", "train/grad_norm"),
+        ("clip", "train/clip_frac_high"),
     )
+    ITER_WIDTH = 5  # the iteration number's column
+    CELL_WIDTH = 8  # each metric's, after a space
 
     def __init__(self, console: Console) -> None:
         self.console = console
-        self.header_shown = False
+        self.columns: tuple[tuple[str, str], ...] | None = None  # chosen at the first line
 
     def show(self, it: int, metrics: dict[str, Any]) -> None:
-        if not self.header_shown:
-            self.console.print(" ".join(f"{name:>8}" for name, _ in self.COLUMNS), style="bold")
-            self.header_shown = True
-        cells = [f"{it:>8}"]
-        for _, key in self.COLUMNS[1:]:
+        if self.columns is None:
+            fits = (self.console.width - self.ITER_WIDTH) // (self.CELL_WIDTH + 1)
+            self.columns = self.COLUMNS[:fits]
+            header = [f"{'iter':>{self.ITER_WIDTH}}", *(f"{name:>{self.CELL_WIDTH}}" for name, _ in self.columns)]
+            self.console.print(" ".join(header), style="bold", highlight=False)
+        cells = [f"{it:>{self.ITER_WIDTH}}"]
+        for _, key in self.columns:
             value = metrics.get(key)
-            cells.append(f"{number(float(value), 3):>8}" if isinstance(value, (int, float)) else f"{'–':>8}")
+            cells.append(f"{self._cell(value):>{self.CELL_WIDTH}}")
         self.console.print(" ".join(cells), highlight=False)
+
+    def _cell(self, value: Any) -> str:
+        if not isinstance(value, (int, float)):
+            return "–"
+        text = number(float(value), 3)
+        # -1.23e-05 is one character too wide: one digit fewer keeps the columns straight.
+        return text if len(text) <= self.CELL_WIDTH else number(float(value), 2)

@@ -11,6 +11,7 @@ import torch
 from rlcli.engine.grpo.checkpoints import TRAINER_STATE
 from rlcli.engine.labelling import GRPO_LABEL_SET
 from rlcli.errors import UsageError
+from rlcli.models.loading import is_pruned
 from rlcli.store.checkpoints import checkpoints, require_folder, train_checkpoints
 from rlcli.store.names import SFT_STAGE
 from rlcli.store.records import Checkpoint
@@ -25,6 +26,8 @@ def resume_point(ctx: RunContext, first: int = 0) -> tuple[Checkpoint | None, di
     unreadable is passed over, saying so: its iterations are redone."""
     own = [c for c in train_checkpoints(ctx.store) if c.iteration >= first]
     for checkpoint in reversed(own):
+        if is_pruned(require_folder(checkpoint)):  # grpo.keep_checkpoints deleted its state (never the newest's)
+            continue
         state_file = require_folder(checkpoint) / TRAINER_STATE
         try:
             return checkpoint, torch.load(state_file, map_location="cpu", weights_only=True)
@@ -53,18 +56,19 @@ def supersede_lost_rollouts(ctx: RunContext, next_iteration: int, end: int) -> N
     On a CPU the redo computes the same weights, and the stage is played again to the same episodes."""
     from rlcli.engine.grpo.staleness import policy_version
     from rlcli.store.episodes import stage_episodes, supersede_stage
-    from rlcli.store.names import GrpoLabelStage, LabelStage, RolloutStage, try_parse_stage
+    from rlcli.store.names import BranchStage, GrpoLabelStage, LabelStage, RolloutStage, try_parse_stage
     from rlcli.store.tasks import refresh_task_stats
 
     rows = {row.name: try_parse_stage(row.name) for row in ctx.store.stages()}
     for name, parsed in rows.items():
-        if not isinstance(parsed, RolloutStage) or not next_iteration <= parsed.iteration < end:
+        # grpo.branch's branch/i plays with the same weights as rollout/i, and labels in its own stage.
+        if not isinstance(parsed, (RolloutStage, BranchStage)) or not next_iteration <= parsed.iteration < end:
             continue
         played = {episode.policy for episode in stage_episodes(ctx.store, name)}
         versions = [v for v in map(policy_version, played) if v is not None]
         if not any(v >= next_iteration for v in versions) and (played or parsed.iteration == next_iteration):
             continue
-        labels = [GrpoLabelStage(parsed.iteration, parsed.round).name]
+        labels = [GrpoLabelStage(parsed.iteration, parsed.round).name] if isinstance(parsed, RolloutStage) else []
         labels += [other for other, p in rows.items() if isinstance(p, LabelStage) and p.stage == name]
         aside, moved = supersede_stage(ctx.store, name, [name, *labels])
         if moved:

@@ -7,7 +7,7 @@ has a worker process (grpo/worker.py) play rollout/i+1..i+k while this process l
 trains iteration i, and pushes it the new weights after each update.
 
 The loop (grpo/loop.py) runs, inside `with source.running():`, per iteration i:
-play(i) -> label/i -> refill(i) -> before_update(i) -> train/i -> after_update(i).
+play(i) -> label/i -> refill(i) -> branch(i) -> before_update(i) -> train/i -> after_update(i).
 The recipe refuses what the worker cannot play (grpo.dynamic_sampling, rollout.group_size_hard,
 rollout.vllm_sleep true, GRPO phases) when it is loaded, with a sentence saying what to change.
 """
@@ -27,6 +27,7 @@ import torch
 from rlcli.engine.context import RunContext
 from rlcli.engine.curriculum import extra_tasks, group_sizes, iteration_tasks
 from rlcli.engine.games import recipe_opponent
+from rlcli.engine.grpo.branches import play_branches
 from rlcli.engine.grpo.checkpoints import checkpoint_folder, saves_checkpoint
 from rlcli.engine.grpo.selection import carried_groups, group_keys, informative_groups
 from rlcli.engine.grpo.staleness import START_VERSION, set_aside_stale
@@ -112,6 +113,10 @@ class RolloutSource(Protocol):
         """After label/it: more rounds of rollouts while the iteration is short of informative groups."""
         ...
 
+    def branch(self, it: int, rollout: Rollout, reward_fns: list[RewardFn]) -> None:
+        """After the refill: grpo.branch's stage branch/it, continuations from stored turns of rollout/it."""
+        ...
+
     def before_update(self, it: int) -> None:
         """Before train/it."""
         ...
@@ -166,6 +171,14 @@ class SyncRollouts:
         if self.ctx.recipe.grpo.dynamic_sampling:
             with rollout.timed("perf/time_refill_s"):
                 self._refill(it, reward_fns)
+
+    def branch(self, it: int, rollout: Rollout, reward_fns: list[RewardFn]) -> None:
+        """grpo.branch: stage branch/it (grpo/branches.py) with the policy in memory, timed as
+        perf/time_branch_s."""
+        if self.ctx.recipe.grpo.branch is not None:
+            with rollout.timed("perf/time_branch_s"):
+                policy, tokenizer = self.trainer.policy(it), self.trainer.tokenizer
+                play_branches(self.ctx, it, self.sampler, tokenizer, policy, reward_fns)
 
     def before_update(self, it: int) -> None:
         """The vLLM engine sleeps through the update (rollout.vllm_sleep: the update gets its GPU
@@ -281,6 +294,9 @@ class AsyncRollouts:
 
     def refill(self, it: int, rollout: Rollout, reward_fns: list[RewardFn]) -> None:
         """Nothing: the recipe refuses grpo.dynamic_sampling with asynchronous rollouts."""
+
+    def branch(self, it: int, rollout: Rollout, reward_fns: list[RewardFn]) -> None:
+        """Nothing: the recipe refuses grpo.branch with asynchronous rollouts."""
 
     def before_update(self, it: int) -> None:
         """Nothing: the worker plays on during the update."""

@@ -1,4 +1,5 @@
-"""textarena:<GameId> - a single-player TextArena game (e.g. GuessTheNumber-v0, Mastermind-v0) as an rlcli env.
+"""textarena:<GameId> - a TextArena game as an rlcli env: single-player (e.g. GuessTheNumber-v0,
+Mastermind-v0), or two-player against env.opponent (TicTacToe-v0, ConnectFour-v0; below).
 
 Observations: the game's messages to the player since the last turn (its rules prompt first, then
 hints, boards and invalid-move notices), joined into one user message; the player's own moves are
