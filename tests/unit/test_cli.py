@@ -735,7 +735,8 @@ def test_debug_traceback_in_a_real_process(tmp_path):
     assert "Traceback" in debug.stderr and "UsageError" in debug.stderr
 
 
-def test_unexpected_error_is_one_line_without_debug(capsys, monkeypatch, good):
+def test_unexpected_error_is_one_line_without_debug(capsys, monkeypatch, good, smollm2_cache):
+    capsys.readouterr()  # the recipe's model is pulled (smollm2_cache) before, not in the stderr read below
     import rlcli.engine.pipeline
 
     def boom(ctx, on_summary=None):
