@@ -428,7 +428,9 @@ def test_an_mcp_servers_tools_are_called_from_env_workers_and_shown(tmp_path):
     shown = run_in_process(["runs", "episodes", "t", "--limit", "1"], tmp_path / "runs", cwd=REPO)
     assert shown.returncode == 0 and "shout({" in shown.stdout and "whisper({" in shown.stdout
     page = tmp_path / "episodes.html"
-    assert run_in_process(["runs", "episodes", "t", "--html", str(page)], tmp_path / "runs", cwd=REPO).returncode == 0
+    # Newest first, 5 by default: task 0's episode, the oldest of the 6, is on a page of 6.
+    html = ["runs", "episodes", "t", "--limit", "6", "--html", str(page)]
+    assert run_in_process(html, tmp_path / "runs", cwd=REPO).returncode == 0
     assert "shout({&quot;text&quot;: &quot;task 0&quot;})" in page.read_text()
 
 
