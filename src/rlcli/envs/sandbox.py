@@ -266,25 +266,7 @@ def run_sandboxed(
         else:
             command, cwd = list(argv), scratch
             environment = {**given, "HOME": str(scratch), "TMPDIR": str(scratch)}
-        supervision = Supervision(
-            time_limit_s=limits.time_s,
-            max_processes=limits.processes,
-            wrapper_processes=BWRAP_PROCESSES if bwrap else 0,
-            max_memory_bytes=limits.memory_bytes,
-            rlimits=(
-                ("RLIMIT_AS", limits.memory_bytes),
-                ("RLIMIT_FSIZE", limits.file_size_bytes),
-                ("RLIMIT_CPU", limits.cpu_s),
-                ("RLIMIT_CORE", 0),
-            ),
-            # As root, the capabilities go: without CAP_SYS_PTRACE the code cannot read rlcli's /proc files. In
-            # bubblewrap they must stay for it to map root into its user namespace; it drops them itself
-            # (--cap-drop ALL), and its /proc shows none of rlcli's processes anyway.
-            drop_capabilities=not bwrap,
-            output=str(output_path),
-            report=str(report_path),
-            remove=str(folder),
-        )
+        supervision = _supervision(limits, bwrap, folder)
         # The supervisor is started with the program's clean environment: the program's parent holds no
         # secret. Its own session: no Ctrl-C from the terminal, and out of an env worker's process group,
         # so a worker killed as a group leaves the supervisor to kill the tree and remove the folder.
@@ -315,6 +297,29 @@ def run_sandboxed(
     if len(text) > limits.output_chars or total > len(data):
         text = text[: limits.output_chars] + f"\n[output cut at {limits.output_chars} characters, of {total} bytes]"
     return Outcome(text, returncode, status)
+
+
+def _supervision(limits: Limits, bwrap: bool, folder: Path) -> Supervision:
+    """How the supervisor bounds one run_sandboxed program whose scratch folder is `folder`."""
+    return Supervision(
+        time_limit_s=limits.time_s,
+        max_processes=limits.processes,
+        wrapper_processes=BWRAP_PROCESSES if bwrap else 0,
+        max_memory_bytes=limits.memory_bytes,
+        rlimits=(
+            ("RLIMIT_AS", limits.memory_bytes),
+            ("RLIMIT_FSIZE", limits.file_size_bytes),
+            ("RLIMIT_CPU", limits.cpu_s),
+            ("RLIMIT_CORE", 0),
+        ),
+        # As root, the capabilities go: without CAP_SYS_PTRACE the code cannot read rlcli's /proc files. In
+        # bubblewrap they must stay for it to map root into its user namespace; it drops them itself
+        # (--cap-drop ALL), and its /proc shows none of rlcli's processes anyway.
+        drop_capabilities=not bwrap,
+        output=str(folder / "output"),
+        report=str(folder / "report"),
+        remove=str(folder),
+    )
 
 
 def program_returncode(returncode: int) -> int:
