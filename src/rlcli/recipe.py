@@ -50,12 +50,12 @@ class RunSection(Section):
     seed: int = Field(
         0, ge=0, lt=SEED_LIMIT, description="Seed from which every episode's and update's randomness is derived."
     )
-    stages: list[Literal["sft", "grpo", "dpo", "eval"]] | None = Field(
+    stages: list[Literal["sft", "grpo", "distill", "dpo", "eval"]] | None = Field(
         None,
         description="What `rlcli run` runs, in this order, e.g. [sft, grpo, dpo, eval] or the VerIPO loop [sft, grpo, "
-        "dpo, grpo, eval]. sft at most once; with grpo listed, the first dpo after it (it mines GRPO's groups). grpo, dpo and eval "
-        "may repeat: the k-th grpo (from 0) runs iterations k*grpo.iterations onwards from the newest checkpoint "
-        "(stage grpo/<k>), the k-th dpo is stage dpo/<k+1> (the first: dpo), and each eval evaluates "
+        "dpo, grpo, eval]. sft at most once; with grpo listed, the first dpo after it (it mines GRPO's groups). grpo, "
+        "distill, dpo and eval may repeat: grpo and distill are phases of one loop, and the k-th of them (from 0) runs "
+        "iterations k*grpo.iterations onwards from the newest checkpoint (stage grpo/<k>, or distill/<k>), the k-th dpo is stage dpo/<k+1> (the first: dpo), and each eval evaluates "
         "eval.checkpoints as they are then. null: sft (when sft.source is set), grpo (when grpo.iterations > 0), "
         "then eval (when eval.tasks > 0).",
         json_schema_extra=RESUME_SAFE,
@@ -878,6 +878,33 @@ class DpoSection(Section):
     save_steps: int = Field(50, gt=0, description="Checkpoint every this many steps (resume point).")
 
 
+class DistillSection(Section):
+    teacher: str | None = Field(
+        None,
+        description="The teacher whose per-token judgement the student learns from (`rlcli train distill`): a "
+        "checkpoint of this run (sft, best, latest or an id), another run's (run:NAME, its best or else latest "
+        "checkpoint; run:NAME/ID, checkpoint ID of it), or a model (a hub id, a path, or a `rlcli models` cache "
+        "name). It must share the student's tokenizer.",
+    )
+    quantization: Literal["none", "4bit", "8bit"] = Field(
+        "none",
+        description="The teacher's bitsandbytes quantisation, to fit it beside the student (4-bit: NF4 with double "
+        "quantisation, as quantization's defaults).",
+    )
+    kl_coef: float = Field(
+        1.0,
+        gt=0,
+        description="Weight of the per-token reverse KL to the teacher: each sampled token's advantage is "
+        "kl_coef x (teacher logprob - student logprob).",
+    )
+    reward_weight: float = Field(
+        0.0,
+        ge=0,
+        description="Weight of the episode's group-relative reward advantage added to every token's (0: pure "
+        "distillation, no reward function needed).",
+    )
+
+
 class EvalSection(Section):
     tasks: int = Field(
         32,
@@ -946,6 +973,10 @@ class Recipe(Section):
     grpo: GrpoSection = Field(default_factory=GrpoSection, description="Online GRPO.")
     dpo: DpoSection = Field(
         default_factory=DpoSection, description="DPO on preference pairs mined from stored groups (`rlcli train dpo`)."
+    )
+    distill: DistillSection = Field(
+        default_factory=DistillSection,
+        description="On-policy distillation (`rlcli train distill`): GRPO's loop, a teacher's logprobs as advantages.",
     )
     eval: EvalSection = Field(default_factory=EvalSection, description="Held-out evaluation.")
 
@@ -1025,6 +1056,12 @@ class Recipe(Section):
             raise ValueError(
                 "quantized weights cannot be fully fine-tuned; add a lora: section or set quantization: none"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _distillation(self) -> Recipe:
+        if "distill" in (self.run.stages or []) and (problem := distill_problem(self)):
+            raise ValueError(problem)
         return self
 
     @model_validator(mode="after")
@@ -1183,6 +1220,27 @@ def recipe_file(path: str | Path) -> Path:
 ALIAS_REPEAT_LIMIT = 10_000
 NESTING_LIMIT = 100
 MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
+def distill_problem(recipe: Recipe) -> str | None:
+    """Why the recipe cannot run a distill phase (None: it can). Checked when run.stages lists distill, and by
+    `rlcli train distill` before any stage: a distill phase trains every episode it plays, in this process."""
+    grpo = recipe.grpo
+    if recipe.distill.teacher is None:
+        return "distillation needs a teacher; set distill.teacher (best, sft, a checkpoint id, run:NAME or a model)"
+    refused = {
+        "grpo.max_staleness > 0": grpo.max_staleness > 0,
+        "grpo.dynamic_sampling": grpo.dynamic_sampling,
+        "grpo.branch": grpo.branch is not None,
+        "grpo.replay": grpo.replay is not None,
+        "grpo.advantage rae": grpo.advantage == "rae",
+    }
+    if chosen := [name for name, on in refused.items() if on]:
+        return (
+            f"a distill phase trains every episode it plays on the teacher's logprobs, in this process; {chosen[0]} "
+            "chooses or plays episodes otherwise: turn it off for distillation"
+        )
+    return None
 
 
 class BoundedYamlLoader(yaml.SafeLoader):

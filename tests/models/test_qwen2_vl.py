@@ -68,7 +68,7 @@ def test_qwen2_vl_rollout_records_image_tokens_and_exact_logprobs(tmp_path, name
     assert recomputed_gap(ctx, model, sequences) < 1e-4
     # 1-D positions (each token's index) miss by more than that tolerance (by ~8e-4 here; the 3-D
     # ones by ~5e-7), so the check above does tell 3-D positions from 1-D ones.
-    batch = update_module._collate(sequences, model, True, update_module._pictures(ctx, sequences))
+    batch = update_module._collate(sequences, model, True, update_module.sequence_pictures(ctx, sequences))
     del batch.pixels["mm_token_type_ids"]
     batch.position_ids = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():

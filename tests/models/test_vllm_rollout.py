@@ -259,3 +259,32 @@ def test_grpo_with_vllm_learns_the_digits_task(tmp_path, tiny64):  # noqa: F811
     assert len(rewards) == 12
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
     assert last > first + 0.1, rewards
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_distill_with_a_vllm_student_scores_its_tokens_as_the_engine_sampled_them(tmp_path, tiny64):  # noqa: F811
+    # The base model as teacher of a student that starts from it: the teacher's logprobs of what the
+    # engine sampled at temperature 1 are the engine's own, so the reverse KL of iteration 0 is ~0.
+    from rlcli.engine.grpo.loop import run_distill
+
+    recipe = vllm_recipe(
+        tmp_path,
+        tiny64,
+        lora={"r": 8, "alpha": 16},
+        rollout={"tasks": 2, "group_size": 2, "temperature": 1.0},
+        grpo={"iterations": 2, "lr": 1e-2},
+        eval={"tasks": 0},
+        distill={"teacher": "base"},
+    )
+    ctx = make_ctx(recipe, tmp_path / "runs")
+    run_distill(ctx)
+    kl = metric(ctx, "train/teacher_kl")
+    assert len(kl) == 2 and abs(kl[0]) < LOGPROB_TOLERANCE * 10, kl
+    with sqlite3.connect(tmp_path / "runs" / "rlcli.db") as db:
+        unscored = db.execute(
+            "select count(*) from turns t join episodes e on e.id = t.episode_id where e.stage like 'rollout/%' "
+            "and not exists (select 1 from teacher_logprobs s where s.episode_id = t.episode_id "
+            "and s.turn_index = t.turn_index)"
+        ).fetchone()[0]
+    assert unscored == 0

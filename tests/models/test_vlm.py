@@ -37,7 +37,7 @@ def recomputed_gap(ctx, model, sequences) -> float:
     batch, pixels rebuilt from the stored images)."""
     for s in sequences:
         s.advantage = [0.0] * len(s.ids)
-    pictures = update_module._pictures(ctx, sequences)
+    pictures = update_module.sequence_pictures(ctx, sequences)
     batch = update_module._collate(sequences, model, True, pictures)
     with torch.no_grad():
         logprobs, _ = update_module.token_logprobs(model, batch, 1.0)

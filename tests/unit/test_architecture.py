@@ -34,7 +34,7 @@ GRPO_LAYERS: list[set[str]] = [
     {"loop"},  # the iteration, and GRPO's phases
     {"retention"},  # grpo.keep_checkpoints: which checkpoints keep their weights
     {"evals", "metrics"},  # held-out evals during training; an iteration's metrics and live view
-    {"learner", "sources"},  # torch state (setup, update, save); where rollouts come from
+    {"learner", "sources", "teacher"},  # torch state (setup, update, save); where rollouts come from; distill's teacher
     {"batch", "worker", "resume"},  # advantages and sequences; the asynchronous worker; where a phase goes on
     {"selection", "update", "schedule", "branches"},  # which groups train; clipped steps; learning rate; branch/i
     {"advantages", "loss", "staleness", "checkpoints"},  # pure maths; policy versions; where checkpoints go

@@ -145,6 +145,27 @@ def train_grpo_cmd(
         run_grpo(ctx)
 
 
+@train_app.command("distill")
+def train_distill_cmd(
+    cli_ctx: typer.Context,
+    overrides: Overrides = None,
+    recipe: RecipeOpt = None,
+    run: RunOpt = None,
+    force: ForceOpt = False,
+) -> None:
+    """On-policy distillation: per iteration the student samples, the teacher scores every sampled token, and
+    the update follows the per-token reverse KL (GRPO's loop and settings, distill.teacher's logprobs).
+
+    Examples:
+      rlcli train distill -r quickstart distill.teacher=run:quickstart --run qs-distill
+      rlcli train distill -r arithmetic distill.teacher=best distill.reward_weight=0.5
+    """
+    with stage_run(cli_ctx, recipe, run, overrides, force, ["distill"]) as ctx:
+        from rlcli.engine.grpo.loop import run_distill
+
+        run_distill(ctx)
+
+
 @train_app.command("dpo")
 def train_dpo_cmd(
     cli_ctx: typer.Context,

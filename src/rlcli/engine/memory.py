@@ -32,7 +32,7 @@ T = TypeVar("T")
 # The stages that sample with the policy's vLLM engine (vllm_engine.policy_engine). Its options (the
 # key shared_engine compares) come from the recipe alone, so GRPO and eval of one recipe share one
 # engine; SFT and DPO train with the Hugging Face Trainer, which wants the engine's memory.
-ENGINE_STAGES = ("grpo", "eval")
+ENGINE_STAGES = ("grpo", "distill", "eval")
 
 
 def release_stage_memory(*, keep_engine: bool, failure: BaseException | None = None) -> None:

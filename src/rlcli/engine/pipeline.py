@@ -2,6 +2,7 @@
 
 run.stages may repeat grpo, dpo and eval (the VerIPO loop sft -> grpo -> dpo -> grpo -> eval): the k-th
 grpo is GRPO phase k (engine/grpo/loop.py: iterations k*grpo.iterations onwards, from the newest checkpoint),
+distill a phase of the same loop that distills (engine/grpo/teacher.py; grpo and distill are numbered together),
 the k-th dpo is stage dpo (k = 0) or dpo/<k+1>, mining the groups stored so far, and an eval evaluates
 eval.checkpoints (and, with grpo.keep_best, best) as they are when it runs (its stages are named by
 checkpoint, so repeats never collide).
@@ -53,8 +54,9 @@ def run_all(ctx: RunContext, on_summary: Callable[[StageSummary], None] | None =
         for index, stage in enumerate(stages):
             if index:  # the first began with the block
                 ctx.progress.stage(index)
-            repeat = seen[stage]
-            seen[stage] += 1
+            # grpo and distill are phases of one loop, numbered together (sft -> distill -> grpo: phases 0, 1)
+            repeat = seen["loop"] if stage in ("grpo", "distill") else seen[stage]
+            seen["loop" if stage in ("grpo", "distill") else stage] += 1
             try:
                 _run_stage(ctx, stage, repeat, show)
             except BaseException as exc:
@@ -79,6 +81,10 @@ def _run_stage(ctx: RunContext, stage: str, repeat: int, show: Callable[[StageSu
         from rlcli.engine.grpo.loop import run_grpo
 
         run_grpo(ctx, phase=repeat)
+    elif stage == "distill":
+        from rlcli.engine.grpo.loop import run_distill
+
+        run_distill(ctx, phase=repeat)
     elif stage == "dpo":
         from rlcli.engine.dpo import run_dpo
 

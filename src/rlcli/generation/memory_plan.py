@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 from rlcli.errors import UsageError
 
 if TYPE_CHECKING:
-    from rlcli.recipe import Recipe
+    from rlcli.recipe import QuantizationSection, Recipe
 
 GB = 1_000_000_000
 CUDA_CONTEXT = GB // 2  # CUDA 12-13 with cuBLAS on a Hopper or Ampere card, per process
@@ -376,8 +376,9 @@ class _Layout:
 
     # -- the parts ---------------------------------------------------------------------------------
 
-    def weights(self) -> int:
-        shape, quant = self.shape, self.recipe.quantization
+    def weights(self, quant: QuantizationSection | None = None) -> int:
+        """The policy's weights in memory, quantised as the recipe says (or as `quant`: a distill teacher's)."""
+        shape, quant = self.shape, quant or self.recipe.quantization
         if quant.mode == "4bit":
             absmax = 1 / 64 + 4 / (64 * 256) if quant.double_quant else 4 / 64
             return int(shape.linear_params * (0.5 + absmax)) + shape.other_params * self.dtype_bytes
@@ -628,6 +629,13 @@ class _Layout:
                 )
             elif name == "grpo":
                 out += self._grpo()
+            elif name == "distill":  # GRPO's loop with a teacher beside the student, taken as the student's size
+                *sampling, update = self._grpo()
+                from rlcli.recipe import QuantizationSection
+
+                teacher = QuantizationSection(mode=self.recipe.distill.quantization)
+                update.parts["teacher model"] = self.weights(teacher)
+                out += [*sampling, update]
             elif name == "dpo":
                 dpo = self.recipe.dpo
                 checkpointing = dpo.gradient_checkpointing

@@ -40,6 +40,7 @@ CURVE_KEYS = (
     HELDOUT_KEY,
     "train/loss",
     "train/kl",
+    "train/teacher_kl",
     "train/entropy",
     "sft/loss",
     "sft/eval_loss",

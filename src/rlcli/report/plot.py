@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from rlcli.errors import UsageError
 from rlcli.export_folder import write_file
-from rlcli.report.views import HELDOUT_KEY, REWARD_KEY, SUCCESS_KEY, metric_series
+from rlcli.report.views import HELDOUT_KEY, REWARD_KEY, SUCCESS_KEY, metric_series, teachers_view
 from rlcli.store.evals import eval_results
 from rlcli.store.names import EXPERT, GRPO_STAGE
 from rlcli.store.records import EvalResult
@@ -27,6 +27,7 @@ DEFAULT_PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Success rate: train rollouts and held-out", (SUCCESS_KEY, HELDOUT_KEY)),
     ("Policy loss", ("train/loss",)),
     ("KL to reference", ("train/kl",)),
+    ("Reverse KL to the teacher (distill)", ("train/teacher_kl",)),
     ("Entropy", ("train/entropy",)),
     ("SFT loss", ("sft/loss", "sft/eval_loss")),
 )
@@ -101,6 +102,7 @@ class _Loaded:
     status: str
     series: dict[str, dict[str, Any]]
     evals: list[EvalResult]  # in training order
+    teachers: list[tuple[str, float]]  # a distill phase's teacher and its own held-out success, drawn as a line
 
 
 def run_figure(
@@ -117,7 +119,13 @@ def runs_figure(stores: list[RunStore], metrics: list[str] | None = None) -> tup
 
     Refused in one sentence (UsageError): a metric key no run has, or runs with no metrics and no evals."""
     runs = [
-        _Loaded(store.run, store.require_run().status, metric_series(store), in_training_order(eval_results(store)))
+        _Loaded(
+            store.run,
+            store.require_run().status,
+            metric_series(store),
+            in_training_order(eval_results(store)),
+            [(t["teacher"], t["success_rate"]) for t in teachers_view(store) if t["success_rate"] is not None],
+        )
         for store in stores
     ]
     names = ", ".join(repr(store.run) for store in stores)
@@ -175,6 +183,12 @@ def runs_figure(stores: list[RunStore], metrics: list[str] | None = None) -> tup
                     _mark_no_update(ax, series[key], series.get(SKIPPED_KEY), colour, overlaid)
         ax.set_title(title)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        if HELDOUT_KEY in keys:  # what a distilled student is measured against: its teacher's held-out success
+            for number, run in enumerate(runs):
+                for teacher, rate in run.teachers:
+                    ax.axhline(
+                        rate, color=f"C{number}" if overlaid else "grey", linestyle=":", label=f"teacher: {teacher}"
+                    )
         if SUCCESS_KEY in keys or HELDOUT_KEY in keys:
             ax.set_ylim(-0.02, 1.02)
             ax.yaxis.set_major_formatter(PercentFormatter(1.0))

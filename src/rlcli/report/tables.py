@@ -107,7 +107,12 @@ def print_run(console: Console, data: dict[str, Any], series: dict[str, dict[str
     parts: list[Any] = [header]
     if data["stages"]:
         parts.append(stages_table(data["stages"]))
-    curves = (("reward", data["reward_curve"]), ("success", data["success_curve"]), ("held-out", data["heldout_curve"]))
+    curves = (
+        ("reward", data["reward_curve"]),
+        ("success", data["success_curve"]),
+        ("held-out", data["heldout_curve"]),
+        ("t-kl", data.get("teacher_kl_curve", [])),  # a distill phase's reverse KL to its teacher
+    )
     for title, curve in curves:
         if curve:
             per = "per eval     " if title == "held-out" else "per iteration"
@@ -117,6 +122,11 @@ def print_run(console: Console, data: dict[str, Any], series: dict[str, dict[str
                     f"{fmt(curve[0])} → {fmt(curve[-1])}  (min {fmt(min(curve))}, max {fmt(max(curve))})"
                 )
             )
+    for teacher in data.get("teachers", []):
+        own = ""
+        if teacher["success_rate"] is not None:
+            own = f"; its held-out {teacher['success_rate']:.2f} on {teacher['tasks']} tasks, {teacher['decoding']}"
+        parts.append(Text(f"teacher of {teacher['stage']}: {printable(teacher['teacher'])}{own}"))
     if data["latest_metrics"]:
         parts.append(metrics_table(data["latest_metrics"], series or {}))
     if data["checkpoints"]:

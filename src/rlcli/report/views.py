@@ -11,13 +11,23 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from rlcli.report.ratings import elo_ratings
-from rlcli.store.checkpoints import BestAndLatest, best_and_latest, checkpoints
+from rlcli.store.checkpoints import BestAndLatest, best_and_latest, checkpoint_run, checkpoints, ranked_checkpoints
 from rlcli.store.db import RunDB
 from rlcli.store.episodes import episode_counts, eval_games, labelled_episodes
 from rlcli.store.evals import eval_results
 from rlcli.store.events import list_events
 from rlcli.store.images import image_sizes, load_images
-from rlcli.store.names import BEST, EXPERT, LATEST, DpoStage, EvalStage, SftStage, TrainStage, try_parse_stage
+from rlcli.store.names import (
+    BEST,
+    EXPERT,
+    LATEST,
+    DistillStage,
+    DpoStage,
+    EvalStage,
+    SftStage,
+    TrainStage,
+    try_parse_stage,
+)
 from rlcli.store.records import GPU_MEMORY_KEYS, Checkpoint, EvalResult, LabelledEpisode, Run
 from rlcli.store.run_store import RunStore
 from rlcli.store.stages import displayed_status
@@ -28,12 +38,14 @@ COMPARE_METRICS = (
     "rollout/success_rate",
     "train/loss",
     "train/kl",
+    "train/teacher_kl",
     "train/entropy",
     "perf/tokens_per_s",
 )
 REWARD_KEY = "rollout/reward_mean"
 SUCCESS_KEY = "rollout/success_rate"
 HELDOUT_KEY = "eval/success_rate"  # grpo.eval_every; step -1 is the starting point
+TEACHER_KL_KEY = "train/teacher_kl"  # a distill phase's reverse KL to its teacher, per iteration
 
 
 def runs_summary(rundb: RunDB) -> list[dict[str, Any]]:
@@ -74,18 +86,19 @@ class StagesDone:
 
     sft: bool
     grpo_iterations: int  # train/<i> stages done
-    grpo_planned: int  # grpo.iterations times the grpo phases in run.stages
+    grpo_planned: int  # grpo.iterations times the grpo and distill phases in run.stages
     dpo: int  # DPO stages done
     evals: int  # eval stages done, grpo.eval_every's among them
+    loop: str = "grpo"  # what the training loop's phases are: grpo, distill, or both (distill+grpo)
 
     @property
     def summary(self) -> str:
         """e.g. "sft, grpo 12/32, 5 evals"; "none" before any stage is done."""
         parts = ["sft"] if self.sft else []
         if self.grpo_planned:
-            parts.append(f"grpo {self.grpo_iterations}/{self.grpo_planned}")
+            parts.append(f"{self.loop} {self.grpo_iterations}/{self.grpo_planned}")
         elif self.grpo_iterations:  # `rlcli train grpo` on a recipe whose run.stages leaves grpo out
-            parts.append(f"grpo {self.grpo_iterations}")
+            parts.append(f"{self.loop} {self.grpo_iterations}")
         if self.dpo:
             parts.append("dpo" if self.dpo == 1 else f"{self.dpo} dpo")
         if self.evals:
@@ -97,12 +110,18 @@ def stages_done(store: RunStore, run: Run) -> StagesDone:
     # The stored recipe as a dict: a listing must not depend on every recipe validating under this rlcli.
     iterations = run.recipe.get("grpo", {}).get("iterations") or 0
     planned = run.recipe.get("run", {}).get("stages")
-    phases = planned.count("grpo") if isinstance(planned, list) else 1
-    done = [try_parse_stage(s.name) for s in store.stages() if s.done]
+    rows = store.stages()
+    done = [try_parse_stage(s.name) for s in rows if s.done]
+    # The training loop's phases, GRPO's and distillation's: run.stages', else the one a command ran.
+    if isinstance(planned, list):
+        kinds = [stage for stage in planned if stage in ("grpo", "distill")]
+    else:
+        kinds = ["distill"] if any(isinstance(try_parse_stage(s.name), DistillStage) for s in rows) else ["grpo"]
     return StagesDone(
         sft=any(isinstance(s, SftStage) and not s.demos for s in done),
         grpo_iterations=sum(isinstance(s, TrainStage) for s in done),
-        grpo_planned=iterations * phases,
+        grpo_planned=iterations * len(kinds),
+        loop="+".join(dict.fromkeys(kinds)) or "grpo",
         dpo=sum(isinstance(s, DpoStage) for s in done),
         evals=sum(isinstance(s, EvalStage) for s in done),
     )
@@ -193,6 +212,8 @@ def run_details(store: RunStore) -> dict[str, Any]:
         "reward_curve": _curve(store, REWARD_KEY),
         "success_curve": _curve(store, SUCCESS_KEY),
         "heldout_curve": _curve(store, HELDOUT_KEY),
+        "teacher_kl_curve": _curve(store, TEACHER_KL_KEY),
+        "teachers": teachers_view(store),
         "checkpoints": [asdict(c) for c in checkpoints(store)],
         "evals": [eval_view(r) for r in eval_results(store)],
         # two-player games: Elo ratings fitted to the held-out games of every eval stage
@@ -204,6 +225,34 @@ def run_details(store: RunStore) -> dict[str, Any]:
             for h in store.rundb.recipe_history(store.run)
         ],
     }
+
+
+def teachers_view(store: RunStore) -> list[dict[str, Any]]:
+    """Each distill phase's teacher (as its stage distill/<k> recorded it) with the teacher's own held-out
+    success, when the teacher is a checkpoint whose run evaluated it: what the student is measured against."""
+    out = []
+    for stage in store.stages():
+        if not isinstance(try_parse_stage(stage.name), DistillStage) or "teacher" not in stage.params:
+            continue
+        teacher = stage.params["teacher"]
+        ranked = None
+        if (checkpoint_id := teacher.get("checkpoint")) is not None and (
+            owner := checkpoint_run(store.rundb, checkpoint_id)
+        ):
+            ranked = next(
+                (r for r in ranked_checkpoints(RunStore(store.rundb, owner)) if r.name == str(checkpoint_id)), None
+            )
+        out.append(
+            {
+                "stage": stage.name,
+                "teacher": teacher["shown"],
+                "checkpoint": checkpoint_id,
+                "success_rate": None if ranked is None else ranked.success_rate,
+                "tasks": None if ranked is None else ranked.tasks,
+                "decoding": None if ranked is None else ranked.decoding,
+            }
+        )
+    return out
 
 
 def _status(rundb: RunDB, run: Run) -> str:

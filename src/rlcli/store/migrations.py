@@ -321,3 +321,14 @@ def branches(db: Database) -> None:
     db.table("episodes").add_column("parent_episode_id", int)
     db.table("episodes").add_column("branch_turn", int)
     db.table("episodes").create_index(["parent_episode_id"])
+
+
+@migrations(name="014_teacher_logprobs")
+def teacher_logprobs(db: Database) -> None:
+    # A distill phase's teacher judgement (engine/grpo/teacher.py): the teacher's logprob of every token a
+    # turn sampled, in the context the student saw, written by stage teach/<i>; what train/<i> trains on.
+    db.table("teacher_logprobs").create(
+        {"episode_id": int, "turn_index": int, "stage": str, "logprobs": bytes},
+        pk=("episode_id", "turn_index"),
+        foreign_keys=[("episode_id", "episodes", "id")],
+    )

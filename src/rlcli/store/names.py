@@ -7,10 +7,12 @@ typed record. The forms (docs/database.md):
   sft, sft/demos                     SFT and the expert demonstrations it plays (sft.demos)
   dpo, dpo/<name>                    DPO stages (run.stages' k-th dpo: dpo, then dpo/<k+1>)
   grpo, grpo/<k>                     GRPO's metrics series (every phase), and the stage around phase k >= 1
+  distill/<k>                        the stage around phase k when it is a distill phase (`rlcli train distill`)
   rollout/<i>, rollout/<i>+<r>       GRPO iteration i's rollouts; r >= 1: grpo.dynamic_sampling's extra rounds
   label/<i>, label/<i>+<r>           their labels under the label set grpo
   label/<label set>/<stage>          `rlcli label`'s labels of one stage
   branch/<i>                         GRPO iteration i's branches (grpo.branch) and their labels
+  teach/<i>                          a distill phase's iteration i: the teacher's logprobs of its turns
   train/<i>                          GRPO iteration i's update (and the checkpoint it saves)
   eval/<key>[@t<temp>-k<k>][/vs-<o>] an eval of key base, expert or ckpt-<id>; @: when it samples; /vs-: its
                                      opponent in a two-player game (random, bot, base, ckpt-<id>; eval.opponents)
@@ -39,12 +41,12 @@ from rlcli.errors import UsageError
 GRPO_LABEL_SET = "grpo"
 # Names without '/' that rlcli's own stages use (grpo is the GRPO metrics' stage): a user stage under one
 # of them would take that stage over, its summary read as the other stage's.
-RESERVED_STAGES = ("sft", "dpo", "grpo")
+RESERVED_STAGES = ("sft", "dpo", "grpo", "distill")
 RESERVED_LABEL_SETS = (GRPO_LABEL_SET,)
 
 STAGE_FORMS = (
-    "sft, sft/demos, dpo, dpo/<name>, grpo, grpo/<phase>, rollout/<i>[+<round>], label/<i>[+<round>], "
-    "label/<label set>/<stage>, branch/<i>, train/<i>, eval/<base|expert|ckpt-<id>>[@t<temperature>-k<k>][/vs-<opponent>], "
+    "sft, sft/demos, dpo, dpo/<name>, grpo, grpo/<phase>, distill/<phase>, rollout/<i>[+<round>], "
+    "label/<i>[+<round>], label/<label set>/<stage>, branch/<i>, teach/<i>, train/<i>, eval/<base|expert|ckpt-<id>>[@t<temperature>-k<k>][/vs-<opponent>], "
     "stale/<stage>/<n>, superseded/<stage>/<n>, or a user stage name without '/'"
 )
 _N = r"(0|[1-9][0-9]*)"  # a count as rlcli writes it: no sign, no leading zeros
@@ -195,6 +197,17 @@ class GrpoStage:
 
 
 @dataclass(frozen=True)
+class DistillStage:
+    """The stage around phase `phase` of the GRPO loop when it distills (engine/grpo/teacher.py)."""
+
+    phase: int
+
+    @property
+    def name(self) -> str:
+        return f"distill/{self.phase}"
+
+
+@dataclass(frozen=True)
 class RolloutStage:
     iteration: int
     round: int = 0  # grpo.dynamic_sampling's extra round (>= 1); 0: the iteration's rollout
@@ -237,6 +250,17 @@ class BranchStage:
     @property
     def name(self) -> str:
         return f"branch/{self.iteration}"
+
+
+@dataclass(frozen=True)
+class TeachStage:
+    """A distill phase's iteration: the teacher's logprobs of every turn of rollout/<iteration>."""
+
+    iteration: int
+
+    @property
+    def name(self) -> str:
+        return f"teach/{self.iteration}"
 
 
 @dataclass(frozen=True)
@@ -314,10 +338,12 @@ StageName = (
     SftStage
     | DpoStage
     | GrpoStage
+    | DistillStage
     | RolloutStage
     | GrpoLabelStage
     | LabelStage
     | BranchStage
+    | TeachStage
     | TrainStage
     | EvalStage
     | StaleStage
@@ -349,6 +375,10 @@ def branch_stage(iteration: int) -> str:
     return BranchStage(iteration).name
 
 
+def teach_stage(iteration: int) -> str:
+    return TeachStage(iteration).name
+
+
 def train_stage(iteration: int) -> str:
     return TrainStage(iteration).name
 
@@ -361,6 +391,11 @@ def grpo_phase_stage(phase: int) -> str:
     """grpo/<phase>, the stage around GRPO phase `phase` >= 1 (phase 0 has none: `rlcli train grpo`)."""
     assert phase >= 1, "GRPO phase 0 runs outside a stage"
     return GrpoStage(phase).name
+
+
+def distill_phase_stage(phase: int) -> str:
+    """distill/<phase>, the stage around a distill phase (phase 0 too: it records the phase's teacher)."""
+    return DistillStage(phase).name
 
 
 def dpo_stage(repeat: int) -> str:
@@ -421,8 +456,12 @@ def parse_stage(name: str) -> StageName:
         parsed = DpoStage(rest)
     elif head == "grpo" and re.fullmatch(_N, rest) and rest != "0":
         parsed = GrpoStage(int(rest))
+    elif head == "distill" and re.fullmatch(_N, rest):
+        parsed = DistillStage(int(rest))
     elif head == "train" and re.fullmatch(_N, rest):
         parsed = TrainStage(int(rest))
+    elif head == "teach" and re.fullmatch(_N, rest):
+        parsed = TeachStage(int(rest))
     elif head == "branch" and re.fullmatch(_N, rest):
         parsed = BranchStage(int(rest))
     elif head in ("rollout", "label") and (match := _ITERATION.fullmatch(rest)):

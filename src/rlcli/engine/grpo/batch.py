@@ -16,12 +16,14 @@ from rlcli.engine.grpo.selection import Selection, hard_tasks, total
 from rlcli.engine.grpo.staleness import staleness
 from rlcli.engine.grpo.update import TrainSequence
 from rlcli.envs.tool_use import without_call_records
+from rlcli.errors import RlcliError
 from rlcli.store.episodes import set_aside_count
 from rlcli.store.names import rollout_stage
 from rlcli.store.records import LabelledEpisode, Turn
+from rlcli.store.teacher import TurnKey, teacher_logprobs
 
 if TYPE_CHECKING:
-    from rlcli.recipe import GrpoSection
+    from rlcli.recipe import DistillSection, GrpoSection
 
 
 @dataclass
@@ -38,10 +40,13 @@ class IterationBatch:
     trained_groups: list[tuple[int, int]] | None = None  # grpo.dynamic_sampling: (iteration played, task) chosen
 
 
-def build_batch(ctx: RunContext, chosen: Selection, rae_baselines: dict[str, float]) -> IterationBatch:
+def build_batch(
+    ctx: RunContext, chosen: Selection, rae_baselines: dict[str, float], *, distills: bool = False
+) -> IterationBatch:
     """The iteration's batch from the episodes chosen for it: their advantages per group (or against
     grpo.advantage rae's baselines, which it returns updated) and one training sequence per episode
-    (or turn), with the metrics that describe it."""
+    (or turn), with the metrics that describe it. distills: a distill phase's, whose tokens' advantages
+    come from the teacher's stored logprobs (teacher_advantages)."""
     recipe, cfg, it, episodes = ctx.recipe, ctx.recipe.grpo, chosen.iteration, chosen.episodes
     rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float64)
     groups = role_groups(episodes, chosen.played_in)
@@ -69,10 +74,14 @@ def build_batch(ctx: RunContext, chosen: Selection, rae_baselines: dict[str, flo
         branched, credited = branch_credit(cfg, episodes, groups, turn_adv, stored_branches(ctx, it), metrics)
 
     replay_ids = {e.episode.id for e in chosen.replayed}
+    taught = teacher_logprobs(ctx.store, [stored_id(e) for e in episodes]) if distills else None
+    gaps: list[float] = []  # a distill phase's student - teacher logprob of every token trained on
     sequences: list[TrainSequence] = []
     for i, labelled in enumerate(episodes):
         ep = labelled.episode
-        if cfg.drop_zero_var_groups and cfg.advantage != "rae" and bool(zero_var[i]) and i not in credited:
+        # (A distilled token has the teacher's signal whatever its group's rewards.)
+        equal = cfg.drop_zero_var_groups and cfg.advantage != "rae" and bool(zero_var[i]) and i not in credited
+        if equal and taught is None:
             continue
         if cfg.mask_truncated and ep.hit_a_cap:
             continue
@@ -80,12 +89,16 @@ def build_batch(ctx: RunContext, chosen: Selection, rae_baselines: dict[str, flo
             continue
         for seq in episode_sequences(stored_id(labelled), ep.task_index, ep.turns):
             seq.advantage = [turn_adv[i][t] for t in seq.turn_of_token]
+            if taught is not None:
+                seq.advantage = teacher_advantages(ctx.recipe.distill, seq, taught, gaps)
             seq.truncated = ep.hit_a_cap
             seq.stale = lags[i] > 0 or ep.id in replay_ids  # a replay's behaviour policy is its recorded one
             sequences.append(seq)
     for labelled, per_turn in branched:
         sequences += branch_sequences(cfg, labelled, per_turn)
     metrics["train/sequences"] = len(sequences)
+    if gaps:  # the sampled estimate of the per-token reverse KL to the teacher
+        metrics["train/teacher_kl"] = sum(gaps) / len(gaps)
     return IterationBatch(
         it,
         sequences,
@@ -212,6 +225,31 @@ def branch_sequences(cfg: GrpoSection, labelled: LabelledEpisode, per_turn: list
         seq.truncated = ep.hit_a_cap
         if any(seq.mask):
             out.append(seq)
+    return out
+
+
+def teacher_advantages(
+    cfg: DistillSection, seq: TrainSequence, taught: dict[TurnKey, list[float]], gaps: list[float]
+) -> list[float]:
+    """A distilled sequence's per-token advantages: distill.reward_weight x its episode advantage (the
+    group-relative one `seq.advantage` holds) minus distill.kl_coef x (student - teacher logprob) of each
+    sampled token, whose expectation over the student's samples is the per-token reverse KL. Each
+    token's log ratio is appended to `gaps`."""
+    out, seen = [], dict.fromkeys(set(seq.turn_of_token), 0)  # tokens of each turn so far
+    for trained, student, turn, episode_adv in zip(seq.mask, seq.rollout_logprobs, seq.turn_of_token, seq.advantage):
+        if not trained:
+            out.append(0.0)
+            continue
+        teacher = taught.get((seq.episode_id, turn))
+        if teacher is None or seen[turn] >= len(teacher):
+            raise RlcliError(
+                f"Episode {seq.episode_id}, turn {turn}: no teacher logprob stored for its token {seen[turn]}; "
+                "its iteration's teach stage did not score it."
+            )
+        gap = student - teacher[seen[turn]]
+        seen[turn] += 1
+        gaps.append(gap)
+        out.append(cfg.reward_weight * episode_adv - cfg.kl_coef * gap)
     return out
 
 

@@ -58,11 +58,11 @@ class GrpoTrainer:
     schedule: LrSchedule
     reference: Checkpoint | None  # the KL anchor: an SFT checkpoint, or None for the base model
 
-    def __init__(self, ctx: RunContext, phase: int, start: Checkpoint | None) -> None:
+    def __init__(self, ctx: RunContext, phase: int, start: Checkpoint | None, kind: str = "grpo") -> None:
         self.ctx, self.cfg, self.phase = ctx, ctx.recipe.grpo, phase
         check_reference_possible(ctx.recipe.lora, self.cfg.beta)
         self.first, self.end = phase * self.cfg.iterations, (phase + 1) * self.cfg.iterations
-        self.title = f"train grpo phase {phase}" if phase else "train grpo"
+        self.title = f"train {kind} phase {phase}" if phase else f"train {kind}"  # kind: grpo, or distill
         self.origin = start if phase else newest_sft(ctx)  # the weights the phase starts from (None: the base)
         # The policy of the phase's first rollout, named by the stage that wrote those weights.
         self.start_policy = PolicyRef.written_by(self.origin.stage) if self.origin is not None else BASE

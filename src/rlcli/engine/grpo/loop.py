@@ -51,6 +51,12 @@ it began (the DPO stage's; the phase before's last when DPO mined no pairs), wit
 and learning-rate schedule. Its KL anchor stays what grpo.reference names (the SFT checkpoint or
 the base model), never the DPO checkpoint. Once phase 1 has begun, grpo.iterations is fixed.
 
+Distillation (`rlcli train distill`, run.stages' distill) is a phase of this loop with a teacher
+(grpo/teacher.py): run_distill runs it as stage distill/<k> (phase 0 too), which records the teacher,
+and each iteration gains teach/i after label/i, the teacher's logprobs of the episodes train/i trains
+on; train/i's advantages are then per token (grpo/batch.py, teacher_advantages). grpo and distill
+phases are numbered together.
+
 grpo.max_staleness k > 0 (grpo/worker.py): a rollout worker process plays rollout/i+1..i+k
 while this process labels and trains iteration i, and gets the new weights after each update; the
 update weighs stale episodes against their recorded logprobs (decoupled PPO). k = 0 is the loop
@@ -77,12 +83,23 @@ from rlcli.engine.grpo.metrics import MetricsView, iteration_metrics
 from rlcli.engine.grpo.retention import prune_checkpoints
 from rlcli.engine.grpo.selection import choose_groups
 from rlcli.engine.grpo.sources import Rollout, rollout_source
+from rlcli.engine.grpo.teacher import TeacherWeights, Teaching, check_tokenizer, resolve_teacher
 from rlcli.engine.labelling import GRPO_LABEL_SET, label_stage_episodes
 from rlcli.engine.memory import frees_on_failure
 from rlcli.errors import UsageError
+from rlcli.recipe import distill_problem
 from rlcli.store.checkpoints import checkpoints
 from rlcli.store.iterations import IterationStats
-from rlcli.store.names import GrpoStage, grpo_label_stage, grpo_phase_stage, rollout_stage, train_stage, try_parse_stage
+from rlcli.store.names import (
+    DistillStage,
+    GrpoStage,
+    distill_phase_stage,
+    grpo_label_stage,
+    grpo_phase_stage,
+    rollout_stage,
+    train_stage,
+    try_parse_stage,
+)
 from rlcli.store.records import Checkpoint, Stage
 
 
@@ -90,24 +107,62 @@ def run_grpo(ctx: RunContext, phase: int = 0) -> None:
     """GRPO phase `phase` (module docstring): 0 is `rlcli train grpo`; a later one (run.stages listing
     grpo again) runs as stage grpo/<phase>, so that once done it is skipped without loading a model."""
     check_phases(ctx)
-    if phase == 0:
-        _run_phase(ctx, 0, None)
-        return
-    n = ctx.recipe.grpo.iterations
-    first, name = phase * n, grpo_phase_stage(phase)
-    row = ctx.store.stage(name)
-    if row is None and ctx.store.stage(rollout_stage(first)) is not None:
+    if (distilled := ctx.store.stage(distill_phase_stage(phase))) is not None:
         raise UsageError(
-            f"Run {ctx.run!r}: GRPO phase {phase} would start at iteration {first}, which an earlier phase has "
-            "already run (grpo.iterations was larger then); set grpo.iterations back, or start a new run."
+            f"Run {ctx.run!r}: phase {phase} of its training loop distills ({distilled.name}); run it with "
+            "`rlcli train distill` (or `rlcli run` with the recipe's run.stages), or start a new run."
         )
+    if phase == 0:
+        _run_phase(ctx, 0, None, None)
+        return
+    name = grpo_phase_stage(phase)
+    row = _phase_row(ctx, phase, name)
     start = phase_start(ctx, row)
     ctx.stage(
         name,
-        lambda: _run_phase(ctx, phase, start),
+        lambda: _run_phase(ctx, phase, start, None),
         params={"start": None if start is None else start.id},
-        identity={"first_iteration": first, "last_iteration": first + n - 1},
+        identity=_phase_iterations(ctx, phase),
     )
+
+
+def run_distill(ctx: RunContext, phase: int = 0) -> None:
+    """Phase `phase` of the loop as on-policy distillation (grpo/teacher.py), run as stage distill/<phase>,
+    which records the teacher it resolved when it began: a resumed phase is taught by the same weights."""
+    if problem := distill_problem(ctx.recipe):
+        raise UsageError(problem[0].upper() + problem[1:] + ".")
+    check_phases(ctx)
+    name = distill_phase_stage(phase)
+    row = _phase_row(ctx, phase, name)
+    if row is None and phase and ctx.store.stage(grpo_phase_stage(phase)) is not None:
+        raise UsageError(f"Run {ctx.run!r}: phase {phase} of its training loop is GRPO; start a new run to distill.")
+    start = phase_start(ctx, row) if phase else None  # phase 0 starts from the SFT checkpoint, as GRPO's
+    teacher = TeacherWeights.from_params(row.params["teacher"]) if row and "teacher" in row.params else None
+    teacher = teacher or resolve_teacher(ctx)
+    check_tokenizer(ctx.recipe, teacher)  # before any of the phase's stages
+    ctx.stage(
+        name,
+        lambda: _run_phase(ctx, phase, start, teacher),
+        params={"start": None if start is None else start.id, "teacher": teacher.to_params()},
+        identity={**_phase_iterations(ctx, phase), "distill.teacher": ctx.recipe.distill.teacher},
+    )
+
+
+def _phase_iterations(ctx: RunContext, phase: int) -> dict[str, int]:
+    n = ctx.recipe.grpo.iterations
+    return {"first_iteration": phase * n, "last_iteration": phase * n + n - 1}
+
+
+def _phase_row(ctx: RunContext, phase: int, name: str) -> Stage | None:
+    """The stage `name` around phase `phase`; refused when not recorded but its first iteration was run."""
+    row, first = ctx.store.stage(name), phase * ctx.recipe.grpo.iterations
+    if row is None and ctx.store.stage(rollout_stage(first)) is not None:
+        raise UsageError(
+            f"Run {ctx.run!r}: phase {phase} ({name}) would start at iteration {first}, which the run has already "
+            "trained (in an earlier phase when grpo.iterations was larger, or with another of `rlcli train grpo` "
+            "and `rlcli train distill`); set grpo.iterations back, or start a new run."
+        )
+    return row
 
 
 def check_phases(ctx: RunContext) -> None:
@@ -115,7 +170,7 @@ def check_phases(ctx: RunContext) -> None:
     n = ctx.recipe.grpo.iterations
     for row in ctx.store.stages():
         stage = try_parse_stage(row.name)
-        if isinstance(stage, GrpoStage) and stage.phase and "first_iteration" in row.params:
+        if isinstance(stage, (GrpoStage, DistillStage)) and stage.phase and "first_iteration" in row.params:
             phase, first, last = stage.phase, row.params["first_iteration"], row.params["last_iteration"]
             if (first, last) != (phase * n, phase * n + n - 1):
                 raise UsageError(
@@ -143,14 +198,15 @@ def phase_start(ctx: RunContext, row: Stage | None) -> Checkpoint | None:
 
 
 @frees_on_failure  # a failed phase's traceback keeps no policy, optimizer or reference alive
-def _run_phase(ctx: RunContext, phase: int, start: Checkpoint | None) -> dict[str, Any]:
+def _run_phase(ctx: RunContext, phase: int, start: Checkpoint | None, teacher: TeacherWeights | None) -> dict[str, Any]:
     """Iterations phase*N .. phase*N+N-1 (N = grpo.iterations), resumed where they stopped; phase 0
-    starts from the SFT checkpoint (else the base model), a later one from `start`."""
+    starts from the SFT checkpoint (else the base model), a later one from `start`. With a teacher, the
+    phase distills: teach/i scores each iteration's episodes, and train/i trains on those scores."""
     from rlcli.engine.trackers import send_unsent, stage_tracker
     from rlcli.rewards.scoring import build_reward_fns
 
     recipe = ctx.recipe
-    trainer = GrpoTrainer(ctx, phase, start)
+    trainer = GrpoTrainer(ctx, phase, start, "distill" if teacher else "grpo")
     rollouts = rollout_source(ctx, trainer)  # played here, or by a worker process ahead of the trainer
     reward_fns = build_reward_fns(recipe.rewards, device=recipe.model.device)
     summary = {
@@ -158,6 +214,7 @@ def _run_phase(ctx: RunContext, phase: int, start: Checkpoint | None) -> dict[st
         "last_iteration": trainer.end - 1,
         "start": None if start is None else start.id,
     }
+    teaching = Teaching(ctx, teacher, trainer.first) if teacher is not None else None
     ctx.announce()  # before minutes of loading the policy and starting its engine
     iterations = trainer.resume()
     if not iterations:
@@ -169,9 +226,9 @@ def _run_phase(ctx: RunContext, phase: int, start: Checkpoint | None) -> dict[st
     try:
         trainer.setup()
         evals = HeldOutEvals(ctx, trainer.model, trainer.tokenizer)
-        view = MetricsView(ctx.console)
+        view = MetricsView(ctx.console, distills=teaching is not None)
         with (
-            ctx.progress.running(ctx.run, ["grpo"]),  # inside `rlcli run`, its own bar shows instead
+            ctx.progress.running(ctx.run, ["distill" if teacher else "grpo"]),  # inside `rlcli run`, its bar instead
             stage_tracker(ctx, METRICS_STAGE) as tracker,
             rollouts.running(),
         ):
@@ -187,9 +244,12 @@ def _run_phase(ctx: RunContext, phase: int, start: Checkpoint | None) -> dict[st
                     )
                 rollouts.refill(it, rollout, reward_fns)  # grpo.dynamic_sampling: rounds while short of signal
                 rollouts.branch(it, rollout, reward_fns)  # grpo.branch: branch/i, continuations from stored turns
+                if teaching is not None:  # teach/i: the teacher's logprobs of what train/i trains on
+                    with rollout.timed("perf/time_teach_s"):
+                        teaching.teach(it)
                 rollouts.before_update(it)  # a vLLM engine sleeps through the update
                 # train/i: choose groups -> batch -> update -> save -> commit
-                metrics = _train(ctx, trainer, it, rollout)
+                metrics = _train(ctx, trainer, it, rollout, distills=teaching is not None)
                 rollouts.after_update(it)  # the rollout worker gets the new weights
                 metrics |= evals.after(it)  # grpo.eval_every: the new checkpoint's held-out success
                 tracker.log(metrics, step=it)  # log
@@ -202,10 +262,12 @@ def _run_phase(ctx: RunContext, phase: int, start: Checkpoint | None) -> dict[st
         # Failing or not, the policy, optimizer and schedule go with the phase: a failed iteration's
         # traceback, and the closures it holds, keep an empty learner.
         trainer.release()
+        if teaching is not None:
+            teaching.release()
     return summary
 
 
-def _train(ctx: RunContext, trainer: GrpoTrainer, it: int, rollout: Rollout) -> dict[str, Any]:
+def _train(ctx: RunContext, trainer: GrpoTrainer, it: int, rollout: Rollout, distills: bool) -> dict[str, Any]:
     """Stage train/it: the groups it trains on, their batch, one update on it, and its checkpoint when
     one is due; committed, once that checkpoint folder is durable, with the checkpoint's row, the
     replays trained on and the iteration's metrics, which it returns."""
@@ -213,7 +275,7 @@ def _train(ctx: RunContext, trainer: GrpoTrainer, it: int, rollout: Rollout) -> 
 
     def update_and_save() -> IterationStats:
         chosen = choose_groups(ctx, it, trainer.first)  # dynamic sampling, carried groups, replays
-        stats = trainer.update(build_batch(ctx, chosen, trainer.rae_baselines))
+        stats = trainer.update(build_batch(ctx, chosen, trainer.rae_baselines, distills=distills))
         if saves_checkpoint(trainer.cfg, it):
             trainer.save(it)
         return stats

@@ -51,14 +51,19 @@ class MetricsView:
     ITER_WIDTH = 5  # the iteration number's column
     CELL_WIDTH = 8  # each metric's, after a space
 
-    def __init__(self, console: Console) -> None:
+    def __init__(self, console: Console, distills: bool = False) -> None:
         self.console = console
+        self.distills = distills  # a distill phase watches its reverse KL to the teacher where GRPO's KL was
         self.columns: tuple[tuple[str, str], ...] | None = None  # chosen at the first line
 
     def show(self, it: int, metrics: dict[str, Any]) -> None:
         if self.columns is None:
             fits = (self.console.width - self.ITER_WIDTH) // (self.CELL_WIDTH + 1)
-            self.columns = self.COLUMNS[:fits]
+            columns = tuple(
+                ("t-kl", "train/teacher_kl") if self.distills and key == "train/kl" else (name, key)
+                for name, key in self.COLUMNS
+            )
+            self.columns = columns[:fits]
             header = [f"{'iter':>{self.ITER_WIDTH}}", *(f"{name:>{self.CELL_WIDTH}}" for name, _ in self.columns)]
             self.console.print(" ".join(header), style="bold", highlight=False)
         cells = [f"{it:>{self.ITER_WIDTH}}"]

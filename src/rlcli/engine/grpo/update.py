@@ -90,10 +90,10 @@ def update(
     temperature = sampling_config(recipe.rollout).logprob_temperature
     n_mb = minibatches_per_epoch(recipe)
     check_output_head(model, sequences[0].ids[:16])
-    pictures = _pictures(ctx, sequences)
+    pictures = sequence_pictures(ctx, sequences)
     needs_old = cfg.epochs > 1 or n_mb > 1
     old_logprobs = (
-        _old_logprobs(model, sequences, cfg.micro_batch_size, temperature, not cfg.gradient_checkpointing, pictures)
+        sequence_logprobs(model, sequences, cfg.micro_batch_size, temperature, not cfg.gradient_checkpointing, pictures)
         if needs_old
         else None
     )
@@ -237,7 +237,7 @@ def padding(micro: list[TrainSequence], prefix: int) -> tuple[int, int]:
     return prefix + len(micro) * width, sum(width - (len(s.ids) - prefix) for s in micro)
 
 
-def _pictures(ctx: RunContext, sequences: list[TrainSequence]) -> dict[str, Any]:
+def sequence_pictures(ctx: RunContext, sequences: list[TrainSequence]) -> dict[str, Any]:
     """sha256 -> PIL image of every image the sequences show, from the run database (a VLM's rollouts)."""
     hashes = [h for s in sequences for h in s.images]
     if not hashes:
@@ -293,7 +293,8 @@ def _collate(
         tail = slice(max(len(s.ids) - keep, 0), len(s.ids))
         k = tail.stop - tail.start
         mask[b, keep - k :] = torch.tensor(s.mask[tail])
-        adv[b, keep - k :] = torch.tensor(s.advantage[tail])
+        if s.advantage:  # none yet when only logprobs are wanted (a distill teacher's, grpo/teacher.py)
+            adv[b, keep - k :] = torch.tensor(s.advantage[tail])
         roll[b, keep - k :] = torch.tensor(s.rollout_logprobs[tail])
     # Padding sits between the prefix and each suffix; the mask hides it and positions skip it.
     pos = prefix + (attn.cumsum(-1) - 1).clamp(min=0)
@@ -331,7 +332,7 @@ def _shared_prefix(micro: list[TrainSequence], minimum: int = 16) -> int:
 
 
 def _collate_values(values: list[torch.Tensor], batch: MicroBatch) -> torch.Tensor:
-    """Per-row values (each row's tail, as _old_logprobs keeps them) laid out as the batch's [B, keep] tensors."""
+    """Per-row values (each row's tail, as sequence_logprobs keeps them) laid out as the batch's [B, keep] tensors."""
     keep = batch.keep
     out = torch.zeros((len(values), keep), device=batch.mask.device)
     for b, v in enumerate(values):
@@ -443,7 +444,7 @@ def check_output_head(model: PreTrainedModel, ids: list[int]) -> None:
         )
 
 
-def _old_logprobs(
+def sequence_logprobs(
     model: PreTrainedModel,
     sequences: list[TrainSequence],
     micro_batch_size: int,
