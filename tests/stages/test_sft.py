@@ -286,6 +286,30 @@ def test_the_command_correcting_a_failed_sft_needs_no_force(tmp_path, capsys, rl
     assert code == 2 and "exists with a different recipe" in err
 
 
+def test_a_run_whose_sft_is_done_resumes_from_a_folder_where_its_relative_data_path_finds_nothing(
+    tmp_path, capsys, monkeypatch
+):
+    """The preflight check of sft.source refused `rlcli sft` (and `rlcli run`) of a run whose SFT was done, run
+    from another folder, where the recipe's relative path finds nothing, though the data is not read again."""
+    from helpers import cli
+
+    here, elsewhere = tmp_path / "here", tmp_path / "elsewhere"
+    here.mkdir()
+    elsewhere.mkdir()
+    _write(here / "chat", "jsonl", [{"messages": CHAT}] * 2)
+    sft = {"source": "chat.jsonl", "batch_size": 2, "micro_batch_size": 1, "eval_fraction": 0}
+    recipe = write_recipe(here / "r.yaml", sft=sft)
+    monkeypatch.chdir(here)
+    code, _, err = cli(capsys, "sft", "-r", recipe)
+    assert code == 0, err
+    monkeypatch.chdir(elsewhere)
+    code, _, err = cli(capsys, "sft", "-r", recipe)
+    assert code == 0 and "sft" in err, err
+    # A run whose SFT is not done still needs the file.
+    code, _, err = cli(capsys, "sft", "-r", recipe, "--run", "other")
+    assert code == 2 and "chat.jsonl" in err
+
+
 # --- episodes of a run as data -------------------------------------------------------------------------
 
 

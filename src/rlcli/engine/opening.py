@@ -11,6 +11,7 @@ from pathlib import Path
 from rlcli.console import err_console
 from rlcli.engine.context import RunContext
 from rlcli.errors import RlcliError, UsageError
+from rlcli.store.names import SFT_STAGE
 
 
 @contextlib.contextmanager
@@ -44,10 +45,10 @@ def open_run(
     if recipe_path is not None:
         recipe_path = recipe_file(recipe_path)  # a shipped recipe's name (-r quickstart): its file
     recipe = load_recipe(recipe_path, overrides or []) if recipe_path is not None else None
+    runs_dir = Path(runs_dir) if runs_dir else default_runs_dir()
     if recipe is not None:
         recipe.run.name = check_run_name(run or recipe.run.name)
-        check_recipe(recipe, stages)
-    runs_dir = Path(runs_dir) if runs_dir else default_runs_dir()
+        check_recipe(recipe, stages, sft_done=_sft_done(runs_dir, recipe.run.name))
     rundb = RunDB.open(runs_dir)
     try:
         if recipe is None:
@@ -60,7 +61,7 @@ def open_run(
                 apply_override(data, item)
             recipe = validate_recipe(data, f"run {run!r}")
             recipe.run.name = run
-            check_recipe(recipe, stages)
+            check_recipe(recipe, stages, sft_done=_sft_done(runs_dir, run))
         name = recipe.run.name
         rundb.check_case_twin(name)  # before the folder is made
         # The run's folder, made (with its marker) before the lock goes in it; a new run refuses a
@@ -100,6 +101,24 @@ def open_run(
                     (runs_dir / name / MARKER).unlink(missing_ok=True)
                     lock.remove_folder()  # no run, no folder: as the command found them
                 raise
+    finally:
+        rundb.close()
+
+
+def _sft_done(runs_dir: Path, run: str) -> bool:
+    """Whether the run's SFT stage is done, read before the run is opened for writing (a resumed `rlcli run`
+    from another folder must not be refused over SFT data it will not read again)."""
+    from rlcli.store.db import DB_NAME, RunDB
+
+    if not (runs_dir / DB_NAME).is_file():
+        return False
+    try:
+        rundb = RunDB.open(runs_dir, read_only=True)
+    except UsageError:  # a database rlcli cannot read: opening it for the run says why
+        return False
+    try:
+        row = rundb.stage(run, SFT_STAGE)
+        return row is not None and row.done
     finally:
         rundb.close()
 

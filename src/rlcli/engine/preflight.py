@@ -13,11 +13,12 @@ if TYPE_CHECKING:
     from rlcli.envs.protocol import EnvFactory
 
 
-def check_recipe(recipe: Recipe, stages: list[str] | None = None) -> None:
+def check_recipe(recipe: Recipe, stages: list[str] | None = None, *, sft_done: bool = False) -> None:
     """Trackers installed, the model known, rewards resolvable, env loadable with its kwargs, a hub dataset
     for SFT loadable (cached, when offline) or, when `stages` hold sft, its data file or folder there, engine
     able to serve the model, and on a GPU machine the memory plan of `stages` (default: every stage the recipe
-    runs) within the card. `rlcli recipes validate` runs it too.
+    runs) within the card. `rlcli recipes validate` runs it too. sft_done: the run's SFT is done, so its
+    data file is not read again (and a relative path to it need not resolve from this folder).
 
     Only what is cheap is checked: no model is loaded and no env constructed (an env may start a browser).
     The recipe's tools are the exception: each MCP server is started, listed and stopped, since one that
@@ -56,7 +57,7 @@ def check_recipe(recipe: Recipe, stages: list[str] | None = None) -> None:
         from rlcli.engine.sft_sources import check_hub_dataset
 
         check_hub_dataset(recipe.sft)
-    elif source_kind(recipe.sft.source) in ("file", "folder") and "sft" in planned:
+    elif source_kind(recipe.sft.source) in ("file", "folder") and "sft" in planned and not sft_done:
         # Only for a command that runs SFT: `train grpo` or `eval` of a run whose SFT is done may run
         # from another folder, where a relative path to the data finds nothing.
         check_data_path(Path(recipe.sft.source).expanduser())
