@@ -23,6 +23,30 @@ if TYPE_CHECKING:  # the run machinery is imported when a command opens a run, n
 # results, on stdout; progress and errors go to err_console (stderr)
 console = terminal_console(width=width_for(sys.stdout))
 
+
+def run_every_stage(ctx: RunContext) -> Path | None:
+    """`rlcli run` and `rlcli runs resume`: the run's stages, each result on stdout as it is done, then the
+    curves where `rlcli runs plot RUN` writes them (the run's folder is rlcli's, so the file is replaced each
+    time: a run again after more stages draws them too). Returns that file; None for a run of no stage."""
+    from rlcli.engine.pipeline import run_all
+    from rlcli.report.plot import plot_run
+    from rlcli.report.tables import stage_summary_table
+    from rlcli.store.evals import eval_results
+
+    run_all(ctx, on_summary=lambda summary: console.print(stage_summary_table(summary)))
+    if not ctx.store.latest_metrics() and not eval_results(ctx.store):
+        return None
+    curves = ctx.run_dir / "metrics.png"
+    plot_run([ctx.store], curves, overwrite=True)
+    return curves
+
+
+def show_curves(curves: Path | None) -> None:
+    """Where run_every_stage drew the curves, once the run's command is over."""
+    if curves is not None:
+        console.print(f"curves: {curves}", soft_wrap=True, highlight=False, markup=False)
+
+
 # --- shared options ----------------------------------------------------------
 
 RecipeOpt = Annotated[

@@ -9,7 +9,17 @@ from typing import Annotated
 
 import typer
 
-from rlcli.cli.common import JsonOpt, console, err_console, open_existing, open_recorded_run, shared, stage_run
+from rlcli.cli.common import (
+    JsonOpt,
+    console,
+    err_console,
+    open_existing,
+    open_recorded_run,
+    run_every_stage,
+    shared,
+    show_curves,
+    stage_run,
+)
 from rlcli.cli.export import DryRunOpt, PrivateOpt, PushJsonOpt, PushOpt, check_push_options, finish_push
 from rlcli.errors import RlcliError, UsageError
 
@@ -441,8 +451,5 @@ def runs_delete(
 def runs_resume(cli_ctx: typer.Context, run: RunArg) -> None:
     """Continue a recorded run with its stored recipe (every stage of it)."""
     with stage_run(cli_ctx, None, run, [], force=False) as ctx:
-        from rlcli.engine.pipeline import run_all
-        from rlcli.report.tables import stage_summary_table
-
-        # Results on stdout, as `rlcli run` prints them; ctx.console is stderr, for progress.
-        run_all(ctx, on_summary=lambda summary: console.print(stage_summary_table(summary)))
+        curves = run_every_stage(ctx)  # results on stdout, as `rlcli run` prints them, and the curves
+    show_curves(curves)

@@ -11,7 +11,18 @@ from typing import Annotated
 
 import typer
 
-from rlcli.cli.common import ForceOpt, JsonOpt, Overrides, RecipeOpt, RunOpt, console, err_console, stage_run
+from rlcli.cli.common import (
+    ForceOpt,
+    JsonOpt,
+    Overrides,
+    RecipeOpt,
+    RunOpt,
+    console,
+    err_console,
+    run_every_stage,
+    show_curves,
+    stage_run,
+)
 from rlcli.errors import UsageError
 from rlcli.store.names import DpoStage, try_parse_stage
 
@@ -40,19 +51,8 @@ def run_cmd(
       rlcli run --run short  # go on with a recorded run, its recipe as stored
     """
     with stage_run(cli_ctx, recipe, run, overrides, force) as ctx:
-        from rlcli.engine.pipeline import run_all
-        from rlcli.report.plot import plot_run
-        from rlcli.report.tables import stage_summary_table
-        from rlcli.store.evals import eval_results
-
-        run_all(ctx, on_summary=lambda summary: console.print(stage_summary_table(summary)))
-        # The curves, where `rlcli runs plot RUN` writes them: the run's folder is rlcli's, so the file is
-        # replaced each time (a run again after more stages draws them too). A run of no stage has none.
-        curves = ctx.run_dir / "metrics.png" if ctx.store.latest_metrics() or eval_results(ctx.store) else None
-        if curves is not None:
-            plot_run([ctx.store], curves, overwrite=True)
-    if curves is not None:
-        console.print(f"curves: {curves}", soft_wrap=True, highlight=False, markup=False)
+        curves = run_every_stage(ctx)
+    show_curves(curves)
 
 
 @app.command("sft")
