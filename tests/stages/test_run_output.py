@@ -118,6 +118,41 @@ def test_the_eval_table_gives_up_columns_before_its_interval(width):
         assert {"return", "pass@k", "turns", "tokens", "entropy", "decoding"} <= header
 
 
+def test_runs_list_keeps_run_names_and_intervals_whole_at_80_columns():
+    """At 80 columns `runs list` cut every cell to a few characters: `quicks…` for both quickstart and
+    quickstart-distill, `79% [70–86…`, so no run could be told from another."""
+    from rlcli.report.tables import runs_table
+
+    def row(name: str, stages: str, held: dict | None) -> dict:
+        done = {"summary": stages}
+        return dict(
+            name=name,
+            status="done",
+            model="smollm2-135m",
+            env="guess_number",
+            stages_done=done,
+            held_out=held,
+            created_at="2026-11-28T16:26:25.123+00:00",
+        )
+
+    held = {"success_rate": 0.7917, "ci_low": 0.70, "ci_high": 0.86, "label": "latest (#33)"}
+    rows = [
+        row("quickstart", "sft, grpo 32/32, 6 evals", held),
+        row("quickstart-distill", "sft, distill 32/32, 8 evals", {**held, "label": "best (#50)"}),
+        row("a-run-with-a-rather-long-name-x", "none", None),
+    ]
+    out = io.StringIO()
+    Console(file=out, width=80).print(runs_table(rows))
+    lines = out.getvalue().splitlines()
+    assert max(map(len, lines)) <= 80
+    assert_whole(lines)
+    text = out.getvalue()
+    for name in ("quickstart ", "quickstart-distill", "79% [70–86%]", "latest (#33)", "best (#50)"):
+        assert name in text, text
+    first_cells = "".join(line.split("│")[1].strip() for line in lines if line.startswith("│"))
+    assert "a-run-with-a-rather-long-name-x" in first_cells  # a name too long for one line folds, whole
+
+
 def test_the_stage_commands_summaries_fit_80_columns():
     """`rlcli rollout` and `rlcli label` end with a table each: whole at 80 columns."""
     from rlcli.engine.labelling import LabelSummary

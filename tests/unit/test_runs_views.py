@@ -117,10 +117,12 @@ def test_list_leads_with_model_env_stages_and_held_out_success(capsys, runs_dir)
     assert (held_out["ci_low"], held_out["ci_high"]) == (pytest.approx(0.45), pytest.approx(0.75))
     code, out, _ = cli(capsys, "runs", "list")
     assert code == 0
-    header = next(line for line in out.splitlines() if "status" in line)
+    lines = out.splitlines()
+    header = next(line for line in lines if "status" in line)
     # The last training iteration's numbers read as the run's result: they are not in the table.
     assert "model" in header and "held-out" in header and "train/loss" not in header
-    row = next(line for line in out.splitlines() if line.lstrip("│ ").startswith("demo"))
+    at = next(i for i, line in enumerate(lines) if line.lstrip("│ ").startswith("demo"))
+    row = lines[at] + lines[at + 1]  # a run's row is two lines: name over status, model over env, ...
     assert "smollm2-135m" in row and "guess_number" in row and "60% [45–75%]" in row and "latest (#2)" in row
     lr = next(line for line in out.splitlines() if line.lstrip("│ ").startswith("lr "))
     assert "–" in lr  # not evaluated

@@ -51,21 +51,33 @@ def runs_table(rows: list[dict[str, Any]]) -> Table:
     """What each run is and how it did on held-out tasks (views.runs_summary). The last training
     iteration's reward, success and loss are left to --json: beside the run they read as its result."""
     table = Table(title="Runs")
-    for col in ("run", "status", "model", "env", "stages", "held-out", "checkpoint", "created"):
-        table.add_column(col)
-    for row in rows:
-        held = row["held_out"]
-        table.add_row(
-            literal(row["name"]),
-            row["status"],
-            literal(short_model(row["model"])),
-            literal(row["env"] or "–"),
+    # At 80 columns every cell used to be cut ("quicks…" for two runs): now the run's name, which every
+    # other command takes, and the held-out interval stay whole (a name up to RUN_NAME_WIDTH on one line),
+    # each cell holds two things on two lines, the others fold, and nothing ends in an ellipsis.
+    cells = [
+        (
+            f"{literal(row['name'])}\n[dim]{row['status']}[/dim]",
+            f"{literal(short_model(row['model']))}\n{literal(row['env'] or '–')}",
             row["stages_done"]["summary"],
-            held_out_cell(held),
-            literal(held["label"]) if held else "",
-            row["created_at"][:16].replace("T", " "),
+            # the interval, and under it the policy it measured: latest (#33)
+            f"{held_out_cell(row['held_out'])}\n{literal(row['held_out']['label'])}" if row["held_out"] else "–",
+            row["created_at"][5:16].replace("T", "\n"),  # 11-28, 16:26: the year seldom tells runs apart
         )
+        for row in rows
+    ]
+    widest = max((len(row["name"]) for row in rows), default=0)
+    table.add_column("run, status", overflow="fold", min_width=min(max(widest, 6), RUN_NAME_WIDTH))
+    table.add_column("model, env", overflow="fold")
+    table.add_column("stages", overflow="fold", max_width=STAGES_WIDTH)
+    table.add_column("held-out", overflow="fold", min_width=len("100% [100–100%]") - 3)
+    table.add_column("created", overflow="fold")
+    for row_cells in cells:
+        table.add_row(*row_cells)
     return table
+
+
+RUN_NAME_WIDTH = 18
+STAGES_WIDTH = 14  # "sft, distill" over "32/32, 8 evals"
 
 
 def short_model(name: str | None) -> str:
