@@ -15,7 +15,7 @@ from typing import Annotated, Any
 import typer
 
 import rlcli.cli.helpfmt  # noqa: F401  (imported for its effect: help in click's conventions)
-from rlcli.cli import envs, export, models, recipes, runs, stages
+from rlcli.cli import envs, export, models, recipes, runs, serve, stages
 from rlcli.cli.common import SharedOptions, console, print_error, shared
 from rlcli.errors import RlcliError, UsageError
 
@@ -30,6 +30,7 @@ app = typer.Typer(
 )
 app.add_typer(stages.app)
 app.add_typer(export.app)
+app.add_typer(serve.app)
 app.add_typer(runs.app, name="runs")
 app.add_typer(envs.app, name="envs")
 app.add_typer(models.app, name="models")

@@ -177,7 +177,7 @@ def _play_model(
     from rlcli.recipe import load_recipe
 
     recipe = load_recipe(recipe_path, [f"model.name={model}"] if model else [])
-    recipe, folder = _checkpoint(cli_ctx, recipe, recipe_path is not None, model, checkpoint, run)
+    recipe, folder = model_checkpoint(cli_ctx, recipe, recipe_path is not None, model, checkpoint, run)
     tried = play_with_model(recipe, name, env_kwargs, seed, max_turns, folder)
     console.print(tried.sampled_with, highlight=False)
     episode = tried.episode
@@ -197,7 +197,7 @@ def _play_model(
     )
 
 
-def _checkpoint(
+def model_checkpoint(
     cli_ctx: typer.Context,
     recipe: Recipe,
     recipe_given: bool,

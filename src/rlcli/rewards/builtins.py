@@ -1,7 +1,7 @@
 """The built-in rewards that recipes name (fn: numeric_match), and how they read answers.
 
 Each factory takes the spec's kwargs (validated by pydantic) and returns a scorer: episodes -> values.
-The model-based ones, judge and reward_model, live in judge.py.
+The model-based ones, judge, judge_group and reward_model, live in judge.py.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pydantic import NonNegativeFloat, NonNegativeInt, PositiveInt, validate_cal
 from rlcli.envs.parsing import find_numbers, parse_answer_tag
 from rlcli.errors import UsageError
 from rlcli.rewards.episodes import EpisodeDict, Scorer
-from rlcli.rewards.judge import judge, reward_model
+from rlcli.rewards.judge import judge, judge_group, reward_model
 
 
 def parse_answer(text: str, parse: str) -> str | None:
@@ -143,6 +143,7 @@ BUILTINS: dict[str, Callable[..., Scorer]] = {
     "length_penalty": _length_penalty,
     "tool_budget": _tool_budget,
     "judge": judge,
+    "judge_group": judge_group,
     "reward_model": reward_model,
     "verifiers": _verifiers,
 }

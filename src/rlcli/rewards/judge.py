@@ -1,17 +1,28 @@
-"""Model-based rewards: an LLM judge that writes a score, and a reward model that computes one.
+"""Model-based rewards: an LLM judge that writes a score, a group judge that scores a group's episodes
+against each other, and a reward model that computes a score.
 
-Both load a local model folder once, when the recipe's rewards are built, on the device they are
+A local model folder is loaded once, when the recipe's rewards are built, on the device they are
 given (the recipe's model.device); torch and transformers are imported only then, so importing this
 module stays cheap.
 
-The judge generates through the same seam as rollouts (generation/sampler.py's Sampler: token-id prompts
-in, sampled ids out, a seed per episode), with the HF engine: greedy, batched, and correct on any
-device. Not with vLLM: an in-process vLLM engine is one per process, and the policy's holds it.
+A local judge generates through the same seam as rollouts (generation/sampler.py's Sampler: token-id
+prompts in, sampled ids out, a seed per episode), with the HF engine: greedy, batched, and correct on
+any device. Not with vLLM: an in-process vLLM engine is one per process, and the policy's holds it.
+With `base_url`, a judge is any OpenAI-compatible API instead (a hosted model, a vLLM server, or
+`rlcli serve`), called with the `openai` package, `batch_size` requests at a time, at temperature 0.
+
+The group judge follows ART's RULER: the judge reads all the episodes of one task together (a GRPO
+group) and scores each relative to the others, which a judge does more consistently than scoring each
+alone; GRPO's advantages only use the differences within a group anyway.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import re
 import string
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
@@ -36,6 +47,16 @@ Response:
 
 Reply with the number only."""
 
+GROUP_RUBRIC = """Several attempts at the same task follow. Compare them with each other and score each one \
+from 0 (worst) to {scale} (best): a better attempt gets a higher score.
+
+Task:
+{prompt}
+
+{trajectories}
+
+Reply with one line per attempt, in the form "<attempt number>: <score>", and nothing else."""
+
 
 @validate_call
 def judge(
@@ -46,41 +67,82 @@ def judge(
     scale: PositiveFloat = 10.0,
     batch_size: PositiveInt = 8,
     device: str = "auto",
+    base_url: str | None = None,
+    api_key_env: str | None = "OPENAI_API_KEY",
 ) -> Scorer:
+    return _rubric_judge(model, rubric, max_new_tokens, scale, batch_size, device, base_url, api_key_env)
+
+
+@validate_call
+def judge_group(
+    *,
+    model: str,
+    rubric: str = GROUP_RUBRIC,
+    max_new_tokens: PositiveInt = 64,
+    scale: PositiveFloat = 10.0,
+    batch_size: PositiveInt = 8,
+    device: str = "auto",
+    base_url: str | None = None,
+    api_key_env: str | None = "OPENAI_API_KEY",
+) -> Scorer:
+    return GroupJudge(_rubric_judge(model, rubric, max_new_tokens, scale, batch_size, device, base_url, api_key_env))
+
+
+def _rubric_judge(
+    model: str,
+    rubric: str,
+    max_new_tokens: int,
+    scale: float,
+    batch_size: int,
+    device: str,
+    base_url: str | None,
+    api_key_env: str | None,
+) -> RubricJudge:
+    """The judge the kwargs describe: the API at base_url, or else the local model folder `model`."""
+    fields = _rubric_fields(rubric)
+    if base_url is not None:
+        return ApiJudge(base_url, model, _api_key(api_key_env), rubric, fields, max_new_tokens, scale, batch_size)
+    lm, tokenizer = _load_model(model, "AutoModelForCausalLM", device)
+    return Judge(lm, tokenizer, rubric, fields, max_new_tokens, scale, batch_size)
+
+
+def _rubric_fields(rubric: str) -> set[str]:
     try:
         fields = {name for _, name, _, _ in string.Formatter().parse(rubric) if name is not None}
     except ValueError as exc:
         raise UsageError(f"kwargs.rubric: {exc} (write a literal brace as {{{{ or }}}}).") from None
     if any(not name.isidentifier() for name in fields):
         raise UsageError("kwargs.rubric: placeholders must be names such as {prompt}, {completion} or a task field.")
-    lm, tokenizer = _load_model(model, "AutoModelForCausalLM", device)
-    return Judge(lm, tokenizer, rubric, fields, max_new_tokens, scale, batch_size)
+    return fields
 
 
-class Judge:
-    """An LLM judge: greedy-decodes a score for each episode; unparseable replies score 0.0 and are
-    recorded in `failures`, as are requests cut to fit the model."""
+def _api_key(variable: str | None) -> str:
+    """The API key from the environment variable `variable` (kwargs.api_key_env): never from the recipe,
+    which is stored in the run database and shared. None: a server that takes no key."""
+    if variable is None:
+        return "unused"  # the openai client insists on some key
+    key = os.environ.get(variable)
+    if not key:
+        raise UsageError(
+            f"kwargs.api_key_env: the environment variable {variable} is not set; set it to the API's key (any "
+            "value for a server that takes none, such as rlcli serve), or set api_key_env: null."
+        )
+    return key
 
-    def __init__(
-        self,
-        lm: PreTrainedModel,
-        tokenizer: PreTrainedTokenizerBase,
-        rubric: str,
-        fields: set[str],
-        max_new_tokens: int,
-        scale: float,
-        batch_size: int,
-    ):
-        from rlcli.generation.hf_sampler import HfSampler  # imports torch: only when a judge is built
 
-        self.lm, self.tokenizer, self.rubric, self.fields = lm, tokenizer, rubric, fields
-        self.max_new_tokens, self.scale, self.batch_size = max_new_tokens, scale, batch_size
-        # Greedy: a score must not depend on a draw. (A vLLM judge would need a second process: see above.)
-        self.sampler: Sampler = HfSampler(lm, tokenizer, SamplingConfig(temperature=0.0, max_new_tokens=max_new_tokens))
-        self.failures: dict[int, str] = {}
-        limit = input_limit(tokenizer, lm.config)
-        # The reply needs positions too; a model too short for even that gets the whole limit.
-        self.max_prompt_tokens = None if limit is None else max(limit - max_new_tokens, 1)
+class RubricJudge:
+    """What a judge does whatever model replies: fill the rubric in per episode, ask in batches, read a
+    score; unparseable replies score 0.0 and are recorded in `failures`, as are requests cut to fit the
+    model. `generate` (one reply per request) is the local model's or the API's."""
+
+    rubric: str
+    fields: set[str]
+    scale: float
+    batch_size: int
+    failures: dict[int, str]
+
+    def generate(self, requests: list[str], episode_ids: list[int]) -> list[str]:
+        raise NotImplementedError
 
     def __call__(self, episodes: list[EpisodeDict]) -> list[float]:
         self.failures = {}
@@ -114,6 +176,31 @@ class Judge:
             )
         return self.rubric.format(**values)
 
+
+class Judge(RubricJudge):
+    """A judge on a local model: greedy-decodes a reply for each request."""
+
+    def __init__(
+        self,
+        lm: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        rubric: str,
+        fields: set[str],
+        max_new_tokens: int,
+        scale: float,
+        batch_size: int,
+    ):
+        from rlcli.generation.hf_sampler import HfSampler  # imports torch: only when a judge is built
+
+        self.lm, self.tokenizer, self.rubric, self.fields = lm, tokenizer, rubric, fields
+        self.max_new_tokens, self.scale, self.batch_size = max_new_tokens, scale, batch_size
+        # Greedy: a score must not depend on a draw. (A vLLM judge would need a second process: see above.)
+        self.sampler: Sampler = HfSampler(lm, tokenizer, SamplingConfig(temperature=0.0, max_new_tokens=max_new_tokens))
+        self.failures = {}
+        limit = input_limit(tokenizer, lm.config)
+        # The reply needs positions too; a model too short for even that gets the whole limit.
+        self.max_prompt_tokens = None if limit is None else max(limit - max_new_tokens, 1)
+
     def generate(self, requests: list[str], episode_ids: list[int]) -> list[str]:
         """The judge's reply to each request, decoded; a request is one episode's filled-in rubric."""
         texts = [
@@ -124,6 +211,117 @@ class Judge:
         self.sampler.start([derive_seed("judge", episode_id) for episode_id in episode_ids])
         samples = self.sampler.sample(list(range(len(prompts))), prompts, [self.max_new_tokens] * len(prompts))
         return self.tokenizer.batch_decode([sample.ids for sample in samples], skip_special_tokens=True)
+
+
+class ApiJudge(RubricJudge):
+    """A judge behind an OpenAI-compatible API: one chat completion per request, a batch's requests at
+    once (a server batches them), at temperature 0. A failed call (after the client's own retries) fails
+    the labelling, naming the reward: a judge that cannot be reached must not score zeros."""
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        api_key: str,
+        rubric: str,
+        fields: set[str],
+        max_new_tokens: int,
+        scale: float,
+        batch_size: int,
+    ):
+        import openai
+
+        self.client = openai.OpenAI(base_url=base_url, api_key=api_key)
+        self.model, self.rubric, self.fields = model, rubric, fields
+        self.max_new_tokens, self.scale, self.batch_size = max_new_tokens, scale, batch_size
+        self.failures = {}
+
+    def generate(self, requests: list[str], episode_ids: list[int]) -> list[str]:
+        def ask(request: str) -> str:
+            reply = self.client.chat.completions.create(
+                model=self.model,
+                messages=[{"role": "user", "content": request}],
+                temperature=0.0,
+                max_tokens=self.max_new_tokens,
+            )
+            return reply.choices[0].message.content or ""
+
+        with ThreadPoolExecutor(max_workers=max(len(requests), 1)) as pool:
+            return list(pool.map(ask, requests))
+
+
+class GroupJudge:
+    """Scores the episodes of each task (a group: same task fields) against each other, one judge request
+    per group; an episode whose score the reply lacks or gives out of range scores 0.0, in `failures`."""
+
+    def __init__(self, replier: RubricJudge):
+        self.replier = replier
+        self.failures: dict[int, str] = {}
+
+    def __call__(self, episodes: list[EpisodeDict]) -> list[float]:
+        self.failures = {}
+        groups: dict[str, list[int]] = {}  # task -> indices into episodes, in order
+        for i, ep in enumerate(episodes):
+            groups.setdefault(json.dumps(ep["task"], sort_keys=True, default=str), []).append(i)
+        members = list(groups.values())
+        requests = [self.request([episodes[i] for i in group]) for group in members]
+        leaders = [episodes[group[0]]["id"] for group in members]
+        replier = self.replier
+        replier.failures = {}
+        replies: list[str] = []
+        for start in range(0, len(requests), replier.batch_size):
+            end = start + replier.batch_size
+            replies += replier.generate(requests[start:end], leaders[start:end])
+        scores = [0.0] * len(episodes)
+        for group, leader, reply in zip(members, leaders, replies):
+            found = parse_group_scores(reply, len(group), replier.scale)
+            for number, i in enumerate(group, start=1):
+                value = found.get(number, f"no score for attempt {number} in the judge's reply {reply!r}")
+                problem = value if isinstance(value, str) else None
+                scores[i] = value if isinstance(value, float) else 0.0
+                # The group's request cut to fit the model is noted under its first episode: told to all.
+                note = "; ".join(filter(None, [replier.failures.get(leader), problem]))
+                if note:
+                    self.failures[episodes[i]["id"]] = note
+        return scores
+
+    def request(self, group: list[EpisodeDict]) -> str:
+        """The rubric filled in for one group: its shared prompt, then each episode's turns, numbered."""
+        first = group[0]
+        attempts = [
+            f"Attempt {n}:\n{transcript(ep['messages'][len(ep['prompt']) :])}" for n, ep in enumerate(group, start=1)
+        ]
+        values = {
+            **first["task"],
+            "prompt": transcript(first["prompt"]),
+            "trajectories": "\n\n".join(attempts),
+            "count": len(group),
+            "scale": f"{self.replier.scale:g}",
+        }
+        missing = sorted(self.replier.fields - set(values))
+        if missing:
+            raise ValueError(
+                f"the rubric names {', '.join(missing)}, which episode {first['id']}'s task does not have "
+                f"(it has: {', '.join(first['task']) or 'none'})"
+            )
+        return self.replier.rubric.format(**values)
+
+
+GROUP_LINE = re.compile(r"^\W*(?:attempt\s*)?#?(\d+)\W*?[:=\-]\s*(.+)$", flags=re.I | re.M)
+
+
+def parse_group_scores(text: str, count: int, scale: float) -> dict[int, float | str]:
+    """Attempt number -> its score divided by scale, from lines "<number>: <score>"; where an attempt's
+    line has no number in [0, scale], the sentence saying why instead."""
+    found: dict[int, float | str] = {}
+    for match in GROUP_LINE.finditer(text):
+        number = int(match.group(1))
+        if 1 <= number <= count and number not in found:
+            try:
+                found[number] = parse_score(match.group(2), scale)
+            except ValueError as exc:
+                found[number] = f"attempt {number}: {exc}"
+    return found
 
 
 def parse_score(text: str, scale: float) -> float:
