@@ -8,6 +8,7 @@ tiny model with head_dim 64. merged_weights needs no vllm and runs everywhere.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import subprocess
 import sys
@@ -300,3 +301,23 @@ def test_vllms_logs_go_to_stderr_leaving_stdout_to_results():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr
     assert "a vLLM log line" in done.stderr and "a vLLM log line" not in done.stdout, (done.stdout, done.stderr)
+
+
+@needs_vllm
+def test_vllm_logs_warnings_on_stderr_without_the_benign_reload_ones():
+    """vLLM's INFO lines (a dozen per weight sync) and its "RotaryEmbedding: Failed to load weights" at every
+    sync buried the iteration lines of a run whose SFT was already done (TRL's import had quietened them)."""
+    script = (
+        "import logging, rlcli.generation.vllm_engine, vllm\n"
+        "layerwise = logging.getLogger('vllm.model_executor.model_loader.reload.layerwise')\n"
+        "def shown(layer):\n"
+        "    record = layerwise.makeRecord(layerwise.name, logging.WARNING, 'f', 1, '%s: Failed to load weights', "
+        "(layer,), None)\n"
+        "    return layerwise.filter(record)\n"
+        "print(logging.getLogger('vllm').getEffectiveLevel(), shown('RotaryEmbedding'), shown('QKVParallelLinear'))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_LOGGING_LEVEL"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    level, rotary, qkv = done.stdout.split()[-3:]
+    assert int(level) == logging.WARNING and rotary == "False" and qkv == "True"

@@ -34,6 +34,7 @@ vllm is imported only when an engine is built; importing this module stays cheap
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import tempfile
@@ -55,6 +56,25 @@ from rlcli.models import vision
 # holds the final tables): its logs go to stderr, with rlcli's progress. vLLM reads this when first
 # imported, which only this module does.
 os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+# And its INFO lines (a dozen per weight sync: "Reloading weights inplace...", "Successfully reset prefix
+# cache") would bury rlcli's progress; VLLM_LOGGING_LEVEL=INFO brings them back.
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+class _BenignReloadWarnings(logging.Filter):
+    """vLLM warns "<layer>: Failed to load weights" at every weight sync for the layers that have none
+    to load: the rotary embedding (a computed buffer) and an LM head tied to the embeddings, which the
+    sync updates through the embedding. A sync that really missed weights shows in
+    train/engine_logprob_gap, which rlcli logs every iteration."""
+
+    LAYERS = ("RotaryEmbedding", "ParallelLMHead")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not (record.msg == "%s: Failed to load weights" and args[:1] and args[0] in self.LAYERS)
+
+
+logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_BenignReloadWarnings())
 
 if TYPE_CHECKING:
     from vllm import LLM
