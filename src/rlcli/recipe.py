@@ -157,9 +157,17 @@ MODEL_OPPONENTS = ("self", "pool", "base", "sft")  # and kinds played by a model
 class EnvSection(Section):
     name: str = Field(
         "guess_number",
-        description="Built-in name, envs/x.py[:Factory], package.module:factory, or textarena:/reasoning_gym:/gymnasium:/openenv:/verifiers: URI.",
+        description="Built-in name, envs/x.py[:Factory], package.module:factory, or textarena:/reasoning_gym:/gymnasium:/openenv:/verifiers: URI; "
+        "or an agent program played through rlcli's OpenAI-compatible endpoint: agent:path/file.py:function (called "
+        "with the client settings and the task) or agent-cmd (runs env.command). docs/agents.md.",
     )
     kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments passed to the environment.")
+    command: list[str] | None = Field(
+        None,
+        description="env.name agent-cmd: the program that plays one episode, [program, args...]; it is run with "
+        "OPENAI_BASE_URL, OPENAI_API_KEY and OPENAI_MODEL set and the task as one JSON object on stdin, and its last "
+        "stdout line is a JSON object with reward (a number or null) and optionally success.",
+    )
     opponent: str | int | list[str] | None = Field(
         None,
         description="Two-player games (textarena:TicTacToe-v0...): who plays the other seat. Inside the env: random "

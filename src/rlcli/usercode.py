@@ -40,8 +40,10 @@ def import_file(path: Path) -> ModuleType:
 
 
 def code_files(env_name: str, reward_fns: list[str]) -> list[str]:
-    """The .py files a recipe names (env.name and reward fns as path.py[:name]), as it names them."""
-    targets = [env_name.partition(":")[0]] + [fn.rpartition(":")[0] for fn in reward_fns if ":" in fn]
+    """The .py files a recipe names (env.name as path.py[:name] or agent:path.py:name, and reward fns as
+    path.py[:name]), as it names them."""
+    env_file = env_name.removeprefix("agent:").rpartition(":")[0] if env_name.startswith("agent:") else env_name
+    targets = [env_file.partition(":")[0]] + [fn.rpartition(":")[0] for fn in reward_fns if ":" in fn]
     return sorted({t for t in targets if t.endswith(".py")})
 
 

@@ -30,6 +30,7 @@ def check_recipe(recipe: Recipe, stages: list[str] | None = None, *, sft_done: b
     from rlcli.engine.sft_data import check_data_path
     from rlcli.engine.sft_sources import source_kind
     from rlcli.engine.trackers import check_trackers
+    from rlcli.envs.agents import is_agent
     from rlcli.envs.loading import load_env
     from rlcli.envs.sandbox import use_bwrap
     from rlcli.envs.tool_use import check_tool_names, tool_use_spec
@@ -41,11 +42,14 @@ def check_recipe(recipe: Recipe, stages: list[str] | None = None, *, sft_done: b
     check_trackers(recipe.run.trackers)
     check_model(recipe.model.name)
     check_reward_fns(recipe.rewards)
-    factory = load_env(recipe.env.name, recipe.env.factory_kwargs())  # finds it and checks the kwargs it takes
-    if recipe.env.tools or recipe.env.mcp_servers:
-        check_tool_names(tool_use_spec(recipe.env, Path.cwd()), factory)
-    if recipe.grpo.branch is not None and "grpo" in planned:
-        check_replays(recipe, factory)
+    if is_agent(recipe.env.name):
+        check_agent(recipe, planned)
+    else:
+        factory = load_env(recipe.env.name, recipe.env.factory_kwargs())  # finds it and checks the kwargs it takes
+        if recipe.env.tools or recipe.env.mcp_servers:
+            check_tool_names(tool_use_spec(recipe.env, Path.cwd()), factory)
+        if recipe.grpo.branch is not None and "grpo" in planned:
+            check_replays(recipe, factory)
     if recipe.env.workers and recipe.env.sandbox != "none":
         if recipe.env.workers_backend == "ray":
             raise UsageError(
@@ -66,6 +70,24 @@ def check_recipe(recipe: Recipe, stages: list[str] | None = None, *, sft_done: b
 
         generation_engine(recipe)
     check_fits(recipe, planned)
+
+
+def check_agent(recipe: Recipe, planned: list[str]) -> None:
+    """env.name agent:... / agent-cmd: the callable or the program is there, and the recipe asks nothing of it
+    that only an env can give (tools are the agent's own; its episodes cannot be replayed to a turn)."""
+    from rlcli.envs.agents import agent_program
+
+    agent_program(recipe.env.name, recipe.env.command, Path.cwd())
+    if recipe.env.tools or recipe.env.mcp_servers:
+        raise UsageError(
+            f"env.tools and env.mcp_servers give tools to an env's model; env {recipe.env.name} is an agent program, "
+            "which passes its own tools in its requests. Expected neither set."
+        )
+    if recipe.grpo.branch is not None and "grpo" in planned:
+        raise UsageError(
+            f"grpo.branch replays stored episodes, and agent programs (env {recipe.env.name}) cannot be replayed "
+            "to a turn; set grpo.branch: null."
+        )
 
 
 def check_replays(recipe: Recipe, factory: EnvFactory) -> None:

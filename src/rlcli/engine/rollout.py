@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlcli.engine.context import RunContext
-from rlcli.engine.episode_runner import EpisodeRunner, EpisodeSpec, RolloutLimits
+from rlcli.engine.episode_runner import EpisodeRunner, EpisodeSpec, LiveEpisode, RolloutLimits
 from rlcli.engine.games import GameRunner, Opponent, recipe_opponent, stored_keys
+from rlcli.envs.agents import is_agent
 from rlcli.envs.sandbox import use_bwrap
 from rlcli.envs.tool_use import ToolUseSpec, tool_use_spec
 from rlcli.envs.tools import close_toolboxes
@@ -36,6 +37,7 @@ from rlcli.store.records import EpisodeSummary
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from rlcli.engine.agent_runner import AgentRunner
     from rlcli.models.loading import PolicyModel
     from rlcli.recipe import EnvSection
 
@@ -126,7 +128,8 @@ def collect(
     seat = None if opponent is None else "caller" if opponent.by_model else opponent.name
     kwargs = recipe.env.factory_kwargs(seat)
     tools = tool_use_spec(recipe.env, Path.cwd(), tokenizer)
-    env_factory = load_env(recipe.env.name, kwargs, tools=tools)
+    agent = agent_runner(ctx, sampler, tokenizer, stage) if is_agent(recipe.env.name) else None
+    env_factory = load_env(recipe.env.name, kwargs, tools=tools) if agent is None else None
     # With a model opponent a spec is a game (sample index g), whose seats' episodes are stored together.
     specs = episode_specs(recipe.run.seed, stage, task_indices, group_size, split, recipe.env.eval_seed_start)
     self_play = opponent is not None and opponent.self_play
@@ -146,24 +149,53 @@ def collect(
     )
     done_before = len(specs) - sum(len(c) for c in todo)
     with _progress(ctx, progress_label or stage, len(specs), done_before) as advance:
-        if todo:
+
+        def play_chunks(play: Callable[..., list[LiveEpisode]]) -> None:
+            for chunk in todo:
+                episodes = play(chunk, on_turns=lambda n: advance(0, n))
+                records = [ep.to_record(ctx.run, stage, iteration, split, str(policy)) for ep in episodes]
+                store_episodes(ctx.rundb, records)
+                advance(len(chunk), 0)
+
+        if todo and agent is not None:
+            play_chunks(agent.run)
+        elif todo:
+            assert env_factory is not None
             try:
                 with env_host(recipe.env, kwargs, env_factory, tools) as envs:
                     if opponent is not None and opponent.by_model:
                         games = GameRunner(
                             envs, limits, sampler, tokenizer, opponent=opponent, run_seed=recipe.run.seed, stage=stage
                         )
-                        play = games.run_games
+                        play_chunks(games.run_games)
                     else:
-                        play = EpisodeRunner(envs, limits, sampler, tokenizer).run
-                    for chunk in todo:
-                        episodes = play(chunk, on_turns=lambda n: advance(0, n))
-                        records = [ep.to_record(ctx.run, stage, iteration, split, str(policy)) for ep in episodes]
-                        store_episodes(ctx.rundb, records)
-                        advance(len(chunk), 0)
+                        play_chunks(EpisodeRunner(envs, limits, sampler, tokenizer).run)
             finally:
                 close_toolboxes()  # the MCP servers that envs in this process started (env.workers 0)
     return asdict(episode_summary(ctx.store, stage))
+
+
+def agent_runner(
+    ctx: RunContext, sampler: Sampler | None, tokenizer: PreTrainedTokenizerBase | None, stage: str
+) -> AgentRunner:
+    """The runner of env.name agent:... / agent-cmd: the policy behind an endpoint, the program per episode."""
+    from rlcli.engine.agent_runner import AgentRunner
+    from rlcli.envs.agents import agent_program
+
+    env = ctx.recipe.env
+    if sampler is None or tokenizer is None:
+        raise UsageError(f"{stage}: env {env.name} is an agent program, played by a model; it has no expert policy.")
+    return AgentRunner(
+        agent_program(env.name, env.command, Path.cwd()),
+        sampler,
+        tokenizer,
+        model_name=ctx.recipe.model.name,
+        task_kwargs=dict(env.kwargs),
+        time_limit_s=env.step_timeout_s,
+        max_length=ctx.recipe.model.max_length,
+        run_seed=ctx.recipe.run.seed,
+        timeout_retries=env.timeout_retries,
+    )
 
 
 class _progress:

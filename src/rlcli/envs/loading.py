@@ -50,6 +50,11 @@ def load_env(
 
 
 def _load_factory(name: str, kwargs: dict[str, Any], root: Path | None) -> EnvFactory:
+    if name.startswith("agent:") or name == "agent-cmd":
+        raise UsageError(
+            f"env {name!r} is an agent program, which only the stages that roll out the policy play (rollout, "
+            "train grpo, eval); this command needs an env with reset and step."
+        )
     scheme, sep, rest = name.partition(":")
     if sep and scheme in ADAPTERS:
         try:

@@ -64,6 +64,7 @@ class CallRecord:
     extends: str | None  # the earlier call of the session whose prompt and sampled ids begin prompt_ids
     follows: str | None  # the earlier call of the session whose reply the messages carry back
     retokenised: bool  # the messages tokenised afresh differ from what the `follows` call saw and sampled
+    messages: list[dict[str, Any]] = field(default_factory=list)  # the request's messages, then the reply's
 
 
 class RequestError(ValueError):
@@ -82,6 +83,7 @@ class _Pending:
     prompt_ids: list[int]
     text: str  # the rendered prompt
     conversation: list[tuple]  # the messages, as _canonical writes them
+    messages: list[dict[str, Any]]  # as the request sent them
     extends: str | None
     follows: str | None
     retokenised: bool
@@ -266,6 +268,7 @@ class Endpoint:
             prompt_ids=ids,
             text=text,
             conversation=conversation,
+            messages=messages,
             extends=None if turn is None else turn.call_id,
             follows=None if followed is None else followed.call_id,
             retokenised=followed is not None and fresh[: len(followed.ids)] != followed.ids,
@@ -405,6 +408,7 @@ class Endpoint:
             pending.extends,
             pending.follows,
             pending.retokenised,
+            [*pending.messages, message],
         )
         pending.record = record
         conversation = [*pending.conversation, _canonical(message)]

@@ -1,0 +1,145 @@
+"""Playing episodes of an agent program (envs/agents.py) through rlcli's OpenAI-compatible endpoint.
+
+AgentRunner has EpisodeRunner's shape (`run(specs, on_turns) -> list[LiveEpisode]`), so the rollout
+stage stores its episodes as it stores any others. For a chunk of episodes it serves the stage's
+sampler as an Endpoint (generation/endpoint.py) and runs each episode's program at once, each in a
+process of its own with its own base URL (`/s/<sample seed>-a<attempt>/v1`), so that every call is
+attributed to its episode and the requests of all the chunk's agents are batched into the sampler.
+A request without a `seed` of its own is sampled with one derived from run.seed, its session and its
+number in the session: a resumed stage replays an episode's calls exactly.
+
+Each call the endpoint recorded for an episode is one of its turns: the prompt ids the model saw, the
+ids it sampled and their logprobs, never re-tokenised. The episode is template-consistent when every
+call extends the one before it (its prompt is that call's prompt and reply, then more tokens): the
+trainer then trains it as one sequence. Otherwise (a sub-agent, a rewritten history, a template that
+writes a reply back otherwise) grpo/batch.py trains each call as a sequence of its own; every sequence
+of an episode gets the episode's advantage, computed from its reward within its group.
+
+The episode's time limit is env.step_timeout_s, for the whole program; past it the process group is
+killed and the episode stored as env_timeout (played again env.timeout_retries times first). An agent
+that crashes, returns something other than a reward, or never calls the endpoint fails its episode
+alone. The process group is killed when the episode ends, so no call of the agent's can arrive after.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from rlcli.engine.episode_runner import EpisodeSpec, LiveEpisode, play_in_passes
+from rlcli.envs.agents import AgentOutcome, AgentProgram, run_agent
+from rlcli.generation.endpoint import CallRecord, Endpoint
+from rlcli.generation.sampler import Sampler
+from rlcli.store.records import EndReason, Turn
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+
+class AgentRunner:
+    """program: what each episode runs; task_kwargs: env.kwargs, given to the agent in its task beside
+    the task's seed; time_limit_s: env.step_timeout_s; model_name: what OPENAI_MODEL says."""
+
+    def __init__(
+        self,
+        program: AgentProgram,
+        sampler: Sampler,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        model_name: str,
+        task_kwargs: dict[str, Any],
+        time_limit_s: float,
+        max_length: int,
+        run_seed: int,
+        timeout_retries: int = 0,
+    ) -> None:
+        self.program, self.sampler, self.tokenizer = program, sampler, tokenizer
+        self.model_name, self.task_kwargs = model_name, task_kwargs
+        self.time_limit_s, self.max_length, self.run_seed = time_limit_s, max_length, run_seed
+        self.timeout_retries = timeout_retries
+
+    def run(self, specs: list[EpisodeSpec], on_turns: Callable[[int], None] | None = None) -> list[LiveEpisode]:
+        episodes = [LiveEpisode(spec) for spec in specs]
+        return play_in_passes(episodes, lambda live: self._play(live, on_turns), lambda ep: [ep], self.timeout_retries)
+
+    def _play(self, episodes: list[LiveEpisode], on_turns: Callable[[int], None] | None) -> None:
+        defaults = replace(self.sampler.config, stop=list(self.sampler.config.stop))
+        endpoint = Endpoint(
+            self.sampler,
+            self.tokenizer,
+            self.model_name,
+            defaults=defaults,
+            max_length=self.max_length,
+            seed=self.run_seed,
+            keep_calls=1024 * len(episodes),  # every call of the pass stays until its episode is stored
+        )
+        outcomes: dict[int, AgentOutcome] = {}
+        try:
+            with endpoint:
+                threads = [
+                    threading.Thread(target=self._run_agent, args=(endpoint, ep, outcomes, i))
+                    for i, ep in enumerate(episodes)
+                ]
+                for thread in threads:
+                    thread.start()
+                for thread in threads:
+                    thread.join()
+                # Taken once every agent's processes are gone, so no call can come after its episode ended.
+                for i, episode in enumerate(episodes):
+                    calls = endpoint.calls(self._session(episode))
+                    self._settle(episode, outcomes[i], calls, endpoint.url(self._session(episode)))
+                    if on_turns is not None:
+                        on_turns(sum(len(c.completion_ids) for c in calls))
+        finally:
+            self.sampler.config = defaults  # the endpoint sets it per batch
+
+    @staticmethod
+    def _session(episode: LiveEpisode) -> str:
+        return f"{episode.spec.sample_seed}-a{episode.spec.attempt}"
+
+    def _run_agent(self, endpoint: Endpoint, episode: LiveEpisode, outcomes: dict[int, AgentOutcome], i: int) -> None:
+        episode.task = {**self.task_kwargs, "seed": episode.spec.env_seed}
+        url = endpoint.url(self._session(episode))
+        try:
+            outcomes[i] = run_agent(self.program, url, self.model_name, episode.task, self.time_limit_s)
+        except OSError as exc:  # the program could not be started
+            outcomes[i] = AgentOutcome(error=f"the agent could not be started: {exc}")
+
+    def _settle(self, episode: LiveEpisode, outcome: AgentOutcome, calls: list[CallRecord], url: str) -> None:
+        self._record(episode, calls)
+        if outcome.error is not None:
+            episode.finish(EndReason.ENV_TIMEOUT if outcome.timed_out else EndReason.ERROR, outcome.error)
+            episode.transient = outcome.timed_out
+        elif not calls:
+            episode.finish(EndReason.ERROR, f"the agent never called the endpoint ({url})")
+        else:
+            episode.env_return = outcome.reward or 0.0
+            episode.success = outcome.success
+            episode.finish(EndReason.LENGTH if calls[-1].finish_reason == "length" else EndReason.TERMINATED)
+
+    def _record(self, episode: LiveEpisode, calls: list[CallRecord]) -> None:
+        """The calls as the episode's turns, the last call's messages and reply as its transcript."""
+        for i, call in enumerate(calls):
+            info = {
+                "call": call.id,
+                "finish_reason": call.finish_reason,
+                "extends": call.extends,
+                "follows": call.follows,
+                "retokenised": call.retokenised,
+            }
+            episode.turns.append(
+                Turn(
+                    turn_index=i,
+                    prompt_ids=list(call.prompt_ids),
+                    completion_ids=list(call.completion_ids),
+                    logprobs=list(call.logprobs),
+                    text=str(self.tokenizer.decode(call.completion_ids, skip_special_tokens=True)),
+                    terminated=i == len(calls) - 1,
+                    info=json.dumps(info),
+                )
+            )
+        episode.template_consistent = all(b.extends == a.id for a, b in zip(calls, calls[1:]))
+        episode.messages = [dict(m) for m in calls[-1].messages] if calls else []

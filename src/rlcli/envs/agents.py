@@ -1,0 +1,145 @@
+"""Agent programs as environments: `env.name: agent:path/file.py:function` (a Python callable) or
+`env.name: agent-cmd` with `env.command: [program, args...]` (any program).
+
+Either runs once per episode in a process of its own, in a new session (so that the whole process
+group is killed at the episode's end or time limit), with OPENAI_BASE_URL (the episode's own base URL
+on rlcli's endpoint), OPENAI_API_KEY and OPENAI_MODEL set and one JSON object on stdin. A callable is
+run by envs/agent_child.py, which calls it with the client settings and the task and prints its return
+value; a command reads the task from stdin itself and prints a JSON object with `reward` (and optionally
+`success`) as its last stdout line. The episode's turns are the calls the endpoint recorded for its
+base URL (engine/agent_runner.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rlcli.errors import UsageError
+from rlcli.usercode import import_file
+
+AGENT_PREFIX = "agent:"
+AGENT_CMD = "agent-cmd"
+API_KEY = "rlcli"  # the endpoint accepts any key; clients refuse to start without one
+
+
+def is_agent(env_name: str) -> bool:
+    return env_name.startswith(AGENT_PREFIX) or env_name == AGENT_CMD
+
+
+@dataclass(frozen=True)
+class AgentProgram:
+    env_name: str
+    argv: list[str]  # what runs one episode
+    callable: bool  # agent:file.py:function (its return value is the result) or agent-cmd (its last line)
+
+
+def agent_program(env_name: str, command: list[str] | None, root: Path) -> AgentProgram:
+    """The program an agent env runs, checked (the file imports and has the callable; the command's program
+    exists); a UsageError naming what is missing otherwise."""
+    if env_name == AGENT_CMD:
+        if not command:
+            raise UsageError("env.name agent-cmd runs env.command, which is empty; expected [program, args...].")
+        program = shutil.which(command[0]) or shutil.which(str(root / command[0]))
+        if program is None:
+            raise UsageError(f"env.command: no program {command[0]!r} (not on PATH, nor an executable file in {root}).")
+        return AgentProgram(env_name, [program, *command[1:]], callable=False)
+    if command:
+        raise UsageError(f"env.command is set, but env.name is {env_name!r}; expected env.name agent-cmd to run it.")
+    target, _, name = env_name[len(AGENT_PREFIX) :].rpartition(":")
+    if not target.endswith(".py") or not name:
+        raise UsageError(f"env.name {env_name!r}: expected agent:path/file.py:function.")
+    path = Path(target)
+    path = path if path.is_absolute() else root / path
+    if not path.is_file():
+        raise UsageError(f"env.name {env_name!r}: no file {path}.")
+    fn = getattr(import_file(path), name, None)
+    if not callable(fn):
+        raise UsageError(f"env.name {env_name!r}: {path} defines no function {name!r}.")
+    return AgentProgram(env_name, [sys.executable, "-m", "rlcli.envs.agent_child", str(path), name], callable=True)
+
+
+@dataclass
+class AgentOutcome:
+    reward: float | None = None  # None: the recipe's reward functions score the transcript
+    success: bool | None = None
+    error: str | None = None  # why the episode failed
+    timed_out: bool = False
+
+
+def run_agent(
+    program: AgentProgram, base_url: str, model: str, task: dict[str, Any], time_limit_s: float
+) -> AgentOutcome:
+    """Run one episode of the program to its end (or kill it, with its process group, at the time limit)."""
+    client = {"base_url": base_url, "api_key": API_KEY, "model": model}
+    stdin = json.dumps({"client": client, "task": task} if program.callable else task)
+    env = {**os.environ, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": API_KEY, "OPENAI_MODEL": model}
+    # Files, not pipes: a process the agent leaves behind would hold a pipe open, and the episode would
+    # wait for it; the episode ends when the agent's own process does.
+    with (
+        tempfile.TemporaryFile("w+") as given,
+        tempfile.TemporaryFile("w+") as out,
+        tempfile.TemporaryFile("w+") as err,
+    ):
+        given.write(stdin)
+        given.seek(0)
+        proc = subprocess.Popen(program.argv, stdin=given, stdout=out, stderr=err, env=env, start_new_session=True)
+        try:
+            proc.wait(timeout=time_limit_s)
+        except subprocess.TimeoutExpired:
+            return AgentOutcome(
+                error=f"the agent ran past env.step_timeout_s ({time_limit_s:g} s) and was stopped", timed_out=True
+            )
+        finally:
+            _kill_group(proc)  # with whatever it started: nothing of the episode's outlives it
+            proc.wait()
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    if proc.returncode != 0:
+        tail = stderr.strip().splitlines()[-1] if stderr.strip() else "no message on stderr"
+        return AgentOutcome(error=f"the agent exited with code {proc.returncode}: {tail}")
+    return _outcome(program, stdout)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _outcome(program: AgentProgram, out: str) -> AgentOutcome:
+    lines = out.strip().splitlines()
+    try:
+        last = json.loads(lines[-1]) if lines else None
+    except ValueError:
+        last = None
+    expected = "a reward (a number), a dict with reward and optionally success, or None"
+    if program.callable:
+        if not isinstance(last, dict) or "result" not in last:
+            return AgentOutcome(error="the agent's process ended without reporting its return value")
+        result = last["result"]
+        if result is None:
+            return AgentOutcome()
+        if isinstance(result, (int, float)) and not isinstance(result, bool):
+            return AgentOutcome(reward=float(result))
+        if not isinstance(result, dict):
+            return AgentOutcome(error=f"the agent returned {result!r}; expected {expected}")
+    else:
+        if not isinstance(last, dict):
+            return AgentOutcome(error="the agent's last stdout line is not a JSON object with reward")
+        result = last
+    reward, success = result.get("reward"), result.get("success")
+    if reward is not None and (not isinstance(reward, (int, float)) or isinstance(reward, bool)):
+        return AgentOutcome(error=f"the agent's reward is {reward!r}; expected a number or null")
+    if success is not None and not isinstance(success, bool):
+        return AgentOutcome(error=f"the agent's success is {success!r}; expected true, false or null")
+    return AgentOutcome(reward=None if reward is None else float(reward), success=success)

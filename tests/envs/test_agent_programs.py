@@ -1,0 +1,371 @@
+"""Agent programs as environments (env.name agent:file.py:function and agent-cmd): agents written only
+against the `openai` package, run by `rlcli rollout` on the tiny model through rlcli's endpoint; their
+calls are stored token-exact as the episode's turns (engine/agent_runner.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+import sqlite3
+import sys
+import textwrap
+import time
+
+import pytest
+
+from helpers import cli, make_ctx, write_recipe
+from rlcli.engine.grpo.batch import episode_sequences
+from rlcli.engine.rollout import run_rollout_stage
+from rlcli.store.blobs import unpack_floats, unpack_ids
+from rlcli.store.records import Turn
+
+# Each agent writes what the endpoint answered it to a file of its own in task["out"], for the test to
+# compare with what rlcli stored.
+AGENTS = '''
+import asyncio, json, os, time, uuid
+
+from openai import AsyncOpenAI, OpenAI
+
+
+def _save(task, replies):
+    with open(os.path.join(task["out"], f"{task['seed']}-{uuid.uuid4().hex}.json"), "w") as f:
+        json.dump(replies, f)
+
+
+def _reply(response):
+    choice = response.choices[0]
+    return {"content": choice.message.content, "logprobs": [t.logprob for t in choice.logprobs.content]}
+
+
+def one_call(client, task):
+    api = OpenAI(base_url=client["base_url"], api_key=client["api_key"], max_retries=0)
+    response = api.chat.completions.create(
+        model=client["model"], messages=[{"role": "user", "content": f"Task {task['seed']}."}], logprobs=True
+    )
+    _save(task, [_reply(response)])
+    return {"reward": 1.0 if task["seed"] == 0 else 0.25, "success": task["seed"] == 0}
+
+
+async def two_calls(client, task):
+    """The second call carries the first reply back and goes on: one multi-turn sequence."""
+    api = AsyncOpenAI(base_url=client["base_url"], api_key=client["api_key"], max_retries=0)
+    messages = [{"role": "user", "content": "Count."}]
+    first = await api.chat.completions.create(model=client["model"], messages=messages, logprobs=True)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "More."}]
+    second = await api.chat.completions.create(model=client["model"], messages=messages, logprobs=True)
+    _save(task, [_reply(first), _reply(second)])
+    return None  # the recipe's reward functions score the transcript
+
+
+def rewrites_history(client, task):
+    """The second call replaces the conversation by a summary: a new segment."""
+    api = OpenAI(base_url=client["base_url"], api_key=client["api_key"], max_retries=0)
+    first = api.chat.completions.create(model=client["model"], messages=[{"role": "user", "content": "Plan."}])
+    summary = [{"role": "system", "content": "Summary so far."}, {"role": "user", "content": "Act."}]
+    second = api.chat.completions.create(model=client["model"], messages=summary)
+    return 0.5
+
+
+def graded(client, task):
+    """A reward that differs within a group: how unlikely the reply was."""
+    api = OpenAI(base_url=client["base_url"], api_key=client["api_key"], max_retries=0)
+    response = api.chat.completions.create(
+        model=client["model"], messages=[{"role": "user", "content": "Go."}], logprobs=True
+    )
+    return -sum(t.logprob for t in response.choices[0].logprobs.content) / 10
+
+
+def leaves_a_process(client, task):
+    """Starts a process that would call the endpoint (and leave a mark) after the agent has returned."""
+    import subprocess, sys
+
+    mark = os.path.join(task["out"], f"late-{task['seed']}")
+    late = (
+        f"import time; from openai import OpenAI; time.sleep(3); open({mark!r}, 'w').close(); "
+        "OpenAI(max_retries=0).chat.completions.create(model='m', messages=[{'role': 'user', 'content': 'Late.'}])"
+    )
+    subprocess.Popen([sys.executable, "-c", late])
+    one_call(client, task)
+    return 1.0
+
+
+def misbehaves(client, task):
+    """Task 0 plays; 1 crashes, 2 hangs, 3 never calls the endpoint."""
+    if task["seed"] == 1:
+        raise RuntimeError("the agent broke")
+    if task["seed"] == 2:
+        time.sleep(120)
+    if task["seed"] == 3:
+        return 1.0
+    return one_call(client, task)
+'''
+
+COMMAND = """
+import json, os, sys
+
+from openai import OpenAI
+
+task = json.loads(sys.stdin.read())
+api = OpenAI(max_retries=0)  # OPENAI_BASE_URL and OPENAI_API_KEY from the environment
+api.chat.completions.create(model=os.environ["OPENAI_MODEL"], messages=[{"role": "user", "content": "Hi."}])
+print("some output of the agent's own")
+print(json.dumps({"reward": task["seed"] + 0.5, "success": False}))
+"""
+
+
+def _agents(tmp_path):
+    path = tmp_path / "my_agent.py"
+    path.write_text(textwrap.dedent(AGENTS))
+    out = tmp_path / "replies"
+    out.mkdir()
+    return path, out
+
+
+def _recipe(tmp_path, env, **rollout):
+    return write_recipe(
+        tmp_path / "r.yaml",
+        env=env,
+        rollout={"tasks": 2, "group_size": 2, "max_new_tokens": 6, "batch_size": 4, "temperature": 1.0, **rollout},
+    )
+
+
+def _stored(ctx, stage="rollout"):
+    episodes = list(
+        ctx.rundb.db.query("select * from episodes where run = ? and stage = ? order by id", [ctx.run, stage])
+    )
+    turns = {
+        e["id"]: list(ctx.rundb.db.query("select * from turns where episode_id = ? order by turn_index", [e["id"]]))
+        for e in episodes
+    }
+    return episodes, turns
+
+
+def _turn(row) -> Turn:
+    return Turn(
+        turn_index=row["turn_index"],
+        prompt_ids=unpack_ids(row["prompt_ids"]),
+        completion_ids=unpack_ids(row["completion_ids"]),
+        logprobs=unpack_floats(row["logprobs"]),
+    )
+
+
+def test_an_openai_agents_turns_are_what_the_endpoint_returned(tmp_path):
+    path, out = _agents(tmp_path)
+    ctx = make_ctx(
+        _recipe(tmp_path, {"name": f"agent:{path}:one_call", "kwargs": {"out": str(out)}}), tmp_path / "runs"
+    )
+    summary = run_rollout_stage(ctx, stage="rollout", policy="base", split="train")
+    assert summary.episodes == 4
+    episodes, turns = _stored(ctx)
+    tokenizer = _tokenizer()
+    returned = sorted((r["content"], tuple(r["logprobs"])) for f in out.iterdir() for r in json.loads(f.read_text()))
+    stored = sorted(
+        (
+            tokenizer.decode(unpack_ids(t["completion_ids"]), skip_special_tokens=True),
+            tuple(unpack_floats(t["logprobs"])),
+        )
+        for e in episodes
+        for t in turns[e["id"]]
+    )
+    assert len(returned) == 4 and stored == returned
+    assert all(e["status"] == "ok" and e["num_turns"] == 1 and e["template_consistent"] for e in episodes)
+    by_task = {e["task_index"]: (e["env_return"], e["success"]) for e in episodes}
+    assert by_task == {0: (1.0, 1), 1: (0.25, 0)}
+    assert {json.loads(e["task"])["seed"] for e in episodes} == {0, 1}
+    # The transcript: the request's messages, then the reply.
+    messages = json.loads(episodes[0]["messages"])
+    assert [m["role"] for m in messages] == ["user", "assistant"]
+    assert messages[1]["content"] == tokenizer.decode(
+        unpack_ids(turns[episodes[0]["id"]][0]["completion_ids"]), skip_special_tokens=True
+    )
+
+
+def test_calls_that_extend_each_other_are_one_sequence_and_a_rewritten_history_is_segments(tmp_path):
+    path, out = _agents(tmp_path)
+    ctx = make_ctx(
+        _recipe(tmp_path, {"name": f"agent:{path}:two_calls", "kwargs": {"out": str(out)}}), tmp_path / "runs"
+    )
+    run_rollout_stage(ctx, stage="rollout", policy="base", split="train")
+    episodes, turns = _stored(ctx)
+    assert len(episodes) == 4
+    tokenizer = _tokenizer()
+    consistent = 0
+    for e in episodes:
+        rows = turns[e["id"]]
+        assert e["status"] == "ok" and len(rows) == 2
+        first, second = (_turn(r) for r in rows)
+        # The client sends the reply back as text without special tokens: a reply that sampled one in its
+        # middle (the random model does) comes back otherwise, and its next call starts a new segment.
+        middle = (
+            first.completion_ids[:-1] if first.completion_ids[-1] == tokenizer.eos_token_id else first.completion_ids
+        )
+        extends = tokenizer.decode(middle, skip_special_tokens=True) == tokenizer.decode(middle)
+        assert bool(e["template_consistent"]) == extends
+        info = [json.loads(r["info"]) for r in rows]
+        assert info[1]["follows"] == info[0]["call"]
+        assert [m["role"] for m in json.loads(e["messages"])] == ["user", "assistant", "user", "assistant"]
+        sequences = episode_sequences(e["id"], 0, [first, second])
+        if extends:
+            consistent += 1
+            # The second prompt is the first prompt and reply, token for token, then the new message.
+            assert second.prompt_ids[: len(first.prompt_ids) + len(first.completion_ids)] == (
+                first.prompt_ids + first.completion_ids
+            )
+            assert info[1]["extends"] == info[0]["call"]
+            [sequence] = sequences
+            assert sum(sequence.mask) == len(first.completion_ids) + len(second.completion_ids)
+        else:
+            assert info[1]["extends"] is None and info[1]["retokenised"] and len(sequences) == 2
+    assert consistent >= 2  # most replies of the random model hold no special token
+
+    ctx = make_ctx(_recipe(tmp_path, {"name": f"agent:{path}:rewrites_history"}), tmp_path / "runs2")
+    run_rollout_stage(ctx, stage="rollout", policy="base", split="train")
+    episodes, turns = _stored(ctx)
+    for e in episodes:
+        assert e["status"] == "ok" and e["template_consistent"] == 0 and e["env_return"] == 0.5
+        segments = episode_sequences(e["id"], 0, [_turn(r) for r in turns[e["id"]]])
+        assert len(segments) == 2
+        assert [s.ids for s in segments] == [
+            unpack_ids(r["prompt_ids"]) + unpack_ids(r["completion_ids"]) for r in turns[e["id"]]
+        ]
+
+
+def test_an_agent_that_returns_none_is_scored_by_the_recipes_reward_functions(tmp_path):
+    from rlcli.engine.labelling import label_stage_episodes
+
+    path, out = _agents(tmp_path)
+    (tmp_path / "my_rewards.py").write_text(
+        "def reply_length(completions, **kwargs):\n    return [float(len(c)) for c in completions]\n"
+    )
+    recipe = write_recipe(
+        tmp_path / "r.yaml",
+        env={"name": f"agent:{path}:two_calls", "kwargs": {"out": str(out)}},
+        rollout={"tasks": 1, "group_size": 2, "max_new_tokens": 6, "batch_size": 4},
+        rewards=[{"fn": f"{tmp_path / 'my_rewards.py'}:reply_length", "name": "reply_length"}],
+    )
+    ctx = make_ctx(recipe, tmp_path / "runs")
+    run_rollout_stage(ctx, stage="rollout", policy="base", split="train")
+    label_stage_episodes(ctx, "rollout", "default")
+    episodes, _ = _stored(ctx)
+    # The transcript scored: the last call's messages and its reply, whose text is the agent's last reply.
+    last_replies = {json.dumps(r[1]["content"]) for f in out.iterdir() for r in [json.loads(f.read_text())]}
+    for e in episodes:
+        assert e["env_return"] == 0.0
+        messages = json.loads(e["messages"])
+        assert json.dumps(messages[-1]["content"]) in last_replies
+        rows = list(ctx.rundb.db.query("select component, value from rewards where episode_id = ?", [e["id"]]))
+        assert {r["component"]: r["value"] for r in rows} == {
+            "reply_length": len(messages[-1]["content"]),
+            "total": len(messages[-1]["content"]),
+        }
+
+
+def test_an_agent_that_crashes_hangs_or_never_calls_fails_only_its_episode(tmp_path):
+    path, out = _agents(tmp_path)
+    recipe = _recipe(
+        tmp_path,
+        {"name": f"agent:{path}:misbehaves", "kwargs": {"out": str(out)}, "step_timeout_s": 15},
+        tasks=4,
+        group_size=1,
+    )
+    ctx = make_ctx(recipe, tmp_path / "runs")
+    run_rollout_stage(ctx, stage="rollout", policy="base", split="train")
+    episodes, turns = _stored(ctx)
+    by_task = {e["task_index"]: e for e in episodes}
+    assert by_task[0]["status"] == "ok" and len(turns[by_task[0]["id"]]) == 1, by_task[0]["error"]
+    assert by_task[1]["status"] == "failed" and "RuntimeError: the agent broke" in by_task[1]["error"]
+    assert by_task[2]["end_reason"] == "env_timeout" and "env.step_timeout_s (15 s)" in by_task[2]["error"]
+    assert by_task[3]["status"] == "failed" and "never called the endpoint" in by_task[3]["error"]
+
+
+def test_what_an_agent_started_ends_with_its_episode(tmp_path):
+    path, out = _agents(tmp_path)
+    recipe = _recipe(tmp_path, {"name": f"agent:{path}:leaves_a_process", "kwargs": {"out": str(out)}}, group_size=1)
+    ctx = make_ctx(recipe, tmp_path / "runs")
+    run_rollout_stage(ctx, stage="rollout", policy="base", split="train")
+    episodes, turns = _stored(ctx)
+    assert [(e["status"], len(turns[e["id"]])) for e in episodes] == [("ok", 1), ("ok", 1)]
+    time.sleep(4)  # past the moment the processes the agents started would have called
+    assert not list(out.glob("late-*"))
+
+
+def test_an_agent_command_gets_the_endpoint_in_its_environment(tmp_path):
+    script = tmp_path / "agent_cmd.py"
+    script.write_text(textwrap.dedent(COMMAND))
+    recipe = _recipe(tmp_path, {"name": "agent-cmd", "command": [sys.executable, str(script)]}, group_size=1)
+    ctx = make_ctx(recipe, tmp_path / "runs")
+    run_rollout_stage(ctx, stage="rollout", policy="base", split="train")
+    episodes, turns = _stored(ctx)
+    assert [(e["status"], e["env_return"], e["success"]) for e in episodes] == [("ok", 0.5, 0), ("ok", 1.5, 0)]
+    assert all(len(turns[e["id"]]) == 1 for e in episodes)
+
+
+def test_a_missing_callable_or_program_is_refused_before_any_stage(tmp_path, capsys):
+    path, _ = _agents(tmp_path)
+    for env, expected in [
+        ({"name": f"agent:{path}:no_such_function"}, "defines no function 'no_such_function'"),
+        ({"name": f"agent:{tmp_path}/nowhere.py:solve"}, "no file"),
+        ({"name": "agent-cmd", "command": ["rlcli-no-such-program"]}, "no program 'rlcli-no-such-program'"),
+        ({"name": "agent-cmd"}, "env.command, which is empty"),
+        ({"name": f"agent:{path}:one_call", "command": ["python"]}, "expected env.name agent-cmd to run it"),
+        ({"name": f"agent:{path}:one_call", "tools": ["python_exec"]}, "which passes its own tools"),
+    ]:
+        recipe = _recipe(tmp_path, env)
+        code, _, err = cli(capsys, "rollout", "-r", recipe)
+        line = " ".join(err.split())
+        assert code == 2 and expected in line and "Traceback" not in err, err
+
+
+def _tokenizer():
+    from transformers import AutoTokenizer
+
+    from rlcli.models.cache import tiny_random_path
+
+    return AutoTokenizer.from_pretrained(tiny_random_path())
+
+
+def test_an_agents_episodes_do_not_depend_on_how_they_are_batched(tmp_path):
+    """Each call's seed comes from run.seed, the episode's sample seed and the call's number in it: a
+    resumed stage (which replays a chunk) or another batch size samples the same tokens."""
+    path, out = _agents(tmp_path)
+    env = {"name": f"agent:{path}:one_call", "kwargs": {"out": str(out)}}
+    tokens = []
+    for size in (4, 1):
+        ctx = make_ctx(_recipe(tmp_path, env, batch_size=size), tmp_path / f"runs{size}")
+        run_rollout_stage(ctx, stage="rollout", policy="base", split="train")
+        episodes, turns = _stored(ctx)
+        tokens.append({(e["task_index"], e["sample_index"]): turns[e["id"]][0]["completion_ids"] for e in episodes})
+    assert tokens[0] == tokens[1] and len(set(tokens[0].values())) == 4
+
+
+def test_a_grpo_iteration_trains_on_an_agents_episodes(tmp_path, capsys, rlcli_home):
+    path, _ = _agents(tmp_path)
+    recipe = write_recipe(
+        tmp_path / "r.yaml",
+        env={"name": f"agent:{path}:graded"},
+        rollout={"tasks": 2, "group_size": 2, "max_new_tokens": 6, "batch_size": 4, "temperature": 1.0},
+        grpo={"iterations": 1},
+    )
+    code, _, err = cli(capsys, "train", "grpo", "-r", recipe)
+    assert code == 0, err
+    [db_file] = rlcli_home.glob("*.db")
+    with sqlite3.connect(db_file) as db:
+        returns = [r for (r,) in db.execute("select env_return from episodes where status = 'ok'")]
+        metrics = dict(db.execute("select key, value from metrics where stage = 'grpo'").fetchall())
+    assert len(returns) == 4 and len(set(returns)) == 4
+    assert metrics["train/groups"] == 2 and metrics["train/zero_var_groups"] == 0
+    assert metrics["rollout/reward_mean"] == pytest.approx(sum(returns) / 4)
+    assert math.isfinite(metrics["train/loss"])
+    # Held-out tasks: the eval seeds, as for every env.
+    code, _, err = cli(capsys, "eval", "-r", recipe)
+    assert code == 0, err
+    with sqlite3.connect(db_file) as db:
+        tasks = [json.loads(t) for (t,) in db.execute("select task from episodes where split = 'eval'")]
+    assert tasks and all(t["seed"] >= 1_000_000 for t in tasks)
+
+
+def test_the_agents_file_is_hashed_with_the_run_like_an_env_file():
+    from rlcli.usercode import code_files
+
+    assert code_files("agent:agents/my_agent.py:solve", ["rewards.py:fn"]) == ["agents/my_agent.py", "rewards.py"]
+    assert code_files("agent-cmd", []) == []
