@@ -1,5 +1,6 @@
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -54,6 +55,15 @@ def torch_threads():
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def python_ctrl_c():
+    """Put back Python's Ctrl-C handler after each test: a test that left SIGINT ignored in the worker made
+    every child started later ignore Ctrl-C too (an ignored signal is inherited), and tests that stop a
+    child with SIGINT (`rlcli serve`, process supervision) waited for it in vain."""
+    yield
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(autouse=True)

@@ -30,6 +30,10 @@ def lora_checkpoint(folder):
     return folder
 
 
+def ignore_ctrl_c() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 @pytest.mark.parametrize("checkpoint", [None, "adapter"])
 def test_serve_prints_the_url_and_model_and_stops_on_ctrl_c(tmp_path, checkpoint):
     recipe = write_recipe(tmp_path / "r.yaml", rollout={"max_new_tokens": 5, "temperature": 0.0})
@@ -41,6 +45,8 @@ def test_serve_prints_the_url_and_model_and_stops_on_ctrl_c(tmp_path, checkpoint
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # Started as a script's background job is (SIGINT ignored, inherited): it still stops on SIGINT.
+        preexec_fn=ignore_ctrl_c if checkpoint else None,
     )
     try:
         assert server.stdout is not None
@@ -57,7 +63,12 @@ def test_serve_prints_the_url_and_model_and_stops_on_ctrl_c(tmp_path, checkpoint
         assert again.choices[0].message.content == reply.choices[0].message.content
     finally:
         server.send_signal(signal.SIGINT)
-        _, err = server.communicate(timeout=60)
+        try:
+            _, err = server.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()  # no server outlives its test
+            server.communicate()
+            raise
     assert server.returncode == 0, err
     assert "stopped" in err and "Traceback" not in err
     # The weights served are those of the checkpoint asked for: the same reply as they give here.

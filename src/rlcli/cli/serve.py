@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import threading
 from typing import Annotated
 
@@ -63,6 +64,9 @@ def serve_cmd(
     console.print(f"model: {endpoint.model_name}", highlight=False, soft_wrap=True)
     console.file.flush()  # a program reading the URL waits for it, not for the end
     err_console.print("serving; Ctrl-C stops", highlight=False)
+    # Started with SIGINT ignored (a script's background job, or a parent that ignores it), Python would
+    # keep ignoring it and nothing would stop the server but a kill: Ctrl-C and `kill -INT` stop it always.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         threading.Event().wait()  # the endpoint's threads serve; this one waits for Ctrl-C
     except KeyboardInterrupt:
