@@ -183,12 +183,8 @@ def runs_figure(stores: list[RunStore], metrics: list[str] | None = None) -> tup
                     _mark_no_update(ax, series[key], series.get(SKIPPED_KEY), colour, overlaid)
         ax.set_title(title)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        if HELDOUT_KEY in keys:  # what a distilled student is measured against: its teacher's held-out success
-            for number, run in enumerate(runs):
-                for teacher, rate in run.teachers:
-                    ax.axhline(
-                        rate, color=f"C{number}" if overlaid else "grey", linestyle=":", label=f"teacher: {teacher}"
-                    )
+        if HELDOUT_KEY in keys:
+            _draw_teachers(ax, runs, overlaid)
         if SUCCESS_KEY in keys or HELDOUT_KEY in keys:
             ax.set_ylim(-0.02, 1.02)
             ax.yaxis.set_major_formatter(PercentFormatter(1.0))
@@ -200,6 +196,13 @@ def runs_figure(stores: list[RunStore], metrics: list[str] | None = None) -> tup
     for ax in axes[count:]:
         ax.set_visible(False)
     return fig, drawn
+
+
+def _draw_teachers(ax: Any, runs: list[_Loaded], overlaid: bool) -> None:
+    """What a distilled student is measured against: each teacher's own held-out success, a dotted line."""
+    for number, run in enumerate(runs):
+        for teacher, rate in run.teachers:
+            ax.axhline(rate, color=f"C{number}" if overlaid else "grey", linestyle=":", label=f"teacher: {teacher}")
 
 
 def in_training_order(evals: list[EvalResult]) -> list[EvalResult]:
