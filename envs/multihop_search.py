@@ -29,7 +29,6 @@ hops a question has (the task seed picks 1 to hops); `python_tools` (true).
 from __future__ import annotations
 
 import functools
-import json
 import math
 import random
 import re
@@ -37,6 +36,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from rlcli.envs.parsing import parse_answer_tag
+from rlcli.envs.tool_calls import hermes_tool_call
 
 # Syllables such as "quel" or "ti": two or three of them make a word.
 SYLLABLES = [
@@ -260,11 +260,6 @@ def sample_chain(encyclopedia: Corpus, rng: random.Random, hops: int) -> tuple[l
     raise ValueError(f"found no chain of {hops} distinct hops in this corpus")
 
 
-def tool_call(name: str, **arguments: str) -> str:
-    """A tool call as Hermes-style chat templates (Qwen's among them) write it."""
-    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
-
-
 class MultihopSearch:
     def __init__(self, corpus_seed: int = 0, corpus_size: int = 300, hops: int = 3, python_tools: bool = True):
         if hops < 1:
@@ -307,7 +302,10 @@ class MultihopSearch:
         self.plan = [
             call
             for doc in path[:-1]
-            for call in (tool_call("search", query=doc.title), tool_call("open", doc_id=doc.doc_id))
+            for call in (
+                hermes_tool_call("search", {"query": doc.title}),
+                hermes_tool_call("open", {"doc_id": doc.doc_id}),
+            )
         ] + [f"<answer>{self.answer}</answer>"]
         self.expert_turns = 0
         task = {"question": question, "answer": self.answer, "hops": len(chain), "chain": [d.doc_id for d in path]}

@@ -158,7 +158,7 @@ class EnvSection(Section):
     name: str = Field(
         "guess_number",
         description="Built-in name, envs/x.py[:Factory], package.module:factory, or textarena:/reasoning_gym:/gymnasium:/openenv:/verifiers: URI; "
-        "or an agent program played through rlcli's OpenAI-compatible endpoint: agent:path/file.py:function (called "
+        "or an agent program played through rlcli's OpenAI-compatible endpoint: agent:path/file.py:function or agent:package.module:function (called "
         "with the client settings and the task) or agent-cmd (runs env.command). docs/agents.md.",
     )
     kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments passed to the environment.")

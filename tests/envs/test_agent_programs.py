@@ -369,3 +369,32 @@ def test_the_agents_file_is_hashed_with_the_run_like_an_env_file():
 
     assert code_files("agent:agents/my_agent.py:solve", ["rewards.py:fn"]) == ["agents/my_agent.py", "rewards.py"]
     assert code_files("agent-cmd", []) == []
+
+
+def test_the_shipped_multihop_agent_shows_the_policy_what_the_env_form_shows(tmp_path):
+    """recipes/multihop_search_agent.yaml's agent, given as a module: its first call's prompt is, token for
+    token, the first turn's prompt of the multihop_search env for the same task; it stops after max_calls."""
+    kwargs = {"corpus_seed": 0, "corpus_size": 60, "hops": 1}
+    rollout = {"tasks": 2, "group_size": 1, "max_new_tokens": 6, "batch_size": 2, "temperature": 1.0}
+    model = {"max_length": 1024}  # the tiny byte-level tokenizer takes ~620 tokens for the system prompt and question
+    agent = write_recipe(
+        tmp_path / "agent.yaml",
+        env={"name": "agent:rlcli.builtin_envs.agents.multihop_search:solve", "kwargs": {**kwargs, "max_calls": 2}},
+        rollout=rollout,
+        model=model,
+    )
+    env = write_recipe(
+        tmp_path / "env.yaml",
+        env={"name": "multihop_search", "kwargs": kwargs, "max_turns": 2},
+        rollout=rollout,
+        model=model,
+    )
+    first_prompts = []
+    for recipe, runs in ((agent, "agent"), (env, "env")):
+        ctx = make_ctx(recipe, tmp_path / runs)
+        run_rollout_stage(ctx, stage="rollout", policy="base", split="train")
+        episodes, turns = _stored(ctx)
+        assert [e["status"] for e in episodes] == ["ok", "ok"], [e["error"] for e in episodes]
+        assert all(len(turns[e["id"]]) == 2 for e in episodes)  # the random model neither answers nor calls
+        first_prompts.append({e["task_index"]: turns[e["id"]][0]["prompt_ids"] for e in episodes})
+    assert first_prompts[0] == first_prompts[1]

@@ -20,7 +20,7 @@ import torch
 
 from rlcli.generation.endpoint import Endpoint
 from rlcli.generation.hf_sampler import HfSampler
-from rlcli.generation.sampler import SamplingConfig
+from rlcli.generation.sampler import Sample, SamplingConfig
 
 ADD_TOOL = {
     "type": "function",
@@ -212,6 +212,51 @@ def test_an_sdk_agent_loop_gets_structured_tool_calls(tool_model):
     assert [(d.function.name, json.loads(d.function.arguments)) for d in deltas] == [("add", {"a": 2, "b": 3})]
 
 
+class RepliesSampler:
+    """The Sampler seam replying with fixed texts, one per request in order, then the end-of-turn token:
+    what a model trained on Hermes calls writes (SmolLM2 untrained writes no call)."""
+
+    def __init__(self, tokenizer, replies: list[str]):
+        self.tokenizer, self.replies = tokenizer, list(replies)
+        self.config = SamplingConfig(max_new_tokens=64)
+
+    def start(self, seeds):
+        pass
+
+    def sample(self, rows, prompts, budgets, images=None):
+        ids = self.tokenizer(self.replies.pop(0), add_special_tokens=False)["input_ids"]
+        ids = [*ids, self.tokenizer.convert_tokens_to_ids("<|im_end|>")]
+        return [Sample(ids, [0.0] * len(ids), True) for _ in rows]
+
+
+def test_a_template_without_tool_calls_gets_them_as_blocks_and_the_calls_stay_one_sequence(smollm2_cache):
+    """SmolLM2's template writes only an assistant message's content: the calls the client sends back are
+    written as the <tool_call> blocks they were read from, so the model sees its own calls and the call
+    after a tool result extends the first, token for token."""
+    from transformers import AutoTokenizer
+
+    from rlcli.models.cache import pull_model
+
+    tokenizer = AutoTokenizer.from_pretrained(pull_model("smollm2-135m"))
+    sampler = RepliesSampler(tokenizer, [CALL, ANSWER])
+    endpoint = Endpoint(sampler, tokenizer, "smol", defaults=SamplingConfig(max_new_tokens=64))
+    assert endpoint.calls_in_content
+    with endpoint:
+        api = client(endpoint, "agent")
+        messages = list(QUESTION)
+        message = api.chat.completions.create(model="smol", messages=messages, tools=[ADD_TOOL]).choices[0].message
+        assert message.content is None and [c.function.name for c in message.tool_calls] == ["add"]
+        messages += [message.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": "x", "content": "5"}]
+        final = api.chat.completions.create(model="smol", messages=messages, tools=[ADD_TOOL]).choices[0].message
+    assert final.content == ANSWER
+    first, second = endpoint.calls("agent")
+    assert second.extends == first.id and second.follows == first.id and not second.retokenised
+    assert second.prompt_ids[: len(first.prompt_ids) + len(first.completion_ids)] == [
+        *first.prompt_ids,
+        *first.completion_ids,
+    ]
+
+
 def test_tool_choice_none_returns_the_call_as_text(tool_model):
     model, tokenizer = tool_model
     with serve(model, tokenizer, temperature=0.0, max_new_tokens=40) as endpoint:
@@ -219,6 +264,18 @@ def test_tool_choice_none_returns_the_call_as_text(tool_model):
             model="tiny", messages=QUESTION, tools=[ADD_TOOL], tool_choice="none"
         )
     assert reply.choices[0].message.tool_calls is None and reply.choices[0].message.content == CALL
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "add"}}])
+def test_tool_choice_required_is_served_as_auto(tool_model, choice):
+    """Frameworks send tool_choice required (smolagents' ToolCallingAgent does): the reply is sampled freely, as
+    for auto, and its call comes back structured."""
+    model, tokenizer = tool_model
+    with serve(model, tokenizer, temperature=0.0, max_new_tokens=40) as endpoint:
+        reply = client(endpoint).chat.completions.create(
+            model="tiny", messages=QUESTION, tools=[ADD_TOOL], tool_choice=choice
+        )
+    assert [c.function.name for c in reply.choices[0].message.tool_calls] == ["add"]
 
 
 def test_concurrent_clients_are_served_by_one_sampling_call(tiny):
@@ -251,7 +308,7 @@ def test_concurrent_clients_are_served_by_one_sampling_call(tiny):
     ("extra", "says"),
     [
         ({"n": 2}, "n must be 1"),
-        ({"tool_choice": "required", "tools": [ADD_TOOL]}, "tool_choice must be auto or none"),
+        ({"tool_choice": "any", "tools": [ADD_TOOL]}, "tool_choice must be auto, none, required or a function"),
         ({"temperature": -1}, "temperature must be a number of at least 0"),
         ({"max_tokens": 0}, "max_tokens must be a positive integer"),
         ({"presence_penalty": 0.5}, "presence_penalty is not supported"),

@@ -77,3 +77,31 @@ def test_model_options_need_the_model_policy_and_a_known_run(tmp_path, monkeypat
     monkeypatch.setenv("RLCLI_HOME", str(tmp_path))
     out = play("--model", "tiny-random", "-c", "latest")
     assert isinstance(out.exception, UsageError) and "no run database" in str(out.exception)
+
+
+AGENT = """
+from openai import OpenAI
+
+
+def solve(client, task):
+    api = OpenAI(base_url=client["base_url"], api_key=client["api_key"], max_retries=0)
+    messages = [{"role": "user", "content": f"Say {task['word']}."}]
+    for _ in range(2):  # the second call sends the first reply back and goes on
+        reply = api.chat.completions.create(model=client["model"], messages=messages)
+        messages += [{"role": "assistant", "content": reply.choices[0].message.content}, {"role": "user", "content": "Again."}]
+    return {"reward": 0.5, "success": False}
+"""
+
+
+def test_an_agent_program_is_played_by_the_model_behind_the_endpoint(tmp_path):
+    (tmp_path / "agent.py").write_text(AGENT)
+    args = ["try", f"agent:{tmp_path / 'agent.py'}:solve", "--model", "tiny-random", "-k", "word=hello", "--seed", "2"]
+    out = CliRunner().invoke(app, [*args, "--policy", "model"])
+    assert out.exit_code == 0, out.output
+    text = " ".join(out.output.split())
+    assert "Say hello." in text and "not solved in 2 turns, return 0.5" in text
+    assert re.search(r"call 1: \d+ prompt tokens, \d+ sampled \((stop|length)\); first call", text)
+    assert re.search(r"call 2: \d+ prompt tokens, \d+ sampled \((stop|length)\); (extends call 1|a new segment)", text)
+    # Played by a model only: the agent asks the endpoint, not the user or a script.
+    refused = CliRunner().invoke(app, ["try", f"agent:{tmp_path / 'agent.py'}:solve"])
+    assert isinstance(refused.exception, UsageError) and "use --policy model" in str(refused.exception)

@@ -14,11 +14,13 @@ from rich.panel import Panel
 
 from rlcli.cli.common import JsonOpt, RecipeOpt, RunOpt, console, open_existing
 from rlcli.console import err_console
+from rlcli.envs.agents import is_agent
 from rlcli.errors import RlcliError, UsageError
 from rlcli.report.text import literal
 
 if TYPE_CHECKING:
     from rlcli.engine.audit import AuditReport
+    from rlcli.engine.episode_runner import LiveEpisode
     from rlcli.recipe import Recipe
 
 app = typer.Typer(help="Environments: list them, try one in the terminal.", no_args_is_help=True)
@@ -59,7 +61,13 @@ def list_envs(as_json: JsonOpt = False) -> None:
 @app.command("try")
 def try_env(
     cli_ctx: typer.Context,
-    name: Annotated[str, typer.Argument(help="Built-in name, envs/x.py, module:factory, or adapter URI.")],
+    name: Annotated[
+        str,
+        typer.Argument(
+            help="Built-in name, envs/x.py, module:factory, adapter URI, or an agent program (agent:file.py:function, "
+            "or agent-cmd with the recipe's env.command; --policy model)."
+        ),
+    ],
     policy: Annotated[
         str,
         typer.Option(
@@ -98,6 +106,8 @@ def try_env(
         raise UsageError(f"--policy must be expert, random, human or model, got {policy!r}.")
     if policy != "model" and (recipe or model or checkpoint or run):
         raise UsageError("--recipe, --model, --checkpoint and --run choose the model of --policy model.")
+    if is_agent(name) and policy != "model":
+        raise UsageError(f"{name} is an agent program, played by a model behind rlcli's endpoint: use --policy model.")
     env_kwargs = _env_kwargs(kwargs)
     if policy == "model":
         _play_model(cli_ctx, name, env_kwargs, seed, max_turns, recipe, model, checkpoint, run)
@@ -181,13 +191,18 @@ def _play_model(
     tried = play_with_model(recipe, name, env_kwargs, seed, max_turns, folder)
     console.print(tried.sampled_with, highlight=False)
     episode = tried.episode
-    first_reply = next((i for i, m in enumerate(episode.messages) if m["role"] == "assistant"), None)
-    _show(episode.messages[:first_reply])
-    for turn in episode.turns:
-        console.print(
-            Panel(literal(turn.text), title=f"agent (turn {turn.turn_index + 1})", border_style="cyan", expand=False)
-        )
-        _show(json.loads(turn.observation), turn.reward)
+    if is_agent(name):
+        _show_calls(episode)
+    else:
+        first_reply = next((i for i, m in enumerate(episode.messages) if m["role"] == "assistant"), None)
+        _show(episode.messages[:first_reply])
+        for turn in episode.turns:
+            console.print(
+                Panel(
+                    literal(turn.text), title=f"agent (turn {turn.turn_index + 1})", border_style="cyan", expand=False
+                )
+            )
+            _show(json.loads(turn.observation), turn.reward)
     if episode.error:
         raise RlcliError(f"The episode failed: {episode.error}")
     success = episode.success if episode.success is not None else episode.env_return > 0
@@ -195,6 +210,27 @@ def _play_model(
         f"[bold]{'solved' if success else 'not solved'}[/bold] in {len(episode.turns)} turns, "
         f"return {episode.env_return:g} (ended: {episode.end_reason.value if episode.end_reason else 'unknown'})"
     )
+
+
+def _show_calls(episode: LiveEpisode) -> None:
+    """An agent program's episode: its transcript (the last call's messages and reply), then a line per
+    call to the endpoint: its tokens, and whether it went on from the call before (one training sequence)."""
+    _show(episode.messages)
+    ids = {}
+    for turn in episode.turns:
+        call = json.loads(turn.info)
+        ids[call["call"]] = turn.turn_index + 1
+        if call["extends"] is not None:
+            how = f"extends call {ids.get(call['extends'], '?')}"
+        elif turn.turn_index == 0:
+            how = "first call"
+        else:
+            how = "a new segment" + (" (the messages re-tokenise otherwise)" if call["retokenised"] else "")
+        console.print(
+            f"call {turn.turn_index + 1}: {len(turn.prompt_ids)} prompt tokens, {len(turn.completion_ids)} sampled "
+            f"({call['finish_reason']}); {how}",
+            highlight=False,
+        )
 
 
 def model_checkpoint(

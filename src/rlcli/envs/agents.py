@@ -1,4 +1,5 @@
-"""Agent programs as environments: `env.name: agent:path/file.py:function` (a Python callable) or
+"""Agent programs as environments: `env.name: agent:path/file.py:function` or `agent:package.module:function`
+(a Python callable) or
 `env.name: agent-cmd` with `env.command: [program, args...]` (any program).
 
 Either runs once per episode in a process of its own, in a new session (so that the whole process
@@ -13,6 +14,7 @@ base URL (engine/agent_runner.py).
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import shutil
@@ -56,16 +58,24 @@ def agent_program(env_name: str, command: list[str] | None, root: Path) -> Agent
     if command:
         raise UsageError(f"env.command is set, but env.name is {env_name!r}; expected env.name agent-cmd to run it.")
     target, _, name = env_name[len(AGENT_PREFIX) :].rpartition(":")
-    if not target.endswith(".py") or not name:
-        raise UsageError(f"env.name {env_name!r}: expected agent:path/file.py:function.")
-    path = Path(target)
-    path = path if path.is_absolute() else root / path
-    if not path.is_file():
-        raise UsageError(f"env.name {env_name!r}: no file {path}.")
-    fn = getattr(import_file(path), name, None)
-    if not callable(fn):
-        raise UsageError(f"env.name {env_name!r}: {path} defines no function {name!r}.")
-    return AgentProgram(env_name, [sys.executable, "-m", "rlcli.envs.agent_child", str(path), name], callable=True)
+    if not target or not name:
+        raise UsageError(
+            f"env.name {env_name!r}: expected agent:path/file.py:function or agent:package.module:function."
+        )
+    if target.endswith(".py"):
+        path = Path(target)
+        path = path if path.is_absolute() else root / path
+        if not path.is_file():
+            raise UsageError(f"env.name {env_name!r}: no file {path}.")
+        module, where = import_file(path), str(path)
+    else:  # an importable module: an installed package's, or the recipe's shipped agents (rlcli.builtin_envs)
+        try:
+            module, where = importlib.import_module(target), target
+        except ImportError as exc:
+            raise UsageError(f"env.name {env_name!r}: module {target!r} cannot be imported ({exc}).") from None
+    if not callable(getattr(module, name, None)):
+        raise UsageError(f"env.name {env_name!r}: {where} defines no function {name!r}.")
+    return AgentProgram(env_name, [sys.executable, "-m", "rlcli.envs.agent_child", where, name], callable=True)
 
 
 @dataclass

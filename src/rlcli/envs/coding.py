@@ -41,6 +41,7 @@ from rlcli.envs import coding_runner
 from rlcli.envs.protocol import task_seed
 from rlcli.envs.sandbox import Limits, run_sandboxed
 from rlcli.envs.subprocesses import hide_environment
+from rlcli.envs.tool_calls import hermes_tool_call
 
 # A test run's limits: python_exec's (10 s: the generated projects' tests take milliseconds, so only a
 # loop the model wrote, or a very busy machine, reaches it), but for the output kept, which holds the
@@ -147,11 +148,6 @@ def run_tests(files: Mapping[str, str], bwrap: bool) -> TestRun:
     return run
 
 
-def hermes_tool_call(name: str, **arguments: str) -> str:
-    """A tool call as Hermes-style chat templates (Qwen's among them) write it: how the expert calls."""
-    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
-
-
 @dataclass
 class _Episode:
     task: CodingTask
@@ -173,9 +169,9 @@ class RepairTests:
         task = self.task_for(seed)
         first = run_tests(task.files, self.bwrap)
         edited = list(dict.fromkeys(edit.path for edit in task.fix))
-        plan = [hermes_tool_call("read_file", path=path) for path in edited]
-        plan += [hermes_tool_call("str_replace", path=e.path, old=e.old, new=e.new) for e in task.fix]
-        plan += [hermes_tool_call("run_tests"), FINISH]
+        plan = [hermes_tool_call("read_file", {"path": path}) for path in edited]
+        plan += [hermes_tool_call("str_replace", {"path": e.path, "old": e.old, "new": e.new}) for e in task.fix]
+        plan += [hermes_tool_call("run_tests", {}), FINISH]
         self.episode = _Episode(task, dict(task.files), max(first.total, 1), plan)
         prompt = f"{task.instruction}\n\nFiles: {', '.join(sorted(task.files))}\n\nThe tests:\n{first.output}"
         return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt}], {"task": task.as_dict()}

@@ -43,6 +43,13 @@ class ToolCallParse:
         return bool(self.calls or self.malformed)
 
 
+def hermes_tool_call(name: str, arguments: Any) -> str:
+    """A tool call as Hermes-style chat templates (Qwen's among them) write it, and as parse_tool_calls reads
+    it whatever the policy: how experts call, and how the endpoint writes a call for a template that has no
+    place for tool calls."""
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+
+
 def parse_tool_calls(text: str, response_template: str | None = None, tools: list[dict] | None = None) -> ToolCallParse:
     """The calls in a reply: as the model's response template reads them where its tokenizer declares
     one (a JSON string; see _template_calls), else its `<tool_call>` blocks, else its bare JSON calls."""

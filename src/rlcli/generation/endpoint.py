@@ -41,7 +41,7 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any, cast
 
-from rlcli.envs.tool_calls import TAGGED, parse_tool_calls
+from rlcli.envs.tool_calls import TAGGED, hermes_tool_call, parse_tool_calls
 from rlcli.generation.sampler import Sample, Sampler, SamplingConfig
 from rlcli.generation.seeds import derive_seed
 
@@ -135,6 +135,7 @@ class Endpoint:
         self.defaults, self.max_length, self.seed = defaults, max_length, seed
         # The tokenizer's own description of its tool-call format, where it has one (envs/tool_use.py).
         self.response_template: str | None = getattr(tokenizer, "response_template", None)
+        self.calls_in_content = not _template_writes_tool_calls(tokenizer)
         self.batches = 0  # sampling calls made
         self.requests = 0  # requests sampled
         self.records: deque[CallRecord] = deque(maxlen=keep_calls)
@@ -233,7 +234,7 @@ class Endpoint:
         with self._tokenizer_lock:
             try:
                 rendered = self.tokenizer.apply_chat_template(
-                    [_template_message(m) for m in messages],
+                    [_template_message(m, self.calls_in_content) for m in messages],
                     # transformers types tools as an (invariant) list of dicts or callables: a list of dicts is one.
                     tools=tools,  # type: ignore[arg-type]
                     add_generation_prompt=True,
@@ -275,7 +276,7 @@ class Endpoint:
             config=config,
             budget=budget,
             seed=seed if seed is not None else derive_seed(self.seed, "endpoint", session, number),
-            tools=tools if tool_choice == "auto" else None,
+            tools=None if tool_choice == "none" else tools,
         )
 
     def _sampling(self, body: dict[str, Any]) -> SamplingConfig:
@@ -433,10 +434,14 @@ def _check_request(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dic
     tools = body.get("tools") or None
     if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
         raise RequestError("tools must be a list of tool objects.", "tools")
-    if body.get("tool_choice", "auto") not in ("auto", "none"):
-        raise RequestError(
-            "tool_choice must be auto or none: the endpoint samples freely and cannot force a call.", "tool_choice"
-        )
+    # required and a named function are served as auto: forcing a call would take the sampled tokens off
+    # the policy's distribution, so their logprobs would no longer be what training needs. A reply without
+    # a call comes back as text, and the agent's reward teaches the policy to call.
+    choice = body.get("tool_choice", "auto")
+    if choice not in ("auto", "none", "required") and not (
+        isinstance(choice, dict) and choice.get("type") == "function"
+    ):
+        raise RequestError("tool_choice must be auto, none, required or a function object.", "tool_choice")
     if body.get("n", 1) != 1:
         raise RequestError("n must be 1: the endpoint samples one choice per request.", "n")
     if body.get("top_logprobs"):
@@ -449,10 +454,29 @@ def _check_request(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dic
     return messages, tools
 
 
-def _template_message(message: dict[str, Any]) -> dict[str, Any]:
+def _template_writes_tool_calls(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether the chat template writes an assistant message's tool calls (SmolLM2's, for one, writes only
+    the content, so a model behind it would never see the calls it made)."""
+    probe = [
+        {"role": "user", "content": "?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"id": "c0", "type": "function", "function": {"name": "rlcli_probe", "arguments": {}}}],
+        },
+    ]
+    try:
+        return "rlcli_probe" in cast(str, tokenizer.apply_chat_template(probe, tokenize=False))
+    except Exception:  # a template that refuses tool calls outright has no place for them either
+        return False
+
+
+def _template_message(message: dict[str, Any], calls_in_content: bool = False) -> dict[str, Any]:
     """An OpenAI message as chat templates read it: OpenAI's `developer` role as `system` (templates know
     only the latter), content parts joined into text, and each tool call's arguments (a JSON string in
-    OpenAI's format) as the object most templates write with tojson."""
+    OpenAI's format) as the object most templates write with tojson. calls_in_content: for a template
+    that does not write tool calls, they are written after the content as `<tool_call>` blocks, the form
+    the endpoint read them in, so the text is what the model sampled when it wrote them that way."""
     out = dict(message)
     if out.get("role") == "developer":
         out["role"] = "system"
@@ -468,7 +492,11 @@ def _template_message(message: dict[str, Any]) -> dict[str, Any]:
             with contextlib.suppress(ValueError):
                 function["arguments"] = json.loads(function["arguments"])
         calls.append({**call, "function": function})
-    if calls:
+    if calls and calls_in_content:
+        blocks = [hermes_tool_call(c["function"].get("name"), c["function"].get("arguments")) for c in calls]
+        out["content"] = "\n".join([out["content"], *blocks] if out["content"] else blocks)
+        del out["tool_calls"]
+    elif calls:
         out["tool_calls"] = calls
     return out
 
