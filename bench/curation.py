@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from learning import ROOT, _json_list, check, rlcli  # noqa: E402
+from learning import ROOT, check, json_list, rlcli  # noqa: E402
 from rlcli.engine.evaluate import wilson_interval  # noqa: E402
 
 TASKS = {
@@ -169,7 +169,7 @@ def run_cell(task: str, setting: str, seed: int, out: Path, budget: float, extra
     for label, share in (("early", EARLY), ("full", 1.0)):
         within = [c for cpu, c in made if cpu <= share * budget] or [made[0][1]]
         args = ["eval", "-r", str(recipe), *overrides, "-c", str(within[-1].id), "--json"]
-        (result,) = _json_list(check(rlcli(runs_dir, *args), f"rlcli eval ({task}, {setting}, seed {seed})"))
+        (result,) = json_list(check(rlcli(runs_dir, *args), f"rlcli eval ({task}, {setting}, seed {seed})"))
         successes[label] = (round(result["success_rate"] * result["tasks"]), result["tasks"])
     cell = Cell(successes, len(made), int(groups), int(zero_var), int(played))
     done.write_text(json.dumps(cell.__dict__))

@@ -111,9 +111,9 @@ def run_row(name: str, out: Path, overrides: list[str], console: Console) -> Row
     runs_dir = out / name
     runs_dir.mkdir(parents=True, exist_ok=True)
     console.print(f"[bold]{name}[/]: rlcli run -r {recipe.relative_to(ROOT)} {' '.join(overrides)}")
-    t0, cpu0 = time.perf_counter(), _children_cpu_s()
+    t0, cpu0 = time.perf_counter(), children_cpu_s()
     check(rlcli(runs_dir, "run", "-r", str(recipe), *overrides), f"rlcli run ({name})")
-    seconds, cpu_seconds = time.perf_counter() - t0, _children_cpu_s() - cpu0
+    seconds, cpu_seconds = time.perf_counter() - t0, children_cpu_s() - cpu0
     timing = runs_dir / "bench-seconds.json"
     if timing.exists():  # the run was done before: this call only re-read it
         seconds, cpu_seconds = (json.loads(timing.read_text())[k] for k in ("seconds", "cpu_seconds"))
@@ -140,7 +140,7 @@ def run_row(name: str, out: Path, overrides: list[str], console: Console) -> Row
     for label, which in wanted.items():  # one call each: eval reports a checkpoint asked for twice once
         args = ["eval", "-r", str(recipe), *overrides, "-c", which, "--json"]
         # Two-player games with eval.opponents: one result per opponent, the first (random) is the row's.
-        result = _json_list(check(rlcli(runs_dir, *args), f"rlcli eval -c {which} ({name})"))[0]
+        result = json_list(check(rlcli(runs_dir, *args), f"rlcli eval -c {which} ({name})"))[0]
         points[label] = Point(
             checkpoint=label,
             checkpoint_id=result.get("checkpoint_id"),
@@ -152,7 +152,7 @@ def run_row(name: str, out: Path, overrides: list[str], console: Console) -> Row
     return Row(name, seconds, cpu_seconds, points, "best" if resolved.grpo.keep_best else "final")
 
 
-def _json_list(stdout: str) -> list:
+def json_list(stdout: str) -> list:
     """The JSON list `--json` prints, even when a library wrote log lines to stdout before it."""
     start = next((i for i, line in enumerate(stdout.splitlines()) if line.startswith("[")), None)
     if start is None:
@@ -160,7 +160,7 @@ def _json_list(stdout: str) -> list:
     return json.loads("\n".join(stdout.splitlines()[start:]))
 
 
-def _children_cpu_s() -> float:
+def children_cpu_s() -> float:
     """CPU seconds (user + system) of this process's finished children: unlike wall-clock, it does
     not grow when other work shares the machine."""
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)

@@ -89,6 +89,22 @@ def leaves_a_process(client, task):
     return 1.0
 
 
+def keeps_calling(client, task):
+    """Five calls, past env.max_turns; task 1 catches the refusal and returns a reward anyway."""
+    import openai
+
+    api = OpenAI(base_url=client["base_url"], api_key=client["api_key"], max_retries=0)
+    for n in range(5):
+        try:
+            api.chat.completions.create(model=client["model"], messages=[{"role": "user", "content": f"Call {n}."}])
+        except openai.BadRequestError as exc:
+            if task["seed"] == 1:
+                assert "env.max_turns allows 2" in str(exc)
+                return 0.75
+            raise
+    return 1.0
+
+
 def misbehaves(client, task):
     """Task 0 plays; 1 crashes, 2 hangs, 3 never calls the endpoint."""
     if task["seed"] == 1:
@@ -398,3 +414,16 @@ def test_the_shipped_multihop_agent_shows_the_policy_what_the_env_form_shows(tmp
         assert all(len(turns[e["id"]]) == 2 for e in episodes)  # the random model neither answers nor calls
         first_prompts.append({e["task_index"]: turns[e["id"]][0]["prompt_ids"] for e in episodes})
     assert first_prompts[0] == first_prompts[1]
+
+
+def test_an_agents_calls_past_max_turns_are_refused_and_the_episode_ends_there(tmp_path):
+    path, _ = _agents(tmp_path)
+    ctx = make_ctx(
+        _recipe(tmp_path, {"name": f"agent:{path}:keeps_calling", "max_turns": 2}, group_size=1, batch_size=2),
+        tmp_path / "runs",
+    )
+    run_rollout_stage(ctx, stage="rollout", policy="base", split="train")
+    episodes, turns = _stored(ctx)
+    assert [(e["status"], e["end_reason"], len(turns[e["id"]])) for e in episodes] == [("ok", "max_turns", 2)] * 2
+    # Task 0's agent failed on the refusal: it trains as a failure; task 1's returned a reward anyway.
+    assert {e["task_index"]: e["env_return"] for e in episodes} == {0: 0.0, 1: 0.75}

@@ -324,7 +324,8 @@ def test_recipes_validate_shipped_recipes(capsys):
     # --schema: the GPU recipes name hub models, which this offline machine cannot run.
     code, _, err = cli(capsys, "recipes", "validate", "--schema", *recipes)
     assert code == 0, err
-    cpu = [r for r in recipes if "gpu" not in r.stem and r.stem != "gui_click_vlm"]
+    # multihop_search_agent starts from a model that another recipe's run exports (its header says how).
+    cpu = [r for r in recipes if "gpu" not in r.stem and r.stem not in ("gui_click_vlm", "multihop_search_agent")]
     code, _, err = cli(capsys, "recipes", "validate", *cpu)
     assert code == 0, err
 

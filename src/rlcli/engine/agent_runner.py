@@ -15,8 +15,10 @@ trainer then trains it as one sequence. Otherwise (a sub-agent, a rewritten hist
 writes a reply back otherwise) grpo/batch.py trains each call as a sequence of its own; every sequence
 of an episode gets the episode's advantage, computed from its reward within its group.
 
-The episode's time limit is env.step_timeout_s, for the whole program; past it the process group is
-killed and the episode stored as env_timeout (played again env.timeout_retries times first). An agent
+An episode makes at most env.max_turns calls: the endpoint refuses those past it (a 400 saying so), and
+the episode ends there as an env's does at max_turns, with the reward the agent returns anyway, or 0 if
+the refusal made it fail. The episode's time limit is env.step_timeout_s, for the whole program; past it
+the process group is killed and the episode stored as env_timeout (played again env.timeout_retries times first). An agent
 that crashes, returns something other than a reward, or never calls the endpoint fails its episode
 alone. The process group is killed when the episode ends, so no call of the agent's can arrive after.
 """
@@ -54,12 +56,13 @@ class AgentRunner:
         time_limit_s: float,
         max_length: int,
         run_seed: int,
+        max_calls: int,
         timeout_retries: int = 0,
     ) -> None:
         self.program, self.sampler, self.tokenizer = program, sampler, tokenizer
         self.model_name, self.task_kwargs = model_name, task_kwargs
         self.time_limit_s, self.max_length, self.run_seed = time_limit_s, max_length, run_seed
-        self.timeout_retries = timeout_retries
+        self.max_calls, self.timeout_retries = max_calls, timeout_retries
 
     def run(self, specs: list[EpisodeSpec], on_turns: Callable[[int], None] | None = None) -> list[LiveEpisode]:
         episodes = [LiveEpisode(spec) for spec in specs]
@@ -89,8 +92,9 @@ class AgentRunner:
                     thread.join()
                 # Taken once every agent's processes are gone, so no call can come after its episode ended.
                 for i, episode in enumerate(episodes):
-                    calls = endpoint.calls(self._session(episode))
-                    self._settle(episode, outcomes[i], calls, endpoint.url(self._session(episode)))
+                    session = self._session(episode)
+                    calls, capped = endpoint.calls(session), endpoint.refused.get(session, 0) > 0
+                    self._settle(episode, outcomes[i], calls, endpoint.url(session), capped)
                     if on_turns is not None:
                         on_turns(sum(len(c.completion_ids) for c in calls))
         finally:
@@ -102,15 +106,24 @@ class AgentRunner:
 
     def _run_agent(self, endpoint: Endpoint, episode: LiveEpisode, outcomes: dict[int, AgentOutcome], i: int) -> None:
         episode.task = {**self.task_kwargs, "seed": episode.spec.env_seed}
+        endpoint.limit_calls(self._session(episode), self.max_calls)
         url = endpoint.url(self._session(episode))
         try:
             outcomes[i] = run_agent(self.program, url, self.model_name, episode.task, self.time_limit_s)
         except OSError as exc:  # the program could not be started
             outcomes[i] = AgentOutcome(error=f"the agent could not be started: {exc}")
 
-    def _settle(self, episode: LiveEpisode, outcome: AgentOutcome, calls: list[CallRecord], url: str) -> None:
+    def _settle(
+        self, episode: LiveEpisode, outcome: AgentOutcome, calls: list[CallRecord], url: str, capped: bool
+    ) -> None:
         self._record(episode, calls)
-        if outcome.error is not None:
+        if capped:
+            # The agent called past env.max_turns: the episode is cut there, as an env's is, and trains with
+            # the reward the agent returned anyway (0 when the refusal ended it with an error).
+            episode.env_return = (outcome.reward or 0.0) if outcome.error is None else 0.0
+            episode.success = outcome.success if outcome.error is None else False
+            episode.finish(EndReason.MAX_TURNS)
+        elif outcome.error is not None:
             episode.finish(EndReason.ENV_TIMEOUT if outcome.timed_out else EndReason.ERROR, outcome.error)
             episode.transient = outcome.timed_out
         elif not calls:

@@ -128,7 +128,9 @@ def collect(
     seat = None if opponent is None else "caller" if opponent.by_model else opponent.name
     kwargs = recipe.env.factory_kwargs(seat)
     tools = tool_use_spec(recipe.env, Path.cwd(), tokenizer)
-    agent = agent_runner(ctx, sampler, tokenizer, stage) if is_agent(recipe.env.name) else None
+    # A GRPO iteration's rollouts follow env.max_turns's schedule; any other stage gets the final horizon.
+    horizon = recipe.env.horizon(iteration if split == "train" else None)
+    agent = agent_runner(ctx, sampler, tokenizer, stage, horizon) if is_agent(recipe.env.name) else None
     env_factory = load_env(recipe.env.name, kwargs, tools=tools) if agent is None else None
     # With a model opponent a spec is a game (sample index g), whose seats' episodes are stored together.
     specs = episode_specs(recipe.run.seed, stage, task_indices, group_size, split, recipe.env.eval_seed_start)
@@ -142,8 +144,6 @@ def collect(
         if missing:
             todo.append(missing)
     keep_images = None if recipe.env.keep_images == "all" else recipe.env.keep_images
-    # A GRPO iteration's rollouts follow env.max_turns's schedule; any other stage gets the final horizon.
-    horizon = recipe.env.horizon(iteration if split == "train" else None)
     limits = RolloutLimits(
         horizon, recipe.model.max_length, recipe.env.step_timeout_s, keep_images, recipe.env.timeout_retries
     )
@@ -176,9 +176,10 @@ def collect(
 
 
 def agent_runner(
-    ctx: RunContext, sampler: Sampler | None, tokenizer: PreTrainedTokenizerBase | None, stage: str
+    ctx: RunContext, sampler: Sampler | None, tokenizer: PreTrainedTokenizerBase | None, stage: str, max_calls: int
 ) -> AgentRunner:
-    """The runner of env.name agent:... / agent-cmd: the policy behind an endpoint, the program per episode."""
+    """The runner of env.name agent:... / agent-cmd: the policy behind an endpoint, the program per episode,
+    each episode's calls capped at max_calls (env.max_turns)."""
     from rlcli.engine.agent_runner import AgentRunner
     from rlcli.envs.agents import agent_program
 
@@ -194,6 +195,7 @@ def agent_runner(
         time_limit_s=env.step_timeout_s,
         max_length=ctx.recipe.model.max_length,
         run_seed=ctx.recipe.run.seed,
+        max_calls=max_calls,
         timeout_retries=env.timeout_retries,
     )
 

@@ -50,7 +50,7 @@ def play_with_model(
     keep_images = None if recipe.env.keep_images == "all" else recipe.env.keep_images
     limits = RolloutLimits(max_turns, recipe.model.max_length, recipe.env.step_timeout_s, keep_images)
     spec = EpisodeSpec(0, 0, env_seed=seed, sample_seed=derive_seed(recipe.run.seed, "envs try", seed))
-    if program is not None:  # the agent decides how many calls it makes: max_turns does not apply
+    if program is not None:  # max_turns caps the agent's calls to the endpoint
         agent = AgentRunner(
             program,
             sampler,
@@ -60,6 +60,7 @@ def play_with_model(
             time_limit_s=recipe.env.step_timeout_s,
             max_length=recipe.model.max_length,
             run_seed=recipe.run.seed,
+            max_calls=max_turns,
         )
         [episode] = agent.run([spec])
         return TriedEpisode(episode, sampled_with)

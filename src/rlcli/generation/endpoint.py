@@ -147,6 +147,9 @@ class Endpoint:
         # Requests received per session, for the seeds of those that set none: a session's n-th call
         # gets the same seed however other sessions' calls interleave with it.
         self._session_calls: dict[str, int] = {}
+        # Sessions whose calls are capped (an agent episode's env.max_turns), and the calls refused past it.
+        self._call_limits: dict[str, int] = {}
+        self.refused: dict[str, int] = {}
         self._cond = threading.Condition()
         # Rust tokenizers refuse concurrent use of one instance ("Already borrowed"): handlers render
         # prompts while the batcher decodes replies.
@@ -225,9 +228,19 @@ class Endpoint:
         pending.done.wait()
         return pending
 
+    def limit_calls(self, session: str, calls: int) -> None:
+        """Refuse the session's calls after the first `calls` (each refusal counted in `refused`)."""
+        with self._cond:
+            self._call_limits[session] = calls
+
     def _prepare(self, body: dict[str, Any], session: str) -> _Pending:
         """What to sample for a request: its prompt ids (extending an earlier call's where its text does),
         settings and seed. Raises RequestError for a request the endpoint refuses."""
+        with self._cond:
+            limit = self._call_limits.get(session)
+            if limit is not None and self._session_calls.get(session, 0) >= limit:
+                self.refused[session] = self.refused.get(session, 0) + 1
+                raise RequestError(f"this episode's calls are spent: env.max_turns allows {limit}.")
         messages, tools = _check_request(body)
         tool_choice = body.get("tool_choice", "auto")
         config = self._sampling(body)
