@@ -196,7 +196,7 @@ def test_an_openai_agents_turns_are_what_the_endpoint_returned(tmp_path):
     )
 
 
-def test_calls_that_extend_each_other_are_one_sequence_and_a_rewritten_history_is_segments(tmp_path):
+def test_calls_that_extend_each_other_are_one_sequence_and_a_rewritten_history_is_segments(tmp_path, capsys):
     path, out = _agents(tmp_path)
     ctx = make_ctx(
         _recipe(tmp_path, {"name": f"agent:{path}:two_calls", "kwargs": {"out": str(out)}}), tmp_path / "runs"
@@ -236,6 +236,11 @@ def test_calls_that_extend_each_other_are_one_sequence_and_a_rewritten_history_i
 
     ctx = make_ctx(_recipe(tmp_path, {"name": f"agent:{path}:rewrites_history"}), tmp_path / "runs2")
     run_rollout_stage(ctx, stage="rollout", policy="base", split="train")
+    # `runs episodes` says how many calls an episode made and how they train.
+    code, out, err = cli(capsys, "--runs-dir", tmp_path / "runs2", "runs", "episodes", ctx.run, "-n", "1")
+    text = " ".join(out.split())
+    assert code == 0 and "endpoint calls 2 (prompt+sampled tokens: " in text, err
+    assert "2 training sequences, one a call · call 2 starts anew" in text
     episodes, turns = _stored(ctx)
     for e in episodes:
         assert e["status"] == "ok" and e["template_consistent"] == 0 and e["env_return"] == 0.5

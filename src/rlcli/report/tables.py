@@ -425,6 +425,25 @@ def print_episodes(console: Console, episodes: list[dict[str, Any]]) -> None:
         console.print(episode_panel(ep))
 
 
+def calls_line(calls: list[dict[str, Any]], one_sequence: bool) -> str:
+    """An agent program's calls to the endpoint, and how they train: one sequence when each extends the one
+    before, else one sequence a call (grpo/batch.py); a call that starts anew says whether it re-tokenises."""
+    number = {call["call"]: n for n, call in enumerate(calls, 1)}
+    notes = []
+    for n, call in enumerate(calls[1:], 2):
+        if call["extends"] is None:
+            notes.append(
+                f"call {n} starts anew" + (" (its messages re-tokenise otherwise)" if call["retokenised"] else "")
+            )
+        elif call["extends"] != calls[n - 2]["call"]:
+            notes.append(f"call {n} extends call {number.get(call['extends'], '?')}")
+    trained = "one training sequence" if one_sequence else f"{len(calls)} training sequences, one a call"
+    tokens = ", ".join(f"{c['prompt']}+{c['sampled']}" for c in calls)
+    return f"endpoint calls {len(calls)} (prompt+sampled tokens: {tokens}) · {trained}" + "".join(
+        f" · {x}" for x in notes
+    )
+
+
 def episode_panel(ep: dict[str, Any]) -> Panel:
     title = f"episode {ep['id']} · {printable(ep['stage'])} · task {ep['task_index']} sample {ep['sample_index']}"
     if ep["reward"] is not None:
@@ -434,6 +453,8 @@ def episode_panel(ep: dict[str, Any]) -> Panel:
         f"return {fmt(ep['env_return'])} · turns {ep['num_turns']} · tokens {ep['num_tokens']} · policy {ep['policy']}"
     )
     parts: list[Any] = [facts]
+    if ep.get("calls"):
+        parts.append(literal(calls_line(ep["calls"], ep["template_consistent"])))
     if ep.get("parent_episode_id") is not None:  # grpo.branch: the turns before branch_turn replay the parent's
         parts.append(literal(f"branch of episode {ep['parent_episode_id']} from its turn {ep['branch_turn']}"))
     if ep["error"]:

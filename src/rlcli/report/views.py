@@ -13,7 +13,7 @@ from typing import Any
 from rlcli.report.ratings import elo_ratings
 from rlcli.store.checkpoints import BestAndLatest, best_and_latest, checkpoint_run, checkpoints, ranked_checkpoints
 from rlcli.store.db import RunDB
-from rlcli.store.episodes import episode_counts, eval_games, labelled_episodes
+from rlcli.store.episodes import endpoint_calls, episode_counts, eval_games, labelled_episodes
 from rlcli.store.evals import eval_results
 from rlcli.store.events import list_events
 from rlcli.store.images import image_sizes, load_images
@@ -370,8 +370,10 @@ def select_episodes(store: RunStore, **filters: Any) -> list[dict[str, Any]]:
     """
     episodes = [episode_view(e) for e in labelled_episodes(store, **filters)]
     sizes = image_sizes(store.rundb, [h for ep in episodes for h in image_hashes(ep["messages"])])
+    calls = endpoint_calls(store.rundb, [ep["id"] for ep in episodes])
     for ep in episodes:
         ep["messages"] = [_with_sizes(m, sizes) for m in ep["messages"]]
+        ep["calls"] = calls.get(ep["id"])  # an agent program's calls to the endpoint; None for an env's
     return episodes
 
 

@@ -351,6 +351,24 @@ def labelled_episodes(
     return out
 
 
+def endpoint_calls(rundb: RunDB, episode_ids: list[int]) -> dict[int, list[dict[str, Any]]]:
+    """An agent program's episodes' calls to the endpoint, in order: each turn's info (call, extends,
+    follows, retokenised, finish_reason; engine/agent_runner.py) with its token counts. Episodes of envs
+    have none and are left out."""
+    calls: dict[int, list[dict[str, Any]]] = {}
+    marks = ", ".join("?" for _ in episode_ids)
+    for row in rundb.db.query(
+        # Token counts from the blobs' sizes: 4 bytes an id (store/blobs.py).
+        f"select episode_id, info, length(prompt_ids) / 4 as prompt, length(completion_ids) / 4 as sampled "
+        f"from turns where episode_id in ({marks}) order by episode_id, turn_index",
+        episode_ids,
+    ):
+        info = json.loads(row["info"] or "{}")
+        if isinstance(info, dict) and "call" in info:
+            calls.setdefault(row["episode_id"], []).append({**info, "prompt": row["prompt"], "sampled": row["sampled"]})
+    return calls
+
+
 def _any_episode(store: RunStore, where: list[str], params: list[str | int]) -> bool:
     condition = " and ".join(where)
     return store.rundb.db.execute(f"select 1 from episodes e where {condition} limit 1", params).fetchone() is not None
