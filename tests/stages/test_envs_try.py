@@ -85,7 +85,13 @@ from openai import OpenAI
 
 def solve(client, task):
     api = OpenAI(base_url=client["base_url"], api_key=client["api_key"], max_retries=0)
-    messages = [{"role": "user", "content": f"Say {task['word']}."}]
+    # An assistant message with a tool call and no content, as SDK agents send them back.
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}
+    messages = [
+        {"role": "user", "content": f"Say {task['word']}."},
+        {"role": "assistant", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "1"},
+    ]
     for _ in range(2):  # the second call sends the first reply back and goes on
         reply = api.chat.completions.create(model=client["model"], messages=messages)
         messages += [{"role": "assistant", "content": reply.choices[0].message.content}, {"role": "user", "content": "Again."}]
@@ -99,7 +105,7 @@ def test_an_agent_program_is_played_by_the_model_behind_the_endpoint(tmp_path):
     out = CliRunner().invoke(app, [*args, "--policy", "model"])
     assert out.exit_code == 0, out.output
     text = " ".join(out.output.split())
-    assert "Say hello." in text and "not solved in 2 turns, return 0.5" in text
+    assert "Say hello." in text and 'tool call: add({"a": 1})' in text and "not solved in 2 turns, return 0.5" in text
     assert re.search(r"call 1: \d+ prompt tokens, \d+ sampled \((stop|length)\); first call", text)
     assert re.search(r"call 2: \d+ prompt tokens, \d+ sampled \((stop|length)\); (extends call 1|a new segment)", text)
     # Played by a model only: the agent asks the endpoint, not the user or a script.

@@ -266,9 +266,12 @@ def model_checkpoint(
 
 def _show(messages: list[dict], reward: float | None = None) -> None:
     for message in messages:
-        content = message["content"]
+        content = message.get("content") or ""  # an agent's assistant message may hold tool calls alone
         if isinstance(content, list):
             content = " ".join(p.get("text", "[image]") for p in content)
+        for call in message.get("tool_calls") or []:
+            function = call.get("function", {})
+            content += ("\n" if content else "") + f"tool call: {function.get('name')}({function.get('arguments')})"
         title = message["role"] + (f" (reward {reward:g})" if reward is not None else "")
         style = {"system": "dim", "tool": "magenta"}.get(message["role"], "green")
         console.print(Panel(literal(content), title=title, border_style=style, expand=False))
