@@ -67,6 +67,7 @@ START_TIMEOUT_S = 60.0
 # outgrows a socket address (108 bytes): a longer profile path gives it /tmp instead.
 MAX_TMPDIR_CHARS = 60
 PROFILE_PREFIX = "rlcli-chromium-"
+PROFILE_REMOVAL_S = 10.0
 _STDERR_TAIL_CHARS = 600
 
 
@@ -153,7 +154,7 @@ class Chromium:
             with contextlib.suppress(Exception):
                 process.wait(10)
         if profile:
-            shutil.rmtree(profile, ignore_errors=True)
+            _remove_profile(profile)
 
     # --- the browser's thread ---------------------------------------------------------
 
@@ -242,7 +243,18 @@ class Chromium:
             with contextlib.suppress(Exception):
                 process.wait(10)
         if profile:
-            shutil.rmtree(profile, ignore_errors=True)
+            _remove_profile(profile)
+
+
+def _remove_profile(profile: str) -> None:
+    """Remove a profile folder. Chromium's helper processes outlive its main one by a moment and may still
+    write into it while it is removed (the removal then fails on a folder that is not empty): try again
+    for a few seconds."""
+    deadline = time.monotonic() + PROFILE_REMOVAL_S
+    shutil.rmtree(profile, ignore_errors=True)
+    while os.path.exists(profile) and time.monotonic() < deadline:
+        time.sleep(0.1)
+        shutil.rmtree(profile, ignore_errors=True)
 
 
 def _tail(log: Path) -> str:
