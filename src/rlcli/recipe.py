@@ -292,8 +292,9 @@ class EnvSection(Section):
     )
     sandbox: Literal["none", "bwrap", "auto"] = Field(
         "none",
-        description="Whether the env worker processes (env.workers, workers_backend process) and the MCP servers "
-        "rlcli starts (env.mcp_servers) run in bubblewrap, as env.code_sandbox describes: bwrap, none, or auto. A "
+        description="Whether the env worker processes (env.workers, workers_backend process), the MCP servers "
+        "rlcli starts (env.mcp_servers) and agent programs (env.name agent:..., agent-cmd; they reach the endpoint "
+        "through a Unix socket) run in bubblewrap, as env.code_sandbox describes: bwrap, none, or auto. A "
         "worker sees the folder rlcli runs in and its Python path read-only, a server the folder it starts in; "
         "neither sees the network, the runs folder or rlcli's variables (a server gets its own env entries).",
     )

@@ -105,6 +105,27 @@ def keeps_calling(client, task):
     return 1.0
 
 
+def snoops(client, task):
+    """Calls the endpoint, then reads a file outside the folder rlcli runs in and connects to a port of this
+    machine: 1 for the file, 10 for the port."""
+    import socket
+
+    api = OpenAI(base_url=client["base_url"], api_key=client["api_key"], max_retries=0)
+    api.chat.completions.create(model=client["model"], messages=[{"role": "user", "content": "Hi."}])
+    seen = 0.0
+    try:
+        open(task["secret"]).read()
+        seen += 1
+    except OSError:
+        pass
+    try:
+        socket.create_connection(("127.0.0.1", task["port"]), timeout=5).close()
+        seen += 10
+    except OSError:
+        pass
+    return seen
+
+
 def misbehaves(client, task):
     """Task 0 plays; 1 crashes, 2 hangs, 3 never calls the endpoint."""
     if task["seed"] == 1:
@@ -310,10 +331,16 @@ def test_what_an_agent_started_ends_with_its_episode(tmp_path):
     assert not list(out.glob("late-*"))
 
 
-def test_an_agent_command_gets_the_endpoint_in_its_environment(tmp_path):
+@pytest.mark.parametrize("sandbox", ["none", "bwrap"])
+def test_an_agent_command_gets_the_endpoint_in_its_environment(tmp_path, sandbox):
+    from rlcli.envs.sandbox import bwrap_problem
+
+    if sandbox == "bwrap" and (problem := bwrap_problem()) is not None:
+        pytest.skip(f"bubblewrap cannot run here: {problem}")
     script = tmp_path / "agent_cmd.py"
     script.write_text(textwrap.dedent(COMMAND))
-    recipe = _recipe(tmp_path, {"name": "agent-cmd", "command": [sys.executable, str(script)]}, group_size=1)
+    env = {"name": "agent-cmd", "command": [sys.executable, str(script)], "sandbox": sandbox}
+    recipe = _recipe(tmp_path, env, group_size=1)
     ctx = make_ctx(recipe, tmp_path / "runs")
     run_rollout_stage(ctx, stage="rollout", policy="base", split="train")
     episodes, turns = _stored(ctx)
@@ -432,3 +459,30 @@ def test_an_agents_calls_past_max_turns_are_refused_and_the_episode_ends_there(t
     assert [(e["status"], e["end_reason"], len(turns[e["id"]])) for e in episodes] == [("ok", "max_turns", 2)] * 2
     # Task 0's agent failed on the refusal: it trains as a failure; task 1's returned a reward anyway.
     assert {e["task_index"]: e["env_return"] for e in episodes} == {0: 0.0, 1: 0.75}
+
+
+@pytest.mark.parametrize("sandbox", ["none", "bwrap"])
+def test_an_agent_in_bubblewrap_reaches_the_endpoint_and_nothing_else(tmp_path, sandbox):
+    """env.sandbox bwrap: the agent's calls reach the endpoint (through its Unix socket), while a file outside
+    the folder rlcli runs in and a port of this machine's 127.0.0.1 do not; with none, both do."""
+    import socket
+
+    from rlcli.envs.sandbox import bwrap_problem
+
+    if sandbox == "bwrap" and (problem := bwrap_problem()) is not None:
+        pytest.skip(f"bubblewrap cannot run here: {problem}")
+    (tmp_path / "agent").mkdir()
+    path, _ = _agents(tmp_path / "agent")  # the sandbox shows the agent's folder, and not the one beside it
+    secret = tmp_path / "home" / "secret"
+    secret.parent.mkdir()
+    secret.write_text("key")
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        kwargs = {"secret": str(secret), "port": listener.getsockname()[1]}
+        recipe = _recipe(
+            tmp_path, {"name": f"agent:{path}:snoops", "kwargs": kwargs, "sandbox": sandbox}, group_size=1, batch_size=2
+        )
+        ctx = make_ctx(recipe, tmp_path / "runs")
+        run_rollout_stage(ctx, stage="rollout", policy="base", split="train")
+    episodes, turns = _stored(ctx)
+    assert [(e["status"], len(turns[e["id"]])) for e in episodes] == [("ok", 1)] * 2, [e["error"] for e in episodes]
+    assert {e["env_return"] for e in episodes} == ({0.0} if sandbox == "bwrap" else {11.0})

@@ -26,13 +26,16 @@ alone. The process group is killed when the episode ends, so no call of the agen
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 import threading
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlcli.engine.episode_runner import EpisodeSpec, LiveEpisode, play_in_passes
-from rlcli.envs.agents import AgentOutcome, AgentProgram, run_agent
+from rlcli.envs.agents import AgentOutcome, AgentProgram, AgentSandbox, run_agent
 from rlcli.generation.endpoint import CallRecord, Endpoint
 from rlcli.generation.sampler import Sampler
 from rlcli.store.records import EndReason, Turn
@@ -58,17 +61,28 @@ class AgentRunner:
         run_seed: int,
         max_calls: int,
         timeout_retries: int = 0,
+        sandbox_root: Path | None = None,
     ) -> None:
         self.program, self.sampler, self.tokenizer = program, sampler, tokenizer
         self.model_name, self.task_kwargs = model_name, task_kwargs
         self.time_limit_s, self.max_length, self.run_seed = time_limit_s, max_length, run_seed
         self.max_calls, self.timeout_retries = max_calls, timeout_retries
+        self.sandbox_root = sandbox_root  # set: each agent runs in bubblewrap there (env.sandbox)
 
     def run(self, specs: list[EpisodeSpec], on_turns: Callable[[int], None] | None = None) -> list[LiveEpisode]:
         episodes = [LiveEpisode(spec) for spec in specs]
         return play_in_passes(episodes, lambda live: self._play(live, on_turns), lambda ep: [ep], self.timeout_retries)
 
     def _play(self, episodes: list[LiveEpisode], on_turns: Callable[[int], None] | None) -> None:
+        if self.sandbox_root is None:
+            return self._serve(episodes, on_turns, None)
+        # The endpoint's socket, in a folder of its own (a short path: a socket's is at most 108 bytes).
+        with tempfile.TemporaryDirectory(prefix="rlcli-endpoint-", dir="/tmp") as folder:
+            self._serve(episodes, on_turns, AgentSandbox(os.path.join(folder, "endpoint.sock"), self.sandbox_root))
+
+    def _serve(
+        self, episodes: list[LiveEpisode], on_turns: Callable[[int], None] | None, sandbox: AgentSandbox | None
+    ) -> None:
         defaults = replace(self.sampler.config, stop=list(self.sampler.config.stop))
         endpoint = Endpoint(
             self.sampler,
@@ -78,12 +92,13 @@ class AgentRunner:
             max_length=self.max_length,
             seed=self.run_seed,
             keep_calls=1024 * len(episodes),  # every call of the pass stays until its episode is stored
+            unix_socket=None if sandbox is None else sandbox.unix_socket,
         )
         outcomes: dict[int, AgentOutcome] = {}
         try:
             with endpoint:
                 threads = [
-                    threading.Thread(target=self._run_agent, args=(endpoint, ep, outcomes, i))
+                    threading.Thread(target=self._run_agent, args=(endpoint, ep, outcomes, i, sandbox))
                     for i, ep in enumerate(episodes)
                 ]
                 for thread in threads:
@@ -104,12 +119,19 @@ class AgentRunner:
     def _session(episode: LiveEpisode) -> str:
         return f"{episode.spec.sample_seed}-a{episode.spec.attempt}"
 
-    def _run_agent(self, endpoint: Endpoint, episode: LiveEpisode, outcomes: dict[int, AgentOutcome], i: int) -> None:
+    def _run_agent(
+        self,
+        endpoint: Endpoint,
+        episode: LiveEpisode,
+        outcomes: dict[int, AgentOutcome],
+        i: int,
+        sandbox: AgentSandbox | None,
+    ) -> None:
         episode.task = {**self.task_kwargs, "seed": episode.spec.env_seed}
         endpoint.limit_calls(self._session(episode), self.max_calls)
         url = endpoint.url(self._session(episode))
         try:
-            outcomes[i] = run_agent(self.program, url, self.model_name, episode.task, self.time_limit_s)
+            outcomes[i] = run_agent(self.program, url, self.model_name, episode.task, self.time_limit_s, sandbox)
         except OSError as exc:  # the program could not be started
             outcomes[i] = AgentOutcome(error=f"the agent could not be started: {exc}")
 

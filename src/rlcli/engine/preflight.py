@@ -50,7 +50,7 @@ def check_recipe(recipe: Recipe, stages: list[str] | None = None, *, sft_done: b
             check_tool_names(tool_use_spec(recipe.env, Path.cwd()), factory)
         if recipe.grpo.branch is not None and "grpo" in planned:
             check_replays(recipe, factory)
-    if recipe.env.workers and recipe.env.sandbox != "none":
+    if (recipe.env.workers or is_agent(recipe.env.name)) and recipe.env.sandbox != "none":
         if recipe.env.workers_backend == "ray":
             raise UsageError(
                 f"env.sandbox is {recipe.env.sandbox}, but Ray actors cannot run in bubblewrap; expected "

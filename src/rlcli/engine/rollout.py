@@ -182,6 +182,7 @@ def agent_runner(
     each episode's calls capped at max_calls (env.max_turns)."""
     from rlcli.engine.agent_runner import AgentRunner
     from rlcli.envs.agents import agent_program
+    from rlcli.envs.sandbox import use_bwrap
 
     env = ctx.recipe.env
     if sampler is None or tokenizer is None:
@@ -197,6 +198,7 @@ def agent_runner(
         run_seed=ctx.recipe.run.seed,
         max_calls=max_calls,
         timeout_retries=env.timeout_retries,
+        sandbox_root=Path.cwd() if use_bwrap(env.sandbox, "env.sandbox") else None,
     )
 
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rlcli.envs.sandbox import BASE_ENV, Sandbox, hidden_runs, sandboxed
 from rlcli.errors import UsageError
 from rlcli.usercode import import_file
 
@@ -86,13 +87,30 @@ class AgentOutcome:
     timed_out: bool = False
 
 
+@dataclass(frozen=True)
+class AgentSandbox:
+    """Where a sandboxed agent (env.sandbox) finds the endpoint, and the folder it runs in (read-only)."""
+
+    unix_socket: str  # the endpoint's, in a folder of its own that the sandbox shows
+    root: Path
+
+
 def run_agent(
-    program: AgentProgram, base_url: str, model: str, task: dict[str, Any], time_limit_s: float
+    program: AgentProgram,
+    base_url: str,
+    model: str,
+    task: dict[str, Any],
+    time_limit_s: float,
+    sandbox: AgentSandbox | None = None,
 ) -> AgentOutcome:
     """Run one episode of the program to its end (or kill it, with its process group, at the time limit)."""
     client = {"base_url": base_url, "api_key": API_KEY, "model": model}
     stdin = json.dumps({"client": client, "task": task} if program.callable else task)
-    env = {**os.environ, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": API_KEY, "OPENAI_MODEL": model}
+    openai = {"OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": API_KEY, "OPENAI_MODEL": model}
+    env = {**os.environ, **openai}
+    argv = program.argv
+    if sandbox is not None:
+        argv, env = _in_bubblewrap(program, sandbox, openai), BASE_ENV
     # Files, not pipes: a process the agent leaves behind would hold a pipe open, and the episode would
     # wait for it; the episode ends when the agent's own process does.
     with (
@@ -102,7 +120,7 @@ def run_agent(
     ):
         given.write(stdin)
         given.seek(0)
-        proc = subprocess.Popen(program.argv, stdin=given, stdout=out, stderr=err, env=env, start_new_session=True)
+        proc = subprocess.Popen(argv, stdin=given, stdout=out, stderr=err, env=env, start_new_session=True)
         try:
             proc.wait(timeout=time_limit_s)
         except subprocess.TimeoutExpired:
@@ -119,6 +137,26 @@ def run_agent(
         tail = stderr.strip().splitlines()[-1] if stderr.strip() else "no message on stderr"
         return AgentOutcome(error=f"the agent exited with code {proc.returncode}: {tail}")
     return _outcome(program, stdout)
+
+
+def _in_bubblewrap(program: AgentProgram, sandbox: AgentSandbox, openai: dict[str, str]) -> list[str]:
+    """The program's command line in bubblewrap (envs/sandbox.py): no network but the endpoint's socket
+    (agent_child forwards to it), the folder rlcli runs in, the agent's own folder (a command's program
+    and the files its arguments name by absolute path) and the Python path read-only (the runs folder
+    hidden), and only the OPENAI_* variables of rlcli's environment."""
+    inner = program.argv[3:] if program.callable else ["--command", *program.argv]
+    argv = [sys.executable, "-m", "rlcli.envs.agent_child", "--proxy", sandbox.unix_socket, *inner]
+    own = [str(Path(inner[0]).resolve().parent)] if program.callable and inner[0].endswith(".py") else []
+    if not program.callable:  # the program, and files its arguments name (python /path/agent.py)
+        own += [str(Path(a).resolve().parent) for a in program.argv if os.path.isabs(a) and os.path.isfile(a)]
+    import rlcli.builtin_envs
+
+    packages = [str(Path(rlcli.__file__).resolve().parent.parent), str(Path(rlcli.builtin_envs.__file__).parent)]
+    python_path = [path for path in sys.path if os.path.isabs(path) and os.path.isdir(path)]
+    socket_folder = str(Path(sandbox.unix_socket).parent)
+    shown = list(dict.fromkeys([str(sandbox.root), *own, *python_path, *packages, socket_folder]))
+    env = tuple({**BASE_ENV, **openai}.items())
+    return sandboxed(argv, Sandbox(env, cwd=str(sandbox.root), readable=tuple(shown), hidden=hidden_runs(shown)))
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import socketserver
 import threading
 import time
 import uuid
@@ -114,7 +115,8 @@ class Endpoint:
     defaults: the sampling settings a request does not set (the recipe's); max_length: the most tokens
     a prompt and its reply may take (None: no limit); seed: what the seed of a request without its own
     `seed` derives from, with its session and its number in the session; port: 0 for a free one; keep_calls: how many records (and, per session,
-    earlier calls to extend) are kept. The socket is bound here: a port taken raises OSError.
+    earlier calls to extend) are kept; unix_socket: a path where the endpoint is served as well, over a Unix
+    socket. The sockets are bound here: a port taken raises OSError.
     """
 
     def __init__(
@@ -128,6 +130,7 @@ class Endpoint:
         seed: int = 0,
         port: int = 0,
         keep_calls: int = 1024,
+        unix_socket: str | None = None,
     ) -> None:
         if tokenizer.chat_template is None:
             raise ValueError(f"{model_name} has no chat template, so chat messages cannot be rendered for it.")
@@ -156,8 +159,11 @@ class Endpoint:
         self._tokenizer_lock = threading.Lock()
         self._server = ThreadingHTTPServer(("127.0.0.1", port), _handler_for(self))
         self._server.daemon_threads = True
+        self._servers: list[socketserver.BaseServer] = [self._server]
+        if unix_socket is not None:  # for agents in bubblewrap, which have no network but what is bound in
+            self._servers.append(_UnixHTTPServer(unix_socket, _handler_for(self)))
         self._threads = [
-            threading.Thread(target=self._server.serve_forever, name="endpoint-http", daemon=True),
+            *(threading.Thread(target=s.serve_forever, name="endpoint-http", daemon=True) for s in self._servers),
             threading.Thread(target=self._serve_batches, name="endpoint-batcher", daemon=True),
         ]
 
@@ -182,8 +188,9 @@ class Endpoint:
         with self._cond:
             self._closing = True
             self._cond.notify_all()
-        self._server.shutdown()
-        self._server.server_close()
+        for server in self._servers:
+            server.shutdown()
+            server.server_close()
         for thread in self._threads:
             thread.join()
 
@@ -542,6 +549,12 @@ def _stream_chunks(reply: dict[str, Any], include_usage: bool) -> Iterator[dict[
     yield chunk({}, choice["finish_reason"])
     if include_usage:
         yield {**base, "object": "chat.completion.chunk", "choices": [], "usage": reply["usage"]}
+
+
+class _UnixHTTPServer(socketserver.ThreadingUnixStreamServer):
+    """The endpoint's HTTP on a Unix socket file (the handler never reads the client's address)."""
+
+    daemon_threads = True
 
 
 def _handler_for(endpoint: Endpoint) -> type[BaseHTTPRequestHandler]:
