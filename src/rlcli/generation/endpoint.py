@@ -477,7 +477,7 @@ def _check_request(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dic
 def _template_writes_tool_calls(tokenizer: PreTrainedTokenizerBase) -> bool:
     """Whether the chat template writes an assistant message's tool calls (SmolLM2's, for one, writes only
     the content, so a model behind it would never see the calls it made)."""
-    probe = [
+    probe: list[dict[str, Any]] = [
         {"role": "user", "content": "?"},
         {
             "role": "assistant",
