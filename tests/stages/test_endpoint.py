@@ -304,6 +304,35 @@ def test_concurrent_clients_are_served_by_one_sampling_call(tiny):
     assert [together[n] for n in range(4)] == [r.choices[0].message.content for r in alone]
 
 
+def test_expected_clients_are_gathered_into_one_batch_and_one_that_left_is_not_waited_for(tiny, monkeypatch):
+    """Agents started at different moments sample together: a batch waits for every expected client's
+    request; one that ends (client_left) is not waited for. GATHER_S is made long, so that a batch that
+    went early would show as a second batch, and one that waited for the client that left would hang."""
+    from rlcli.generation import endpoint as module
+
+    monkeypatch.setattr(module, "GATHER_S", 600.0)
+    model, tokenizer = tiny
+    with serve(model, tokenizer) as endpoint:
+        endpoint.expect_clients(4)
+        replies: dict[int, str] = {}
+
+        def ask(n: int) -> None:
+            reply = client(endpoint, f"s{n}").chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": f"Count to {n}."}]
+            )
+            replies[n] = reply.choices[0].message.content
+
+        threads = [threading.Thread(target=ask, args=(n,)) for n in range(3)]
+        for thread in threads:
+            thread.start()
+            while endpoint.waiting() < len(replies) + threads.index(thread) + 1:  # one by one, in order
+                time.sleep(0.01)
+        endpoint.client_left()  # the fourth agent ended without calling
+        for thread in threads:
+            thread.join()
+    assert endpoint.batches == 1 and endpoint.requests == 3 and sorted(replies) == [0, 1, 2]
+
+
 @pytest.mark.parametrize(
     ("extra", "says"),
     [

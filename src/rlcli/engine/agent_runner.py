@@ -95,6 +95,7 @@ class AgentRunner:
             unix_socket=None if sandbox is None else sandbox.unix_socket,
         )
         outcomes: dict[int, AgentOutcome] = {}
+        endpoint.expect_clients(len(episodes))  # batches gather every running agent's call, as env turns do
         try:
             with endpoint:
                 threads = [
@@ -134,6 +135,8 @@ class AgentRunner:
             outcomes[i] = run_agent(self.program, url, self.model_name, episode.task, self.time_limit_s, sandbox)
         except OSError as exc:  # the program could not be started
             outcomes[i] = AgentOutcome(error=f"the agent could not be started: {exc}")
+        finally:
+            endpoint.client_left()
 
     def _settle(
         self, episode: LiveEpisode, outcome: AgentOutcome, calls: list[CallRecord], url: str, capped: bool

@@ -49,6 +49,9 @@ from rlcli.generation.seeds import derive_seed
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+# How long a batch waits for the requests of expected clients that have not sent theirs (an agent starting,
+# or running a tool between calls): longer would stall on a slow agent, shorter would split the batch.
+GATHER_S = 2.0
 SESSION_PREFIX = "/s/"  # /s/<name>/v1/...: the base URL of one session (an episode's calls)
 
 
@@ -153,6 +156,9 @@ class Endpoint:
         # Sessions whose calls are capped (an agent episode's env.max_turns), and the calls refused past it.
         self._call_limits: dict[str, int] = {}
         self.refused: dict[str, int] = {}
+        # How many clients may call at once (agent programs running: expect_clients/client_left); None:
+        # unknown, and each batch takes what waits.
+        self._clients: int | None = None
         self._cond = threading.Condition()
         # Rust tokenizers refuse concurrent use of one instance ("Already borrowed"): handlers render
         # prompts while the batcher decodes replies.
@@ -211,6 +217,19 @@ class Endpoint:
             with self._cond:
                 self._holds -= 1
                 self._cond.notify_all()
+
+    def expect_clients(self, clients: int) -> None:
+        """`clients` programs are about to call: a batch waits (up to GATHER_S) until each has a request in,
+        so that they sample together as an env's episodes do, turn by turn."""
+        with self._cond:
+            self._clients = clients
+
+    def client_left(self) -> None:
+        """One of the expected clients has ended: the others no longer wait for it."""
+        with self._cond:
+            if self._clients is not None:
+                self._clients -= 1
+            self._cond.notify_all()
 
     def waiting(self) -> int:
         """How many requests wait for the next batch."""
@@ -334,6 +353,8 @@ class Endpoint:
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._closing or (self._pending and not self._holds))
+                if self._clients is not None:  # the rest of the expected clients' requests, briefly
+                    self._cond.wait_for(lambda: self._closing or len(self._pending) >= (self._clients or 0), GATHER_S)
                 if self._closing:
                     for pending in self._pending:
                         pending.error = "the endpoint closed before this request was sampled"
