@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from enum import Enum
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -22,6 +22,9 @@ from rlcli.cli.common import (
 )
 from rlcli.cli.export import DryRunOpt, PrivateOpt, PushJsonOpt, PushOpt, check_push_options, finish_push
 from rlcli.errors import RlcliError, UsageError
+
+if TYPE_CHECKING:
+    from rlcli.store.run_store import RunStore
 
 app = typer.Typer(help="Inspect runs recorded in the run database.", no_args_is_help=True)
 
@@ -188,6 +191,23 @@ def complete_stage(ctx: typer.Context, incomplete: str) -> list[str]:
     return sorted(name for name in names if name.startswith(incomplete))
 
 
+def _chosen_stage(store: RunStore, stage: str | None) -> str | None:
+    """--stage as given, or the stage its prefix names (said on stderr: stdout stays the episodes or JSON)."""
+    from rlcli.store.episodes import choose_episode_stage
+
+    if stage is None:
+        return None
+    choice = choose_episode_stage(store, stage)
+    if choice.stage != stage:
+        err_console.print(
+            f"--stage {stage} is {choice.stage}"
+            + (f", the newest of {len(choice.matches)}." if len(choice.matches) > 1 else "."),
+            highlight=False,
+            markup=False,
+        )
+    return choice.stage
+
+
 @app.command("episodes")
 def runs_episodes(
     cli_ctx: typer.Context,
@@ -235,7 +255,6 @@ def runs_episodes(
     components, end reason, and the error of failed ones. Without --stage, the policy's episodes (the
     expert's demonstrations only in a run that has no others)."""
     from rlcli.report import tables, views
-    from rlcli.store.episodes import choose_episode_stage
 
     if best and worst:
         raise UsageError("--best and --worst exclude each other; give one of them.")
@@ -247,16 +266,7 @@ def runs_episodes(
         check_file_target(html, "--html", overwrite)  # before reading the database
     store = open_recorded_run(cli_ctx, run)
     try:
-        if stage is not None:
-            choice = choose_episode_stage(store, stage)
-            if choice.stage != stage:  # a note, not a result: stdout stays the episodes (or JSON)
-                err_console.print(
-                    f"--stage {stage} is {choice.stage}"
-                    + (f", the newest of {len(choice.matches)}." if len(choice.matches) > 1 else "."),
-                    highlight=False,
-                    markup=False,
-                )
-            stage = choice.stage
+        stage = _chosen_stage(store, stage)
         episodes = views.select_episodes(
             store,
             order="best" if best else "worst" if worst else "newest",

@@ -7,11 +7,16 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rlcli.console import err_console
 from rlcli.engine.context import RunContext
 from rlcli.errors import RlcliError, UsageError
 from rlcli.store.names import SFT_STAGE
+
+if TYPE_CHECKING:
+    from rlcli.recipe import Recipe
+    from rlcli.store.db import RunDB
 
 
 @contextlib.contextmanager
@@ -52,15 +57,8 @@ def open_run(
     rundb = RunDB.open(runs_dir)
     try:
         if recipe is None:
-            # Continue a recorded run with its stored recipe.
             assert run is not None  # no recipe path, so a run name (checked above)
-            from rlcli.recipe import apply_override, validate_recipe
-
-            data = rundb.run_recipe(run).to_dict()
-            for item in overrides or []:
-                apply_override(data, item)
-            recipe = validate_recipe(data, f"run {run!r}")
-            recipe.run.name = run
+            recipe = _recorded_recipe(rundb, run, overrides or [])
             check_recipe(recipe, stages, sft_done=_sft_done(runs_dir, run))
         name = recipe.run.name
         rundb.check_case_twin(name)  # before the folder is made
@@ -70,12 +68,7 @@ def open_run(
         with RunLock(runs_dir, name) as lock:
             # User env and reward files are loaded from the working directory, like the recipe's paths.
             code = code_hashes(recipe.env.name, [r.fn for r in recipe.rewards], Path.cwd())
-            for path in rundb.code_changes(name, code):
-                err_console.print(
-                    f"warning: {path} changed since run {name!r} last used it; "
-                    "the new hash is recorded in its recipe history (rlcli runs show).",
-                    highlight=False,
-                )
+            _warn_code_changes(rundb, name, code)
             before = rundb.run_state(name)
             # A recorded run that has produced nothing (its stages failed or were stopped before they
             # stored anything) starts over with the recipe given, which may correct the one it failed on.
@@ -103,6 +96,28 @@ def open_run(
                 raise
     finally:
         rundb.close()
+
+
+def _recorded_recipe(rundb: RunDB, run: str, overrides: list[str]) -> Recipe:
+    """The stored recipe of a recorded run (continued without -r), with the command line's overrides."""
+    from rlcli.recipe import apply_override, validate_recipe
+
+    data = rundb.run_recipe(run).to_dict()
+    for item in overrides:
+        apply_override(data, item)
+    recipe = validate_recipe(data, f"run {run!r}")
+    recipe.run.name = run
+    return recipe
+
+
+def _warn_code_changes(rundb: RunDB, run: str, code: dict[str, str]) -> None:
+    """A line for each env or reward file whose hash differs from the one the run last used."""
+    for path in rundb.code_changes(run, code):
+        err_console.print(
+            f"warning: {path} changed since run {run!r} last used it; "
+            "the new hash is recorded in its recipe history (rlcli runs show).",
+            highlight=False,
+        )
 
 
 def _sft_done(runs_dir: Path, run: str) -> bool:
