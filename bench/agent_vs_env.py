@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/agent_vs_env.py                    # about 35 minutes on 2 cores
     .venv/bin/python bench/agent_vs_env.py --out bench/agent-runs --markdown agent.md
+    .venv/bin/python bench/agent_vs_env.py --quick --out /tmp/agent-quick     # checks that it runs, ~10 min
 
 The task is multihop_search (1 hop): SmolLM2-135M-Instruct looks an entity up with `search` and `open`
 and answers. One runs dir under --out holds:
@@ -60,27 +61,32 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "agent-runs", help="Runs dir of the comparison.")
     parser.add_argument("--markdown", type=Path, help="Also write the table as Markdown here.")
+    parser.add_argument(
+        "--quick", action="store_true", help="2 GRPO iterations and 8 held-out tasks: checks the script runs."
+    )
     args = parser.parse_args()
+    quick = ["grpo.iterations=2", "eval.tasks=8", "sft.demos=8"] if args.quick else []
     console = Console(stderr=True)
     runs_dir = args.out.resolve()
     runs_dir.mkdir(parents=True, exist_ok=True)
     merged = runs_dir / "multihop_search-sft"
     console.print("SFT on expert lookups, exported merged")
-    check(rlcli(runs_dir, "sft", "-r", str(ROOT / "recipes" / "multihop_search.yaml")), "rlcli sft")  # done: a no-op
+    sft = ["sft", "-r", str(ROOT / "recipes" / "multihop_search.yaml"), *quick]
+    check(rlcli(runs_dir, *sft), "rlcli sft")  # done: a no-op
     if not merged.exists():
         check(rlcli(runs_dir, "export", "multihop_search", "--checkpoint", "sft", "--merge", str(merged)), "export")
     rows = []
     for form, (recipe_name, extra) in RUNS.items():
         recipe = ROOT / "recipes" / f"{recipe_name}.yaml"
-        overrides = [f"model.name={merged}", *extra]
+        overrides = [f"model.name={merged}", *extra, *quick]
         console.print(f"{form} form: rlcli run -r {recipe.relative_to(ROOT)} {' '.join(overrides)}")
         seconds, cpu = timed(runs_dir, form, "run", "-r", str(recipe), *overrides)
         base, final = (evaluate(runs_dir, recipe, overrides, which) for which in ("base", "latest"))
         rows.append((form, base, final, seconds, cpu))
     table = Table(title="multihop_search, agent form against env form")
-    for column in ("form", "start (SFT, merged)", "after 20 GRPO iterations", "wall-clock", "CPU"):
+    for column in ("form", "start (SFT, merged)", "after GRPO", "wall-clock", "CPU"):
         table.add_column(column)
-    lines = ["| form | start (SFT, merged) | after 20 GRPO iterations | wall-clock | CPU |", "|---|---|---|---|---|"]
+    lines = ["| form | start (SFT, merged) | after GRPO | wall-clock | CPU |", "|---|---|---|---|---|"]
     for form, base, final, seconds, cpu in rows:
         cells = [form, base.cell(), final.cell(), f"{seconds / 60:.1f} min", f"{cpu / 60:.1f} min"]
         table.add_row(*cells)
