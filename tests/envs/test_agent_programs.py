@@ -259,7 +259,7 @@ def test_calls_that_extend_each_other_are_one_sequence_and_a_rewritten_history_i
     run_rollout_stage(ctx, stage="rollout", policy="base", split="train")
     # `runs episodes` says how many calls an episode made and how they train.
     code, out, err = cli(capsys, "--runs-dir", tmp_path / "runs2", "runs", "episodes", ctx.run, "-n", "1")
-    text = " ".join(out.split())
+    text = " ".join(out.replace("│", " ").split())  # the panel's lines, wrapped at the terminal's width
     assert code == 0 and "endpoint calls 2 (prompt+sampled tokens: " in text, err
     assert "2 training sequences, one a call · call 2 starts anew" in text
     episodes, turns = _stored(ctx)

@@ -356,16 +356,18 @@ def endpoint_calls(rundb: RunDB, episode_ids: list[int]) -> dict[int, list[dict[
     follows, retokenised, finish_reason; engine/agent_runner.py) with its token counts. Episodes of envs
     have none and are left out."""
     calls: dict[int, list[dict[str, Any]]] = {}
-    marks = ", ".join("?" for _ in episode_ids)
-    for row in rundb.db.query(
-        # Token counts from the blobs' sizes: 4 bytes an id (store/blobs.py).
-        f"select episode_id, info, length(prompt_ids) / 4 as prompt, length(completion_ids) / 4 as sampled "
-        f"from turns where episode_id in ({marks}) order by episode_id, turn_index",
-        episode_ids,
-    ):
-        info = json.loads(row["info"] or "{}")
-        if isinstance(info, dict) and "call" in info:
-            calls.setdefault(row["episode_id"], []).append({**info, "prompt": row["prompt"], "sampled": row["sampled"]})
+    for start in range(0, len(episode_ids), 500):  # SQLite caps the number of parameters of one query
+        part = episode_ids[start : start + 500]
+        for row in rundb.db.query(
+            # Token counts from the blobs' sizes: 4 bytes an id (store/blobs.py).
+            f"select episode_id, info, length(prompt_ids) / 4 as prompt, length(completion_ids) / 4 as sampled "
+            f"from turns where episode_id in ({', '.join('?' * len(part))}) order by episode_id, turn_index",
+            part,
+        ):
+            info = json.loads(row["info"] or "{}")
+            if isinstance(info, dict) and "call" in info:
+                call = {**info, "prompt": row["prompt"], "sampled": row["sampled"]}
+                calls.setdefault(row["episode_id"], []).append(call)
     return calls
 
 
