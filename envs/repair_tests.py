@@ -20,8 +20,9 @@ each holding the files, the tests and an INSTRUCTION.md; see docs/environments.m
 
 kwargs: `modules` (2: at most this many modules a project), `functions` (3: at most this many functions
 a module, at least 2), `tests` (3: at most this many tests, at least 2), `themes` (all six, or a list
-of them), `tasks_dir` (none: generated projects), `sandbox` (auto: the tests run in bubblewrap where it
-runs, else with their limits alone; bwrap: in bubblewrap or refused; none: limits alone).
+of them), `tasks_dir` (none: generated projects), `code_sandbox` (where the tests run; a recipe's run gets
+env.code_sandbox's answer: bwrap, in bubblewrap; none, with their limits alone; auto, the default for
+`rlcli envs try`, bubblewrap where it runs).
 """
 
 from __future__ import annotations
@@ -617,7 +618,7 @@ def make_env(
     functions: int = 3,
     tests: int = 3,
     themes: list[str] | None = None,
-    sandbox: SandboxSetting = "auto",
+    code_sandbox: SandboxSetting = "auto",
 ) -> RepairTests:
     if modules < 1 or functions < 2 or tests < 2:
         raise ValueError(
@@ -626,9 +627,9 @@ def make_env(
     unknown = sorted(set(themes or ()) - set(THEMES))
     if themes == [] or unknown:
         raise ValueError(f"themes must be a list of some of {', '.join(THEMES)}; got {themes}")
-    if sandbox not in ("none", "bwrap", "auto"):
-        raise ValueError(f"sandbox must be none, bwrap or auto, got {sandbox!r}")
-    bwrap = use_bwrap(sandbox, "env.kwargs.sandbox")
+    if code_sandbox not in ("none", "bwrap", "auto"):
+        raise ValueError(f"code_sandbox must be none, bwrap or auto, got {code_sandbox!r}")
+    bwrap = use_bwrap(code_sandbox, "env.code_sandbox")
     if tasks_dir is not None:
         return RepairTests(folder_tasks(Path(tasks_dir)), bwrap)
     chosen = tuple(themes or THEMES)

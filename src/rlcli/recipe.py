@@ -285,7 +285,8 @@ class EnvSection(Section):
     )
     code_sandbox: Literal["none", "bwrap", "auto"] = Field(
         "auto",
-        description="Where python_exec runs the model's code: bwrap (in bubblewrap: no network, no home or runs "
+        description="Where code the model wrote runs (python_exec's, and the tests of an env whose factory takes "
+        "code_sandbox, like repair_tests): bwrap (in bubblewrap: no network, no home or runs "
         "folder, the system read-only, a size-limited scratch folder, none of rlcli's processes or variables; "
         "refused where bubblewrap cannot run), none (its limits alone: time, memory, processes, file size; the code "
         "runs as you), or auto (bwrap where bubblewrap runs, else none, said in one line). docs/tools.md.",

@@ -16,13 +16,16 @@ import pytest
 from rlcli.builtin_envs.repair_tests import THEMES, generate, mutations
 
 from helpers import REPO, make_ctx
+from rlcli.engine.preflight import check_recipe
 from rlcli.engine.rollout import run_rollout_stage
-from rlcli.envs import coding
+from rlcli.envs import coding, sandbox
 from rlcli.envs.coding import RepairTests, folder_tasks, run_tests
 from rlcli.envs.loading import load_env
 from rlcli.envs.protocol import task_seed
 from rlcli.envs.sandbox import Limits, bwrap_problem
+from rlcli.envs.tool_use import ToolUse, tool_use_spec
 from rlcli.errors import UsageError
+from rlcli.recipe import EnvSection, Recipe
 
 RECIPE = REPO / "recipes" / "repair_tests.yaml"
 
@@ -242,7 +245,7 @@ def test_a_bad_task_folder_is_refused_in_one_sentence(tmp_path, make, expected):
 @pytest.mark.parametrize(
     ("kwargs", "expected"),
     [
-        ({"sandbox": "docker"}, "sandbox must be none, bwrap or auto, got 'docker'"),
+        ({"code_sandbox": "docker"}, "code_sandbox must be none, bwrap or auto, got 'docker'"),
         ({"themes": ["stats", "poetry"]}, "themes must be a list of some of stats, text, prices"),
         ({"themes": []}, "themes must be a list of some of"),
         ({"functions": 1}, "functions and tests at least 2"),
@@ -350,3 +353,53 @@ def test_a_seed_draws_its_project_from_the_seed_alone():
     rng = random.Random(0)
     seeds = [rng.randrange(10**6) for _ in range(20)]
     assert [generate(seed) for seed in seeds] == [generate(seed) for seed in reversed(seeds)][::-1]
+
+
+@pytest.mark.parametrize("setting", ["none", "bwrap"])
+def test_env_code_sandbox_reaches_the_coding_env(setting):
+    """The recipe's env.code_sandbox decides where repair_tests runs its tests, as it does python_exec's code
+    (it used to be the env's own kwarg, auto whatever the recipe said)."""
+    if setting == "bwrap" and (problem := bwrap_problem()) is not None:
+        pytest.skip(f"bubblewrap cannot run here: {problem}")
+    section = EnvSection(name="repair_tests", code_sandbox=setting)
+    made = load_env("repair_tests", {}, tools=tool_use_spec(section, REPO))()
+    env = made.env if isinstance(made, ToolUse) else made
+    assert env.bwrap is (setting == "bwrap")
+
+
+def test_an_env_that_takes_code_sandbox_gets_the_recipes_answer(tmp_path):
+    """A user's env with a code_sandbox parameter gets bwrap or none; env.kwargs.code_sandbox wins; an env
+    without the parameter gets nothing."""
+    (tmp_path / "asks.py").write_text(
+        "class Env:\n"
+        "    def __init__(self, code_sandbox='unset'):\n"
+        "        self.code_sandbox = code_sandbox\n"
+        "    def reset(self, seed):\n"
+        "        return [], {}\n"
+        "    def step(self, action):\n"
+        "        return '', 0.0, True, False, {}\n"
+        "def make_env(code_sandbox='unset'):\n"
+        "    return Env(code_sandbox)\n"
+        "def plain():\n"
+        "    return Env()\n"
+    )
+    name = str(tmp_path / "asks.py")
+    tools = tool_use_spec(EnvSection(name=name, code_sandbox="none"), tmp_path)
+    assert load_env(name, {}, tmp_path, tools)().code_sandbox == "none"
+    assert load_env(name, {"code_sandbox": "auto"}, tmp_path, tools)().code_sandbox == "auto"
+    assert load_env(name, {}, tmp_path)().code_sandbox == "unset"  # no recipe: the env's own default
+    assert load_env(f"{name}:plain", {}, tmp_path, tools)().code_sandbox == "unset"
+
+
+def test_env_code_sandbox_bwrap_where_it_cannot_run_is_refused_before_any_stage(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(Path(sys.executable).parent))  # no bwrap on it
+    monkeypatch.setattr(sandbox, "_said", set())
+    bwrap_problem.cache_clear()
+    try:
+        recipe = Recipe.model_validate(
+            {"model": {"name": "tiny-random"}, "env": {"name": "repair_tests", "code_sandbox": "bwrap"}}
+        )
+        with pytest.raises(UsageError, match="env.code_sandbox is bwrap, but"):
+            check_recipe(recipe, ["rollout"])
+    finally:
+        bwrap_problem.cache_clear()

@@ -46,8 +46,9 @@ def check_recipe(recipe: Recipe, stages: list[str] | None = None, *, sft_done: b
         check_agent(recipe, planned)
     else:
         factory = load_env(recipe.env.name, recipe.env.factory_kwargs())  # finds it and checks the kwargs it takes
+        tools = tool_use_spec(recipe.env, Path.cwd())  # env.code_sandbox bwrap where it cannot run: refused here
         if recipe.env.tools or recipe.env.mcp_servers:
-            check_tool_names(tool_use_spec(recipe.env, Path.cwd()), factory)
+            check_tool_names(tools, factory)
         if recipe.grpo.branch is not None and "grpo" in planned:
             check_replays(recipe, factory)
     if (recipe.env.workers or is_agent(recipe.env.name)) and recipe.env.sandbox != "none":

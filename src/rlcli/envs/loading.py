@@ -10,22 +10,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
+from rlcli.envs.factories import (
+    ADAPTERS,
+    BUILTIN_PACKAGE,
+    CODE_SANDBOX,
+    asks_code_sandbox,
+    builtin_names,
+    resolve_factory,
+)
 from rlcli.envs.protocol import Env, EnvFactory
 from rlcli.envs.tool_use import ToolUseSpec, with_tools
 from rlcli.errors import UsageError
-from rlcli.usercode import import_file
 
-# The top-level envs/ folder of the source tree, installed as this package (see pyproject.toml), so a
-# wheel carries the built-ins and they are found the same way in an editable install.
-BUILTIN_PACKAGE = "rlcli.builtin_envs"
-ADAPTERS = {
-    "textarena": "rlcli.envs.adapters.textarena",
-    "reasoning_gym": "rlcli.envs.adapters.reasoning_gym",
-    "gymnasium": "rlcli.envs.adapters.gymnasium",
-    "openenv": "rlcli.envs.adapters.openenv",
-    "verifiers": "rlcli.envs.adapters.verifiers",
-    "miniwob": "rlcli.envs.adapters.miniwob",
-}
 # The pip extra that installs each adapter's library (pyproject.toml).
 ADAPTER_EXTRAS = {"openenv": "openenv", "verifiers": "verifiers", "miniwob": "web"}
 
@@ -34,7 +30,7 @@ def list_builtin_envs() -> list[tuple[str, str]]:
     """(name, first line of its docstring) for every built-in env, read without importing it."""
     folder = importlib.resources.files(BUILTIN_PACKAGE)
     out = []
-    for name in _builtin_names():
+    for name in builtin_names():
         doc = ast.get_docstring(ast.parse(folder.joinpath(f"{name}.py").read_text())) or ""
         out.append((name, doc.strip().splitlines()[0] if doc else ""))
     return out
@@ -45,11 +41,14 @@ def load_env(
 ) -> EnvFactory:
     """A factory making a fresh env per call, from a built-in name, a file, a module, or an adapter URI.
     Its envs answer the policy's tool calls (tool_use.py) when they have tools of their own or `tools`
-    (the recipe's tool settings) names some."""
-    return with_tools(_load_factory(name, dict(kwargs or {}), root), tools or ToolUseSpec())
+    (the recipe's tool settings) names some. An env whose factory takes `code_sandbox` and is given
+    `tools` gets their answer for code the model wrote (env.code_sandbox's), unless env.kwargs sets it."""
+    spec = tools or ToolUseSpec()
+    code_sandbox = None if tools is None else ("bwrap" if spec.tools.code_in_bwrap else "none")
+    return with_tools(_load_factory(name, dict(kwargs or {}), root, code_sandbox), spec)
 
 
-def _load_factory(name: str, kwargs: dict[str, Any], root: Path | None) -> EnvFactory:
+def _load_factory(name: str, kwargs: dict[str, Any], root: Path | None, code_sandbox: str | None) -> EnvFactory:
     if name.startswith("agent:") or name == "agent-cmd":
         raise UsageError(
             f"env {name!r} is an agent program, which only the stages that roll out the policy play (rollout, "
@@ -70,7 +69,9 @@ def _load_factory(name: str, kwargs: dict[str, Any], root: Path | None) -> EnvFa
             return cast("EnvFactory", module.make_factory(rest, **kwargs))
         return lambda: module.make_env(rest, **kwargs)
     target, _, attr = name.partition(":")
-    factory = _resolve_factory(target, attr or None, root or Path.cwd(), name)
+    factory = resolve_factory(target, attr or None, root or Path.cwd(), name)
+    if code_sandbox is not None and asks_code_sandbox(factory):
+        kwargs.setdefault(CODE_SANDBOX, code_sandbox)
     _check_kwargs(factory, kwargs, name)
     return lambda: _construct(factory, kwargs, name)
 
@@ -82,47 +83,6 @@ def _construct(factory: Callable[..., Env], kwargs: dict[str, Any], name: str) -
         return factory(**kwargs)
     except ValueError as exc:
         raise UsageError(f"env {name!r} refused env.kwargs {kwargs}: {exc}.") from None
-
-
-def _builtin_names() -> list[str]:
-    files = importlib.resources.files(BUILTIN_PACKAGE).iterdir()
-    return sorted(f.name.removesuffix(".py") for f in files if f.name.endswith(".py") and not f.name.startswith("_"))
-
-
-def _resolve_factory(target: str, attr: str | None, root: Path, name: str) -> Callable[..., Env]:
-    if target.endswith(".py"):
-        path = Path(target)
-        path = path if path.is_absolute() else root / path
-        if not path.is_file():
-            raise UsageError(f"env.name {name!r}: no file {path}.")
-        module = import_file(path)
-    elif "." not in target and target in _builtin_names():
-        module = importlib.import_module(f"{BUILTIN_PACKAGE}.{target}")
-    elif "." in target or attr:
-        try:
-            module = importlib.import_module(target)
-        except ImportError as exc:
-            raise UsageError(f"env.name {name!r}: cannot import {target} ({exc}).") from None
-    else:
-        builtins = ", ".join(_builtin_names())
-        raise UsageError(
-            f"Unknown env {name!r}: expected a built-in ({builtins}), a file envs/x.py[:Factory], "
-            "package.module:factory, or a textarena:/reasoning_gym:/gymnasium:/openenv:/verifiers:/miniwob: URI."
-        )
-    if attr:
-        if not hasattr(module, attr):
-            raise UsageError(f"env.name {name!r}: {module.__name__} has no {attr!r}.")
-        return getattr(module, attr)
-    if hasattr(module, "make_env"):
-        return module.make_env
-    classes = [
-        c
-        for c in vars(module).values()
-        if inspect.isclass(c) and c.__module__ == module.__name__ and hasattr(c, "reset") and hasattr(c, "step")
-    ]
-    if len(classes) == 1:
-        return cast("Callable[..., Env]", classes[0])  # a class with reset and step: an env per call
-    raise UsageError(f"env.name {name!r}: define make_env(**kwargs) or name the factory as {name}:Factory.")
 
 
 def _check_kwargs(factory: Callable[..., Env], kwargs: dict[str, Any], name: str) -> None:

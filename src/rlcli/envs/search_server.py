@@ -20,7 +20,7 @@ from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.tools import Tool
 from transformers.utils import get_json_schema
 
-from rlcli.envs.loading import BUILTIN_PACKAGE
+from rlcli.envs.factories import BUILTIN_PACKAGE
 
 
 def mcp_tool(fn: Callable[..., str]) -> Tool:

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from rlcli.envs.factories import takes_code_sandbox
 from rlcli.envs.protocol import Env, EnvFactory
 from rlcli.envs.sandbox import use_bwrap
 from rlcli.envs.subprocesses import hide_environment
@@ -65,8 +66,10 @@ def tool_use_spec(env_cfg: EnvSection, root: str | Path, tokenizer: object = Non
         for server in env_cfg.mcp_servers
     )
     # Made a yes or no here, in the main process before any stage: bwrap that cannot run is refused, auto
-    # says once which it took, and workers get the answer.
-    code_in_bwrap = "python_exec" in env_cfg.tools and use_bwrap(env_cfg.code_sandbox, "env.code_sandbox")
+    # says once which it took, and workers get the answer. Code the model wrote runs in python_exec, or in
+    # an env that takes code_sandbox (a coding env's tests).
+    runs_code = "python_exec" in env_cfg.tools or takes_code_sandbox(env_cfg.name, Path(root))
+    code_in_bwrap = runs_code and use_bwrap(env_cfg.code_sandbox, "env.code_sandbox")
     servers_in_bwrap = bool(servers) and use_bwrap(env_cfg.sandbox, "env.sandbox")
     tools = ToolsSpec(
         tuple(env_cfg.tools),
