@@ -23,6 +23,7 @@ GPU_RECIPES = [
     "gui_click_vlm",
     "miniwob_screenshot_gpu",
     "multihop_search_gpu",
+    "repair_tests_gpu",
     "tictactoe_selfplay_gpu",
 ]
 

@@ -71,6 +71,10 @@ KNOWN_SHAPES: dict[str, dict[str, Any]] = {
         model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
         num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False,
     ),
+    "Qwen/Qwen2.5-Coder-7B-Instruct": dict(
+        model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+        num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False,
+    ),
     "Qwen/Qwen2.5-VL-3B-Instruct": dict(
         model_type="qwen2_5_vl", hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
         num_attention_heads=16, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
