@@ -642,12 +642,15 @@ class BranchSection(Section):
     continuations: int = Field(
         2, ge=1, description="Continuations (K) sampled from each branch point, each played to its end."
     )
-    choose: Literal["failed", "divergence", "entropy"] = Field(
+    choose: Literal["failed", "divergence", "entropy", "expert"] = Field(
         "failed",
         description="Which turns branch: failed (turns of episodes that did not succeed, drawn at random: a state "
         "of a group with no success can still earn signal), divergence (per group, the first turn where its "
         "episodes' actions differ, from the first episode's state), entropy (the turns whose sampled tokens had "
-        "the highest mean -logprob).",
+        "the highest mean -logprob), or expert (semi-online: the env's expert plays `points` of the iteration's "
+        "tasks, those whose groups had no success first, and the policy continues from a turn of its episode "
+        "drawn at random: hard tasks give signal before the policy solves them from the start; the expert's "
+        "turns are context, never trained).",
     )
     weight: float = Field(
         1.0,

@@ -95,9 +95,15 @@ def check_replays(recipe: Recipe, factory: EnvFactory) -> None:
     """grpo.branch rebuilds a stored turn's state by replaying its episode's seed and actions: the audit's
     replay check (engine/audit.py) on the first training task refuses an env that does not replay, before
     any stage, instead of at its first branch."""
-    from rlcli.engine.audit import replay_check, settings_for
+    from rlcli.engine.audit import has_expert, replay_check, settings_for
     from rlcli.envs.protocol import task_seed
 
+    branch = recipe.grpo.branch
+    if branch is not None and branch.choose == "expert" and not has_expert(factory):
+        raise UsageError(
+            f"grpo.branch.choose expert branches from the env's expert episodes, and env {recipe.env.name} has no "
+            "expert_action(); expected an env with an expert, or choose failed, divergence or entropy."
+        )
     seed = task_seed("train", 0, recipe.env.eval_seed_start)
     mismatch = replay_check(factory, seed, settings_for(recipe, episodes=1, train_tasks=1))
     if mismatch is not None:

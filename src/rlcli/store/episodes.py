@@ -145,15 +145,19 @@ def stored_episode_keys(store: RunStore, stage: str) -> set[tuple[int, int]]:
     return {(t, s) for t, s in rows.fetchall()}
 
 
-def stage_episodes(store: RunStore, stage: str, *, finished_only: bool = False) -> list[Episode]:
-    """A stage's episodes in the order they were stored; finished_only leaves out failed ones."""
+def stage_episodes(
+    store: RunStore, stage: str, *, finished_only: bool = False, with_turns: bool = False
+) -> list[Episode]:
+    """A stage's episodes in the order they were stored; finished_only leaves out failed ones; with_turns
+    reads their turns too."""
     status = " and status = 'ok'" if finished_only else ""
-    return [
-        _episode(row)
-        for row in store.rundb.db.query(
-            f"select * from episodes where run = ? and stage = ?{status} order by id", [store.run, stage]
-        )
-    ]
+    rows = store.rundb.db.query(
+        f"select * from episodes where run = ? and stage = ?{status} order by id", [store.run, stage]
+    )
+    if not with_turns:
+        return [_episode(row) for row in rows]
+    turns = "select * from turns where episode_id = ? order by turn_index"
+    return [_episode(row, [_turn(t) for t in store.rundb.db.query(turns, [row["id"]])]) for row in rows]
 
 
 def eval_games(store: RunStore) -> list[PlayedGame]:

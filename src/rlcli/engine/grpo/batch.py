@@ -70,7 +70,9 @@ def build_batch(
     turn_adv, rae = turn_advantages(cfg, episodes, rewards, groups, rae_baselines, metrics)
     branched: list[tuple[LabelledEpisode, list[float]]] = []
     credited: set[int] = set()  # episodes with a branch point: trained even in a group of equal rewards
-    if cfg.branch is not None:
+    if cfg.branch is not None and cfg.branch.choose == "expert":
+        branched = expert_branch_credit(cfg, stored_branches(ctx, it), metrics)
+    elif cfg.branch is not None:
         branched, credited = branch_credit(cfg, episodes, groups, turn_adv, stored_branches(ctx, it), metrics)
 
     replay_ids = {e.episode.id for e in chosen.replayed}
@@ -208,6 +210,29 @@ def branch_credit(
     metrics["train/branch_points"] = len(points)
     metrics["train/branch_points_live"] = live / len(points) if points else 0.0
     return [(b, own[id(b)]) for b in trained], credited
+
+
+def expert_branch_credit(
+    cfg: GrpoSection, branches: list[LabelledEpisode], metrics: dict[str, float]
+) -> list[tuple[LabelledEpisode, list[float]]]:
+    """grpo.branch.choose expert's credit: the continuations from one expert state s_t are a group of their
+    own (the expert is off-policy and not in it), and each trains from turn t on with weight x its
+    advantage among them (grpo.advantage, of their returns-to-go from t, discounted with grpo.gamma)."""
+    assert cfg.branch is not None
+    gamma = cfg.gamma if cfg.gamma is not None else 1.0
+    points: dict[tuple[int | None, int], list[LabelledEpisode]] = {}
+    for b in branches:
+        points.setdefault((b.episode.parent_episode_id, b.episode.branch_turn or 0), []).append(b)
+    out, live = [], 0
+    for (_, turn), members in points.items():
+        to_go = [advantages.discounted_turn_returns(turn_rewards(b), gamma)[turn] for b in members]
+        adv = advantages.compute_advantages(to_go, [0] * len(members), cfg.advantage)
+        live += len(set(to_go)) > 1
+        for b, a in zip(members, adv.tolist(), strict=True):
+            out.append((b, [0.0] * turn + [cfg.branch.weight * a] * (len(b.episode.turns) - turn)))
+    metrics["train/branch_points"] = len(points)
+    metrics["train/branch_points_live"] = live / len(points) if points else 0.0
+    return out
 
 
 def branch_sequences(cfg: GrpoSection, labelled: LabelledEpisode, per_turn: list[float]) -> list[TrainSequence]:

@@ -11,6 +11,12 @@ rewards, or turn t's prompt tokens; compared as `rlcli envs audit` compares two 
 failed with that difference and never trained on; an env that does not replay at all is refused
 before any stage (engine/preflight.py, check_replays).
 
+With grpo.branch.choose expert (semi-online), the parents are the env's expert's episodes instead: the
+stage first plays the expert once on each of grpo.branch.points of the iteration's tasks (those whose
+groups had no success first) and stores it as sample 0 of its task, then branches from a turn of it
+drawn at random. The expert's turns are replayed as the policy's tokens would carry its text (the
+tokenizer's encoding and its eos) and are context only: a continuation trains from the branch turn on.
+
 Exact resume: the points are recorded with the stage (and are a function of stored, labelled
 episodes), each branch's sampling seed is derived from (run seed, stage, parent task, parent sample,
 turn, k), and branches are committed in chunks of rollout.batch_size, as rollout stages are, so a
@@ -30,13 +36,13 @@ from rlcli.engine.audit import replay_mismatch, stored_play
 from rlcli.engine.context import RunContext
 from rlcli.engine.episode_runner import EpisodeRunner, EpisodeSpec, LiveEpisode, RolloutLimits
 from rlcli.engine.labelling import GRPO_LABEL_SET, label_stage_episodes
-from rlcli.engine.rollout import chunks, env_host
+from rlcli.engine.rollout import chunks, collect, env_host
 from rlcli.envs.tool_use import tool_use_spec
 from rlcli.envs.tools import close_toolboxes
 from rlcli.generation.sampler import Sample, Sampler
 from rlcli.generation.seeds import derive_seed
-from rlcli.store.episodes import episodes_for_training, store_episodes, stored_episode_keys
-from rlcli.store.names import PolicyRef, branch_stage, rollout_stage
+from rlcli.store.episodes import episodes_for_training, stage_episodes, store_episodes, stored_episode_keys
+from rlcli.store.names import EXPERT, PolicyRef, branch_stage, rollout_stage
 from rlcli.store.records import Episode, LabelledEpisode, Turn
 
 if TYPE_CHECKING:
@@ -76,6 +82,34 @@ def candidate_points(cfg: BranchSection, episodes: list[LabelledEpisode], seed: 
             groups.setdefault(e.episode.task_index, []).append(e.episode)
         points = [p for members in groups.values() if (p := _first_divergence(members)) is not None]
     random.Random(seed).shuffle(points)
+    return points
+
+
+def expert_tasks(episodes: list[LabelledEpisode], count: int, seed: int) -> list[int]:
+    """grpo.branch.choose expert: `count` of the iteration's tasks for the expert to play, those whose
+    group had no success first (where the policy alone gets no signal), each kind in a draw seeded by
+    `seed`."""
+    solved: dict[int, bool] = {}
+    for e in episodes:
+        solved[e.episode.task_index] = solved.get(e.episode.task_index, False) or bool(e.episode.success)
+    rng = random.Random(seed)
+    unsolved = [t for t, ok in sorted(solved.items()) if not ok]
+    rest = [t for t, ok in sorted(solved.items()) if ok]
+    rng.shuffle(unsolved)
+    rng.shuffle(rest)
+    return (unsolved + rest)[:count]
+
+
+def expert_points(experts: list[Episode], seed: int) -> list[BranchPoint]:
+    """A turn of each finished expert episode to branch from, drawn at random (seeded by `seed` and the
+    task): not its first, whose state a rollout already samples from, unless it has only one."""
+    points = []
+    for e in experts:
+        if e.status != "ok" or not e.turns:
+            continue
+        last = len(e.turns) - 1
+        turn = random.Random(derive_seed(seed, e.task_index)).randint(1, last) if last >= 1 else 0
+        points.append(BranchPoint(_id_of(e), turn))
     return points
 
 
@@ -140,9 +174,23 @@ class PrefixSampler:
         return [out[row] for row in rows]
 
 
+def policy_turns(turns: list[Turn], tokenizer: PreTrainedTokenizerBase) -> list[Turn]:
+    """Stored turns as the policy's sampled turns: a model's as they are; the expert's, which keep text
+    only, as the tokens the policy would have sampled to write it (its text encoded, then eos)."""
+    out = []
+    for turn in turns:
+        if turn.completion_ids:
+            out.append(turn)
+            continue
+        ids = [*tokenizer(turn.text, add_special_tokens=False)["input_ids"], tokenizer.eos_token_id]
+        out.append(replace(turn, completion_ids=ids, logprobs=[0.0] * len(ids)))
+    return out
+
+
 def replay_difference(parent: Episode, branch: Episode, turn: int) -> str | None:
     """How a branch's replayed turns differ from its parent's, or None: the reset's and each replayed
-    turn's observation and reward (the audit's comparison of two plays), and turn `turn`'s prompt tokens."""
+    turn's observation and reward (the audit's comparison of two plays), and turn `turn`'s prompt tokens
+    (a model's parent: the expert's turns keep no tokens)."""
 
     def opening(episode: Episode) -> list[dict]:
         first = next((i for i, m in enumerate(episode.messages) if m.get("role") == "assistant"), 0)
@@ -155,7 +203,9 @@ def replay_difference(parent: Episode, branch: Episode, turn: int) -> str | None
     )
     if mismatch is not None:
         return mismatch
-    if len(branch.turns) <= turn or branch.turns[turn].prompt_ids != parent.turns[turn].prompt_ids:
+    if len(branch.turns) <= turn:
+        return f"the branch ended before its turn {turn}"
+    if parent.turns[turn].prompt_ids and branch.turns[turn].prompt_ids != parent.turns[turn].prompt_ids:
         return f"turn {turn}'s prompt tokens differ from the parent's"
     return None
 
@@ -168,25 +218,37 @@ def play_branches(
     policy: PolicyRef,
     reward_fns: list[RewardFn],
 ) -> dict[str, Any]:
-    """Stage branch/it: its points (recorded with the stage), their continuations played, stored and
-    labelled under label set grpo; the stage's result."""
+    """Stage branch/it: its points (recorded with the stage; with choose expert, the tasks its expert
+    plays), their continuations played, stored and labelled under label set grpo; the stage's result."""
     cfg = ctx.recipe.grpo.branch
     assert cfg is not None  # the loop calls this only with grpo.branch set
     stage = branch_stage(it)
-    parents = {_id(e): e for e in episodes_for_training(ctx.store, rollout_stage(it), GRPO_LABEL_SET)}
+    rollouts = episodes_for_training(ctx.store, rollout_stage(it), GRPO_LABEL_SET)
     row = ctx.store.stage(stage)
-    if row is not None and "points" in row.params:  # a resumed stage keeps the points it began with
-        points = [BranchPoint(*pair) for pair in row.params["points"]]
+    seed = derive_seed(ctx.recipe.run.seed, stage)
+    key = "tasks" if cfg.choose == "expert" else "points"
+    if row is not None and key in row.params:  # a resumed stage keeps the points (or tasks) it began with
+        chosen = row.params[key]
+    elif cfg.choose == "expert":
+        chosen = expert_tasks(rollouts, cfg.points, seed)
     else:
-        seed = derive_seed(ctx.recipe.run.seed, stage)
-        points = candidate_points(cfg, list(parents.values()), seed)[: cfg.points]
+        chosen = [[p.parent_id, p.turn] for p in candidate_points(cfg, rollouts, seed)[: cfg.points]]
 
     def work() -> dict[str, Any]:
-        _collect(ctx, it, points, {p: parents[p.parent_id].episode for p in points}, sampler, tokenizer, policy)
+        if cfg.choose == "expert":
+            # Sample 0 of each task: the expert's episode, stored before any continuation names it.
+            collect(ctx, stage=stage, policy=EXPERT, task_indices=chosen, group_size=1, split="train", iteration=it)
+            parents = {_id_of(e): e for e in stage_episodes(ctx.store, stage, with_turns=True) if e.policy == "expert"}
+            points = expert_points(list(parents.values()), seed)
+        else:
+            parents = {_id(e): e.episode for e in rollouts}
+            points = [BranchPoint(*pair) for pair in chosen]
+        first = 1 if cfg.choose == "expert" else 0
+        _collect(ctx, it, points, {p: parents[p.parent_id] for p in points}, sampler, tokenizer, policy, first)
         labels = label_stage_episodes(ctx, stage, GRPO_LABEL_SET, reward_fns)
         return {"points": len(points), **labels}
 
-    return ctx.stage(stage, work, params={"iteration": it, "points": [[p.parent_id, p.turn] for p in points]})
+    return ctx.stage(stage, work, params={"iteration": it, key: chosen})
 
 
 def _collect(
@@ -197,9 +259,11 @@ def _collect(
     sampler: Sampler,
     tokenizer: PreTrainedTokenizerBase,
     policy: PolicyRef,
+    first_sample: int,
 ) -> None:
     """Play and store every branch of `points` that the stage has not stored, chunk by chunk (one
-    transaction each), as engine/rollout.py's collect plays a rollout stage."""
+    transaction each), as engine/rollout.py's collect plays a rollout stage; their sample indices start
+    at first_sample (after the expert's episode of the task, with choose expert)."""
     from rlcli.envs.loading import load_env
 
     recipe, stage = ctx.recipe, branch_stage(it)
@@ -209,8 +273,8 @@ def _collect(
         parent = parents[point]
         for j in range(k):
             seed = derive_seed(recipe.run.seed, stage, parent.task_index, parent.sample_index, point.turn, j)
-            specs.append(EpisodeSpec(parent.task_index, n * k + j, parent.seed, seed))
-            prefixes[seed], origin[seed] = parent.turns[: point.turn], point
+            specs.append(EpisodeSpec(parent.task_index, first_sample + n * k + j, parent.seed, seed))
+            prefixes[seed], origin[seed] = policy_turns(parent.turns[: point.turn], tokenizer), point
     have = stored_episode_keys(ctx.store, stage)
     todo = [
         [s for s in c if (s.task_index, s.sample_index) not in have] for c in chunks(specs, recipe.rollout.batch_size)
@@ -247,5 +311,7 @@ def _collect(
 
 
 def stored_branches(ctx: RunContext, it: int) -> list[LabelledEpisode]:
-    """Iteration it's branches for its batch: finished, labelled, replayed as their parent played."""
-    return episodes_for_training(ctx.store, branch_stage(it), GRPO_LABEL_SET)
+    """Iteration it's branches for its batch: finished, labelled, replayed as their parent played (not the
+    expert's episodes they branch from, with choose expert)."""
+    stored = episodes_for_training(ctx.store, branch_stage(it), GRPO_LABEL_SET)
+    return [b for b in stored if b.episode.parent_episode_id is not None]
