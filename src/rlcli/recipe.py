@@ -736,6 +736,19 @@ class GrpoSection(Section):
     entropy_top_frac: float | None = Field(
         None, gt=0, le=1, description="Train only on this fraction of highest-entropy tokens; null trains on all."
     )
+    entropy_target: float | None = Field(
+        None,
+        gt=0,
+        description="Keep the policy's entropy near this many nats a token (null: no entropy term): an entropy "
+        "bonus whose coefficient rises by grpo.entropy_coef_step after each rollout whose sampled tokens' entropy "
+        "was below the target, and falls by it otherwise (never below 0 or above grpo.entropy_coef_max).",
+    )
+    entropy_coef_step: float = Field(
+        0.005, gt=0, description="How much the entropy bonus's coefficient moves per iteration (grpo.entropy_target)."
+    )
+    entropy_coef_max: float = Field(
+        0.05, gt=0, description="The entropy bonus's largest coefficient (grpo.entropy_target)."
+    )
     mask_truncated: bool = Field(False, description="Exclude episodes that hit a length or turn cap from the loss.")
     checkpoint_every: int = Field(1, gt=0, description="Save a resumable checkpoint every n iterations.")
     sampling: Literal["sequential", "uniform", "curriculum"] = Field(

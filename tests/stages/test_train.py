@@ -85,6 +85,7 @@ def test_reward_rises_over_iterations(tmp_path):
         },
         {"gamma": 0.9, "gradient_checkpointing": True},
         {"step_groups": 0.5},
+        {"entropy_target": 100.0, "entropy_coef_step": 0.01},  # above any entropy: the bonus is on from iteration 0
     ],
 )
 def test_objective_variants_run_and_change_the_adapter(tmp_path, options):
@@ -106,6 +107,9 @@ def test_objective_variants_run_and_change_the_adapter(tmp_path, options):
     assert 0.0 <= _metric(ctx, "perf/pad_frac")[0] < 1.0
     if options.get("step_groups"):  # guess_number's "Higher."/"Lower." repeat across a group's episodes
         assert 0.0 <= _metric(ctx, "train/step_groups_live")[0] <= 1.0
+    if options.get("entropy_target"):
+        assert _metric(ctx, "train/entropy_coef") == [pytest.approx(0.01)]
+        assert _metric(ctx, "train/rollout_entropy")[0] > 0
 
 
 def test_mask_truncated_leaves_out_episodes_cut_by_the_token_cap(tmp_path):

@@ -522,3 +522,44 @@ def test_chunked_token_logprobs_match_a_full_log_softmax(chunk_size, dtype):
     grad_tol = 1e-5 if dtype != torch.bfloat16 else 3e-2
     for got, want in zip(grads, (hidden.grad, weight.grad)):
         assert torch.allclose(got.float(), want.float(), rtol=grad_tol, atol=grad_tol)
+
+
+# --- grpo.entropy_target ---------------------------------------------------------------------------
+
+
+def test_the_entropy_bonus_from_sampled_tokens_ascends_the_exact_entropy():
+    """coef * (sg(logp) + H) * logp over tokens sampled from p: its mean gradient with respect to the
+    logits is -coef times the gradient of p's entropy, computed exactly by autograd."""
+    logits = torch.tensor([2.0, 0.5, -1.0, 0.0, 1.0], requires_grad=True)
+    exact = -(logits.softmax(-1) * logits.log_softmax(-1)).sum()
+    (entropy_grad,) = torch.autograd.grad(exact, logits)
+    n = 200_000
+    tokens = torch.multinomial(
+        logits.softmax(-1).detach(), n, replacement=True, generator=torch.Generator().manual_seed(0)
+    )
+    logp = logits.log_softmax(-1)[tokens].unsqueeze(0)  # one sequence of n sampled tokens
+    entropy = exact.detach().expand(1, n)
+    zeros, mask = torch.zeros(1, n), torch.ones(1, n)
+    loss, _ = policy_loss(
+        logp, logp.detach(), zeros[:, 0], mask, clip_low=0.2, clip_high=0.2, entropy=entropy, entropy_coef=0.1
+    )
+    (grad,) = torch.autograd.grad(loss, logits)
+    assert torch.allclose(grad, -0.1 * entropy_grad, atol=2e-3), (grad, -0.1 * entropy_grad)
+    plain, _ = policy_loss(logp, logp.detach(), zeros[:, 0], mask, clip_low=0.2, clip_high=0.2, entropy=entropy)
+    assert float(plain.detach()) == 0.0  # no advantage and no bonus: nothing to learn
+
+
+def test_the_entropy_coefficient_rises_below_the_target_and_falls_above_it():
+    from rlcli.engine.grpo.batch import entropy_coefficient
+    from rlcli.recipe import load_recipe
+
+    cfg = load_recipe(
+        None, ["grpo.entropy_target=0.3", "grpo.entropy_coef_step=0.01", "grpo.entropy_coef_max=0.02"]
+    ).grpo
+    assert entropy_coefficient(cfg, []) == 0.0
+    assert entropy_coefficient(cfg, [0.5, 0.5]) == 0.0  # never below 0
+    assert entropy_coefficient(cfg, [0.1]) == pytest.approx(0.01)
+    assert entropy_coefficient(cfg, [0.1, 0.1, 0.1]) == pytest.approx(0.02)  # at most entropy_coef_max
+    assert entropy_coefficient(cfg, [0.1, 0.1, None, 0.4]) == pytest.approx(0.01)  # None moves nothing
+    off = load_recipe(None, []).grpo
+    assert entropy_coefficient(off, [0.01, 0.01]) == 0.0  # no target: no bonus

@@ -17,7 +17,7 @@ from rlcli.engine.grpo.staleness import staleness
 from rlcli.engine.grpo.update import TrainSequence
 from rlcli.envs.tool_use import without_call_records
 from rlcli.errors import RlcliError
-from rlcli.store.episodes import set_aside_count
+from rlcli.store.episodes import sampled_token_entropy, set_aside_count
 from rlcli.store.names import rollout_stage
 from rlcli.store.records import LabelledEpisode, Turn
 from rlcli.store.teacher import TurnKey, teacher_logprobs
@@ -38,6 +38,22 @@ class IterationBatch:
     replayed: list[tuple[int, int]] | None  # grpo.replay's (episode id, task) added; None: replay is off
     rae_baselines: dict[str, float] | None = None  # grpo.advantage rae: the baselines after this batch
     trained_groups: list[tuple[int, int]] | None = None  # grpo.dynamic_sampling: (iteration played, task) chosen
+    entropy_coef: float = 0.0  # grpo.entropy_target: the entropy bonus's coefficient for this update
+
+
+def entropy_coefficient(cfg: GrpoSection, entropies: list[float | None]) -> float:
+    """grpo.entropy_target's coefficient after the rollouts whose sampled-token entropies are `entropies`
+    (oldest first; None: a rollout without tokens, which moves nothing): from 0, each one below the
+    target raises it by grpo.entropy_coef_step and each one at or above lowers it, kept in
+    [0, grpo.entropy_coef_max]. A function of stored rollouts, so a resumed run gets the same."""
+    coef = 0.0
+    if cfg.entropy_target is None:
+        return coef
+    for entropy in entropies:
+        if entropy is not None:
+            step = cfg.entropy_coef_step if entropy < cfg.entropy_target else -cfg.entropy_coef_step
+            coef = min(max(coef + step, 0.0), cfg.entropy_coef_max)
+    return coef
 
 
 def build_batch(
@@ -99,6 +115,13 @@ def build_batch(
     for labelled, per_turn in branched:
         sequences += branch_sequences(cfg, labelled, per_turn)
     metrics["train/sequences"] = len(sequences)
+    entropy_coef = 0.0
+    if cfg.entropy_target is not None:
+        entropies = [sampled_token_entropy(ctx.store, rollout_stage(i)) for i in range(it + 1)]
+        entropy_coef = entropy_coefficient(cfg, entropies)
+        metrics["train/entropy_coef"] = entropy_coef
+        if entropies[-1] is not None:
+            metrics["train/rollout_entropy"] = entropies[-1]
     if gaps:  # the sampled estimate of the per-token reverse KL to the teacher
         metrics["train/teacher_kl"] = sum(gaps) / len(gaps)
     return IterationBatch(
@@ -110,6 +133,7 @@ def build_batch(
         [(stored_id(e), e.episode.task_index) for e in chosen.replayed] if cfg.replay is not None else None,
         rae,
         chosen.trained_groups,
+        entropy_coef,
     )
 
 

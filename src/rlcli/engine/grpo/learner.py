@@ -145,7 +145,11 @@ class GrpoTrainer:
             it = batch.iteration
             torch.manual_seed(derive_seed(self.ctx.recipe.run.seed, "dropout", it))  # dropout, if any, replays exactly
             self.model.train()
-            metrics.update(update_policy(self.ctx, self.model, self.optimizer, self.scheduler, batch.sequences, it))
+            metrics.update(
+                update_policy(
+                    self.ctx, self.model, self.optimizer, self.scheduler, batch.sequences, it, batch.entropy_coef
+                )
+            )
         else:  # every group had equal rewards, or every episode was masked: nothing to learn from
             metrics["train/skipped"] = 1.0
         return IterationStats(batch.reward_mean, batch.reward_std, metrics, batch.replayed, batch.trained_groups)

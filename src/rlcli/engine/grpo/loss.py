@@ -127,6 +127,7 @@ def policy_loss(
     tis_cap: float | None = None,
     entropy: torch.Tensor | None = None,
     entropy_top_frac: float | None = None,
+    entropy_coef: float = 0.0,
     max_len_norm: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped surrogate loss over [B, T] token log-probs; mask is 1 on trainable tokens only.
@@ -139,6 +140,11 @@ def policy_loss(
     highest-entropy tokens; the k3 KL to the reference, beta * (exp(ref - logp) - (ref - logp) - 1), is
     added on every masked token. Entropy selection and TIS change which tokens carry policy gradient, not
     the denominator of the aggregation (as in TRL and the 80/20 paper).
+    entropy_coef > 0 adds an entropy bonus (grpo.entropy_target) from the sampled tokens: the gradient of a
+    position's entropy H is -E_a[(log p(a) + H) grad log p(a)] (H, detached, as a baseline that keeps the
+    estimate unbiased and lowers its variance), so the term coef * (sg(logp) + H) * logp, minimised, ascends
+    coef * H at the cost of one multiply: the exact entropy's gradient would need the vocabulary's logits
+    kept for the backward.
     advantages are [B] (one per sequence) or [B, T] (per token, e.g. from turn advantages).
     """
     m = mask.to(logprobs.dtype)
@@ -172,6 +178,8 @@ def policy_loss(
         stats["entropy"] = masked_mean(entropy)
         if entropy_top_frac is not None:
             tok = tok * _top_entropy_mask(entropy, live, entropy_top_frac)
+        if entropy_coef > 0:
+            tok = tok + entropy_coef * (logprobs.detach() + entropy) * logprobs
     kl = zero
     if ref_logprobs is not None:
         diff = torch.where(live, ref_logprobs - logprobs, zero)

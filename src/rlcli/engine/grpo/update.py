@@ -82,10 +82,12 @@ def update(
     scheduler: LRScheduler,
     sequences: list[TrainSequence],
     it: int,
+    entropy_coef: float = 0.0,
 ) -> dict[str, float]:
     """grpo.epochs passes over `sequences` in shuffled minibatches (one optimizer step each), every
     minibatch forwarded in length-sorted micro-batches whose gradients accumulate; returns the
-    iteration's train/ statistics and perf/pad_frac. Only ctx.recipe is read."""
+    iteration's train/ statistics and perf/pad_frac. entropy_coef: the entropy bonus's (grpo.entropy_target).
+    Only ctx.recipe is read."""
     recipe, cfg = ctx.recipe, ctx.recipe.grpo
     temperature = sampling_config(recipe.rollout).logprob_temperature
     n_mb = minibatches_per_epoch(recipe)
@@ -114,7 +116,9 @@ def update(
                     continue  # nothing to train on: it would add 0 to the gradient and to every statistic
                 batch = _collate(micro, model, share_prefix=not cfg.gradient_checkpointing, pictures=pictures)
                 olds = [old_logprobs[i] for i in micro_idx] if old_logprobs is not None else None
-                loss = _micro_loss(cfg, model, batch, micro, olds, temperature, max_len_norm, epoch, tally)
+                loss = _micro_loss(
+                    cfg, model, batch, micro, olds, temperature, entropy_coef, max_len_norm, epoch, tally
+                )
                 # Scale so that accumulated micro-batch gradients equal the minibatch's gradient.
                 if cfg.aggregation == "token_mean":
                     share = float(batch.mask.sum()) / max(mb_tokens, 1.0)
@@ -138,6 +142,7 @@ def _micro_loss(
     micro: list[TrainSequence],
     olds: list[torch.Tensor] | None,
     temperature: float,
+    entropy_coef: float,
     max_len_norm: int,
     epoch: int,
     tally: _Tally,
@@ -172,6 +177,7 @@ def _micro_loss(
         tis_cap=tis_cap,
         entropy=entropy,
         entropy_top_frac=cfg.entropy_top_frac,
+        entropy_coef=entropy_coef,
         max_len_norm=max_len_norm,
     )
     check_finite("the loss", loss)
