@@ -139,6 +139,22 @@ def test_show_leads_with_model_env_stages_and_held_out_success(capsys, runs_dir)
     assert any("held-out 60% [45–75%]" in line and "latest (#2)" in line for line in lead), lead
 
 
+def test_a_run_whose_recorded_recipe_this_version_cannot_read_is_one_sentence(capsys, runs_dir):
+    """A run recorded by another rlcli (a key since removed): `runs show` said "unexpected ValidationError"."""
+    rundb = RunDB.open(runs_dir)
+    recorded = json.loads(rundb.db.execute("select recipe from runs where name = 'demo'").fetchone()[0])
+    recorded["grpo"]["old_knob"] = 1
+    rundb.db.execute("update runs set recipe = ? where name = 'demo'", [json.dumps(recorded)])
+    rundb.db.conn.commit()
+    rundb.close()
+    code, out, err = cli(capsys, "runs", "show", "demo")
+    message = " ".join(err.split())
+    assert code == 2 and not out and "Traceback" not in err and "unexpected" not in err, err
+    assert message.startswith("Error: the recipe recorded with run 'demo': unknown key grpo.old_knob"), message
+    assert "this version of rlcli cannot read it" in message
+    assert "expected a run recorded by a compatible version" in message
+
+
 def test_compare_shows_the_recipe_fields_that_differ_and_held_out_side_by_side(capsys, runs_dir):
     code, out, err = cli(capsys, "runs", "compare", "demo", "lr", "--json")
     assert code == 0, err

@@ -128,25 +128,7 @@ def runs_figure(stores: list[RunStore], metrics: list[str] | None = None) -> tup
         )
         for store in stores
     ]
-    names = ", ".join(repr(store.run) for store in stores)
-    if metrics:
-        known = dict.fromkeys(key for run in runs for key in run.series)
-        missing = [key for key in metrics if key not in known]
-        if missing:
-            whose = f"Run {names} has" if len(stores) == 1 else f"Runs {names} have"
-            raise UsageError(f"{whose} no metric {missing[0]!r}; the metrics: {', '.join(known) or 'none'}.")
-        panels: list[tuple[str, tuple[str, ...]]] = [(key, (key,)) for key in metrics]
-    else:
-        # A KL that is 0 throughout was not measured (grpo.beta 0 and no reference): a flat line says nothing.
-        runs = [
-            replace(run, series={k: v for k, v in run.series.items() if not (k in ZERO_WHEN_OFF and _all_zero(v))})
-            for run in runs
-        ]
-        panels = [(title, keys) for title, keys in DEFAULT_PANELS if any(k in run.series for run in runs for k in keys)]
-    show_evals = any(run.evals for run in runs) and not metrics
-    if not panels and not show_evals:
-        whose = f"Run {names} has" if len(stores) == 1 else f"Runs {names} have"
-        raise UsageError(f"{whose} nothing to plot yet: no metrics and no evals; train or evaluate first.")
+    runs, panels, show_evals = _panels(runs, ", ".join(repr(store.run) for store in stores), metrics)
 
     # The object API with an explicit Agg canvas: no pyplot global state, no GUI backend.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -196,6 +178,31 @@ def runs_figure(stores: list[RunStore], metrics: list[str] | None = None) -> tup
     for ax in axes[count:]:
         ax.set_visible(False)
     return fig, drawn
+
+
+def _panels(
+    runs: list[_Loaded], names: str, metrics: list[str] | None
+) -> tuple[list[_Loaded], list[tuple[str, tuple[str, ...]]], bool]:
+    """The panels to draw (title, keys), whether the evals get one, and the runs without the series that
+    say nothing (a KL that is 0 throughout); a UsageError for a metric no run has or nothing to plot."""
+    whose = f"Run {names} has" if len(runs) == 1 else f"Runs {names} have"
+    if metrics:
+        known = dict.fromkeys(key for run in runs for key in run.series)
+        missing = [key for key in metrics if key not in known]
+        if missing:
+            raise UsageError(f"{whose} no metric {missing[0]!r}; the metrics: {', '.join(known) or 'none'}.")
+        panels: list[tuple[str, tuple[str, ...]]] = [(key, (key,)) for key in metrics]
+    else:
+        # A KL that is 0 throughout was not measured (grpo.beta 0 and no reference): a flat line says nothing.
+        runs = [
+            replace(run, series={k: v for k, v in run.series.items() if not (k in ZERO_WHEN_OFF and _all_zero(v))})
+            for run in runs
+        ]
+        panels = [(title, keys) for title, keys in DEFAULT_PANELS if any(k in run.series for run in runs for k in keys)]
+    show_evals = any(run.evals for run in runs) and not metrics
+    if not panels and not show_evals:
+        raise UsageError(f"{whose} nothing to plot yet: no metrics and no evals; train or evaluate first.")
+    return runs, panels, show_evals
 
 
 def _draw_teachers(ax: Any, runs: list[_Loaded], overlaid: bool) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 from sqlite_utils import Database
 
 from rlcli.errors import UsageError
-from rlcli.recipe import Recipe, changed_fields
+from rlcli.recipe import Recipe, changed_fields, validate_recipe
 from rlcli.store.migrations import migrations
 from rlcli.store.records import Metric, RecipeVersion, Run, Stage
 
@@ -411,7 +411,15 @@ class RunDB:
         return [_run(row) for row in self.db.table("runs").rows_where(order_by="created_at")]
 
     def run_recipe(self, name: str) -> Recipe:
-        return Recipe.model_validate(self.require_run(name).recipe)
+        """The recipe recorded with the run. One this rlcli cannot read (a key since removed, a value since
+        refused: written by another version) is a UsageError naming the run and the field."""
+        try:
+            return validate_recipe(self.require_run(name).recipe, f"the recipe recorded with run {name!r}")
+        except UsageError as exc:
+            raise UsageError(
+                f"{str(exc).removesuffix('.')}; this version of rlcli cannot read it: expected a run recorded by a "
+                "compatible version (run it with the version that recorded it)."
+            ) from None
 
     # --- stages --------------------------------------------------------------
 

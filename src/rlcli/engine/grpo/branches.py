@@ -238,7 +238,9 @@ def play_branches(
         if cfg.choose == "expert":
             # Sample 0 of each task: the expert's episode, stored before any continuation names it.
             collect(ctx, stage=stage, policy=EXPERT, task_indices=chosen, group_size=1, split="train", iteration=it)
-            parents = {_id_of(e): e for e in stage_episodes(ctx.store, stage, with_turns=True) if e.policy == "expert"}
+            parents = {
+                _id_of(e): e for e in stage_episodes(ctx.store, stage, with_turns=True) if e.policy == str(EXPERT)
+            }
             points = expert_points(list(parents.values()), seed)
         else:
             parents = {_id(e): e.episode for e in rollouts}

@@ -140,11 +140,8 @@ def policy_loss(
     highest-entropy tokens; the k3 KL to the reference, beta * (exp(ref - logp) - (ref - logp) - 1), is
     added on every masked token. Entropy selection and TIS change which tokens carry policy gradient, not
     the denominator of the aggregation (as in TRL and the 80/20 paper).
-    entropy_coef > 0 adds an entropy bonus (grpo.entropy_target) from the sampled tokens: the gradient of a
-    position's entropy H is -E_a[(log p(a) + H) grad log p(a)] (H, detached, as a baseline that keeps the
-    estimate unbiased and lowers its variance), so the term coef * (sg(logp) + H) * logp, minimised, ascends
-    coef * H at the cost of one multiply: the exact entropy's gradient would need the vocabulary's logits
-    kept for the backward.
+    entropy_coef > 0 adds grpo.entropy_target's bonus from the sampled tokens: grad H = -E_a[(log p(a) + H)
+    grad log p(a)] (H a baseline), so minimising coef * (sg(logp) + H) * logp ascends coef * H (docs/stages.md).
     advantages are [B] (one per sequence) or [B, T] (per token, e.g. from turn advantages).
     """
     m = mask.to(logprobs.dtype)
@@ -189,12 +186,7 @@ def policy_loss(
 
     loss = _aggregate(torch.where(live, tok, zero), m, aggregation, max_len_norm)
     with torch.no_grad():
-        stats.update(
-            loss=float(loss),
-            clip_frac_low=masked_mean(((ratio < 1 - clip_low) & (adv < 0)).to(m.dtype)),
-            clip_frac_high=masked_mean(((ratio > 1 + clip_high) & (adv > 0)).to(m.dtype)),
-            ratio_mean=masked_mean(ratio),
-            kl=masked_mean(kl),
-            tokens=float(n_tok),
-        )
+        low, high = (ratio < 1 - clip_low) & (adv < 0), (ratio > 1 + clip_high) & (adv > 0)
+        stats.update(loss=float(loss), ratio_mean=masked_mean(ratio), kl=masked_mean(kl), tokens=float(n_tok))
+        stats.update(clip_frac_low=masked_mean(low.to(m.dtype)), clip_frac_high=masked_mean(high.to(m.dtype)))
     return loss, stats
