@@ -118,13 +118,17 @@ def test_the_expert_plays_unsolved_tasks_first_and_branches_after_its_first_turn
     assert expert_points(experts, seed=3) == points  # drawn from the seed alone
 
 
-def test_expert_branches_continue_the_experts_episode(tmp_path):
+def _one_branched_iteration(tmp_path, branch) -> sqlite3.Connection:
+    """One GRPO iteration on the maze with grpo.branch `branch`; its database."""
     from rlcli.engine.grpo.loop import run_grpo
 
-    recipe = write_recipe(tmp_path / "r.yaml", **MAZE, grpo={"iterations": 1, "branch": EXPERT_BRANCH})
-    ctx = make_ctx(recipe, tmp_path / "runs")
-    run_grpo(ctx)
-    db = sqlite3.connect(tmp_path / "runs" / "rlcli.db")
+    recipe = write_recipe(tmp_path / "r.yaml", **MAZE, grpo={"iterations": 1, "branch": branch})
+    run_grpo(make_ctx(recipe, tmp_path / "runs"))
+    return sqlite3.connect(tmp_path / "runs" / "rlcli.db")
+
+
+def test_expert_branches_continue_the_experts_episode(tmp_path):
+    db = _one_branched_iteration(tmp_path, EXPERT_BRANCH)
     experts = db.execute(
         "select id, task_index, sample_index, seed from episodes where stage = 'branch/0' and policy = 'expert'"
     ).fetchall()
@@ -165,12 +169,7 @@ def test_expert_branches_need_an_env_with_an_expert(tmp_path):
 
 
 def test_branches_are_stored_with_their_parent_and_replay_it(tmp_path):
-    from rlcli.engine.grpo.loop import run_grpo
-
-    recipe = write_recipe(tmp_path / "r.yaml", **MAZE, grpo={"iterations": 1, "branch": BRANCH})
-    ctx = make_ctx(recipe, tmp_path / "runs")
-    run_grpo(ctx)
-    db = sqlite3.connect(tmp_path / "runs" / "rlcli.db")
+    db = _one_branched_iteration(tmp_path, BRANCH)
     branches = db.execute(
         "select id, parent_episode_id, branch_turn, status from episodes where stage = 'branch/0' order by id"
     ).fetchall()

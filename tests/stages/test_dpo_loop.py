@@ -46,11 +46,11 @@ def test_second_grpo_phase_starts_from_the_dpo_checkpoint_and_numbers_on(tmp_pat
     at_update: dict[int, dict[str, torch.Tensor]] = {}
     real_update = learner.update_policy
 
-    def spying_update(ctx, model, optimizer, scheduler, sequences, it):
+    def spying_update(ctx, model, optimizer, scheduler, sequences, it, *options):
         at_update[it] = {
             n.replace(".default", ""): p.detach().clone() for n, p in model.named_parameters() if p.requires_grad
         }
-        return real_update(ctx, model, optimizer, scheduler, sequences, it)
+        return real_update(ctx, model, optimizer, scheduler, sequences, it, *options)
 
     monkeypatch.setattr(learner, "update_policy", spying_update)
     ctx = make_ctx(_loop_recipe(tmp_path), tmp_path / "runs")
