@@ -204,6 +204,32 @@ def test_reopening_applies_nothing_twice(runs_dir):
         rundb.close()
 
 
+def test_a_database_whose_creator_was_killed_before_linking_it_leaves_nothing_behind(runs_dir):
+    """A kill -9 between building the new database aside and linking it into place left the half-built
+    file (and its WAL) in the runs folder for good; the next open removes what dead processes left and
+    keeps what a live one is building."""
+    killed_before_link = textwrap.dedent(
+        f"""
+        import os, signal
+        from rlcli.store.db import RunDB
+        os.link = lambda *args: os.kill(os.getpid(), signal.SIGKILL)
+        RunDB.open({str(runs_dir)!r})
+        """
+    )
+    child = subprocess.run([sys.executable, "-c", killed_before_link], check=False)
+    assert child.returncode == -9
+    left = [name for name in os.listdir(runs_dir) if name.endswith(".new")]
+    assert left, "the kill should have left the file being built"
+    with subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"]) as building:
+        live = runs_dir / f".{DB_NAME}.{building.pid}.new"
+        live.write_bytes(b"")
+        try:
+            RunDB.open(runs_dir).close()
+        finally:
+            building.kill()
+    assert sorted(name for name in os.listdir(runs_dir) if ".new" in name) == [live.name]
+
+
 @pytest.mark.parametrize(
     "content",
     [b"name,status\nr1,done\n" * 50, b"hi", bytes(range(256)) * 8, b"SQLite format 3\x00" + b"\x01" * 200],

@@ -10,6 +10,7 @@ import contextlib
 import datetime as dt
 import json
 import os
+import re
 import socket
 import sqlite3
 import subprocess
@@ -57,6 +58,23 @@ def _create(path: Path) -> None:
         pass  # another process created it first; theirs is as good as ours
     finally:
         staging.unlink()
+
+
+def _remove_abandoned_staging(path: Path) -> None:
+    """Delete what `_create` was building beside `path` (the file, and SQLite's -wal and -shm beside it)
+    in processes that are gone: a kill between making it and linking it leaves it behind. A live
+    process's file, or another user's, is kept."""
+    owned = re.compile(rf"\.{re.escape(path.name)}\.(\d+)\.new(-wal|-shm|-journal)?")
+    for staging in path.parent.glob(f".{path.name}.*.new*"):
+        match = owned.fullmatch(staging.name)
+        if not match:
+            continue
+        try:
+            os.kill(int(match[1]), 0)
+        except ProcessLookupError:
+            staging.unlink(missing_ok=True)
+        except OSError:  # another user's process: not ours to judge
+            continue
 
 
 def check_runs_folder(runs_dir: Path) -> Path:
@@ -151,6 +169,7 @@ class RunDB:
                 f"{path} cannot be written (it or its folder is read-only), and this command writes to it; give a "
                 "writable --runs-dir (the commands that only read, such as rlcli runs show, work on it as it is)."
             )
+        _remove_abandoned_staging(path)
         if not path.exists():
             _create(path)
         # A generous busy timeout: a reader such as Datasette may hold the file briefly.
