@@ -318,7 +318,8 @@ class LosingHost:
 
 
 def test_a_pass_whose_every_episode_was_lost_is_stored_as_failed_instead_of_played_for_ever():
-    from rlcli.engine.episode_runner import EpisodeRunner, EpisodeSpec, RolloutLimits
+    from rlcli.engine.episode_runner import EpisodeRunner
+    from rlcli.engine.turns import EpisodeSpec, RolloutLimits
 
     runner = EpisodeRunner(LosingHost(), RolloutLimits(max_turns=1, max_length=64, step_timeout_s=1))
     [ep] = runner.run([EpisodeSpec(0, 0, 0, 0)])

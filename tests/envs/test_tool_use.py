@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from helpers import REPO, kill_at_event, run_in_process, write_env_file, write_recipe
-from rlcli.engine.episode_runner import EpisodeRunner, EpisodeSpec, RolloutLimits
+from rlcli.engine.episode_runner import EpisodeRunner
+from rlcli.engine.turns import EpisodeSpec, RolloutLimits
 from rlcli.envs.loading import load_env
 from rlcli.envs.tool_calls import MAX_NESTING, parse_tool_calls
 from rlcli.envs.tool_use import ToolUseSpec

@@ -20,7 +20,7 @@ from rlcli.report.text import literal
 
 if TYPE_CHECKING:
     from rlcli.engine.audit import AuditReport
-    from rlcli.engine.episode_runner import LiveEpisode
+    from rlcli.engine.turns import LiveEpisode
     from rlcli.recipe import Recipe
 
 app = typer.Typer(help="Environments: list them, try one in the terminal.", no_args_is_help=True)

@@ -34,7 +34,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rlcli.engine.episode_runner import EpisodeSpec, LiveEpisode, play_in_passes
+from rlcli.engine.episode_runner import play_in_passes
+from rlcli.engine.turns import EpisodeSpec, LiveEpisode
 from rlcli.envs.agents import AgentOutcome, AgentProgram, AgentSandbox, run_agent
 from rlcli.generation.endpoint import CallRecord, Endpoint
 from rlcli.generation.sampler import Sampler

@@ -30,15 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from rlcli.engine.episode_runner import (
-    Action,
-    EnvRounds,
-    EpisodeSpec,
-    LiveEpisode,
-    RolloutLimits,
-    TurnPlayer,
-    play_in_passes,
-)
+from rlcli.engine.episode_runner import EnvRounds, play_in_passes
+from rlcli.engine.turns import Action, EpisodeSpec, LiveEpisode, RolloutLimits, TurnPlayer
 from rlcli.envs.protocol import as_messages
 from rlcli.envs.workers import EnvHost, EnvReply
 from rlcli.errors import UsageError

@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlcli.engine.context import RunContext
-from rlcli.engine.episode_runner import EpisodeRunner, EpisodeSpec, LiveEpisode, RolloutLimits
+from rlcli.engine.episode_runner import EpisodeRunner
 from rlcli.engine.games import GameRunner, Opponent, recipe_opponent, stored_keys
+from rlcli.engine.turns import EpisodeSpec, LiveEpisode, RolloutLimits
 from rlcli.envs.agents import is_agent
 from rlcli.envs.sandbox import use_bwrap
 from rlcli.envs.tool_use import ToolUseSpec, tool_use_spec

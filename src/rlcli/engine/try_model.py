@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from rlcli.engine.episode_runner import LiveEpisode
+    from rlcli.engine.turns import LiveEpisode
     from rlcli.recipe import Recipe
 
 
@@ -27,7 +27,8 @@ def play_with_model(
     """Env `env` (with `env_kwargs`) on task `seed`, played by the recipe's model (with the adapter in
     `folder`; None: the base model) for at most `max_turns` turns, sampled as rollouts sample."""
     from rlcli.engine.agent_runner import AgentRunner
-    from rlcli.engine.episode_runner import EpisodeRunner, EpisodeSpec, RolloutLimits
+    from rlcli.engine.episode_runner import EpisodeRunner
+    from rlcli.engine.turns import EpisodeSpec, RolloutLimits
     from rlcli.envs.agents import agent_program, is_agent
     from rlcli.envs.loading import load_env
     from rlcli.envs.workers import InProcessEnvs

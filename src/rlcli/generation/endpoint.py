@@ -17,7 +17,7 @@ logprobs it sampled. A call's base URL may name a session (`/s/<name>/v1`: an ep
 rendered text of a call's messages begins with an earlier call's prompt text and sampled text (the
 client sent back the reply and went on), the prompt is that earlier call's prompt ids and sampled ids,
 unchanged, plus the tokens of the rest: sampled tokens are never re-tokenised, as in rollouts
-(engine/episode_runner.py). A call that extends no earlier call (a sub-agent, a rewritten history, or
+(engine/turns.py). A call that extends no earlier call (a sub-agent, a rewritten history, or
 a reply the chat template writes back otherwise than the model wrote it) starts a new sequence.
 
 Each record also names the earlier call whose reply its messages carry back (`follows`, matched on

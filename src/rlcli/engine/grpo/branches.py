@@ -34,9 +34,10 @@ from typing import TYPE_CHECKING, Any
 
 from rlcli.engine.audit import replay_mismatch, stored_play
 from rlcli.engine.context import RunContext
-from rlcli.engine.episode_runner import EpisodeRunner, EpisodeSpec, LiveEpisode, RolloutLimits
+from rlcli.engine.episode_runner import EpisodeRunner
 from rlcli.engine.labelling import GRPO_LABEL_SET, label_stage_episodes
 from rlcli.engine.rollout import chunks, collect, env_host
+from rlcli.engine.turns import EpisodeSpec, LiveEpisode, RolloutLimits
 from rlcli.envs.tool_use import tool_use_spec
 from rlcli.envs.tools import close_toolboxes
 from rlcli.generation.sampler import Sample, Sampler
