@@ -596,6 +596,14 @@ class SftSection(Section):
         "(a long sequence's activations shrink to about a tenth; `rlcli recipes plan` shows them).",
     )
     save_steps: int = Field(50, gt=0, description="Checkpoint every this many steps (resume point).")
+    min_entropy: float | None = Field(
+        None,
+        gt=0,
+        description="Stop SFT at the first evaluation (every sft.save_steps, on the held-out share "
+        "sft.eval_fraction) where the policy's mean token entropy over the held-out replies falls below this many "
+        "nats, keeping that step's weights: a policy SFT made nearly deterministic gives GRPO groups that all "
+        "earn one reward. null: train every step.",
+    )
 
     @field_validator("columns")
     @classmethod
@@ -618,6 +626,8 @@ class SftSection(Section):
             raise ValueError("sft.dataset_config names a hub dataset's config; set sft.source to hub:ORG/NAME")
         if self.columns and self.source in ("expert", "episodes"):
             raise ValueError(f"sft.columns maps a dataset's columns; sft.source {self.source} has none")
+        if self.min_entropy is not None and self.eval_fraction == 0:
+            raise ValueError("sft.min_entropy is measured on held-out replies; set sft.eval_fraction above 0")
         return self
 
 

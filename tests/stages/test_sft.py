@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 import shutil
 import sqlite3
+from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import REPO, kill_sft_at_a_checkpoint_and_resume, make_ctx, write_recipe
+from helpers import REPO, kill_at_event, kill_sft_at_a_checkpoint_and_resume, make_ctx, run_in_process, write_recipe
 from rlcli.engine.sft import build_trainer, episode_conversations, load_conversations, run_sft
 from rlcli.engine.sft_data import Conversation, conversation_from_row, read_conversations
 from rlcli.engine.sft_tokens import encode_conversations, split_examples, tokenize_conversation
@@ -509,6 +510,48 @@ def test_kill_during_sft_resumes_from_its_checkpoint(tmp_path):
     state = json.loads((runs / "t" / "sft" / f"checkpoint-{steps}" / "trainer_state.json").read_text())
     assert state["global_step"] == steps
     assert [h["step"] for h in state["log_history"] if "loss" in h] == list(range(1, steps + 1))
+
+
+def _weights(folder) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "model.safetensors"))
+
+
+def test_min_entropy_stops_sft_at_the_first_evaluation_below_it_and_a_kill_there_resumes_to_it(tmp_path):
+    """sft.min_entropy ends SFT at the first held-out evaluation whose entropy is below it, with that
+    step's weights. A kill after that step's checkpoint and before the stage ends must not train on: a
+    resumed Trainer takes a step before any callback can stop it, so the checkpoint is loaded instead."""
+    sft = {"source": "expert", "demos": 16, "epochs": 2, "batch_size": 2, "micro_batch_size": 2, "save_steps": 2}
+    sft |= {"eval_fraction": 0.25, "lr": 1e-2}
+    # Every weight trained: a LoRA adapter barely moves the tiny model's near-uniform distribution.
+    sections = {"env": {"name": "arithmetic"}, "lora": None}
+    free = make_ctx(write_recipe(tmp_path / "free.yaml", sft=sft, **sections), tmp_path / "free")
+    untouched = run_sft(free)
+    entropy = {m.step: m.value for m in free.rundb.metrics(free.run, "sft/eval_entropy")}
+    assert sorted(entropy) == [0, 2, 4, 6, 8, 10, 12]  # before the first step, then at each checkpoint
+    assert untouched.eval_entropy_before == entropy[0] and untouched.eval_entropy == entropy[12]
+    assert not untouched.stopped_at_min_entropy and untouched.steps == 12
+    assert entropy[4] < entropy[2], "SFT lowers the held-out entropy"
+    floor = (entropy[2] + entropy[4]) / 2  # the evaluation at step 4 is the first below it
+
+    recipe = write_recipe(tmp_path / "r.yaml", sft=sft | {"min_entropy": floor}, **sections)
+    uninterrupted = run_sft(make_ctx(recipe, tmp_path / "uninterrupted"))
+    assert (uninterrupted.steps, uninterrupted.stopped_at_min_entropy) == (4, True)
+    runs = tmp_path / "runs"
+    event = {"glob": "checkpoint-4/trainer_state.json", "root": str(runs / "t" / "sft")}
+    kill_at_event(["sft", "-r", str(recipe)], runs, event, cwd=REPO)
+    resumed = run_in_process(["sft", "-r", str(recipe)], runs, cwd=REPO)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "sft: resuming from" in resumed.stderr
+    ctx = make_ctx(recipe, runs)
+    summary = run_sft(ctx)  # done: the recorded summary
+    assert (summary.steps, summary.stopped_at_min_entropy, summary.resumed_from_step) == (4, True, 4)
+    assert summary.eval_entropy == entropy[4] and summary.eval_entropy_before == entropy[0]
+    assert sorted(m.step for m in ctx.rundb.metrics(ctx.run, "sft/loss")) == [1, 2, 3, 4]
+    stopped, reference = _weights(Path(summary.path)), _weights(Path(uninterrupted.path))
+    assert stopped.keys() == reference.keys()
+    assert all(torch.equal(stopped[name], reference[name]) for name in stopped)
 
 
 @pytest.mark.slow

@@ -123,6 +123,11 @@ def test_missing_required_reward_fn(tmp_path):
     assert "rewards.0.fn is required" in message
 
 
+def test_min_entropy_without_held_out_replies(tmp_path):
+    message = usage_error(write(tmp_path, "sft:\n  min_entropy: 0.3\n  eval_fraction: 0\n"))
+    assert "sft.min_entropy is measured on held-out replies; set sft.eval_fraction above 0" in message
+
+
 def test_duplicate_reward_components(tmp_path):
     message = usage_error(write(tmp_path, "rewards:\n  - fn: format\n  - fn: format\n"))
     assert "rewards" in message and "unique" in message and "format" in message

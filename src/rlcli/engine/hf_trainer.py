@@ -12,14 +12,14 @@ from __future__ import annotations
 import json
 import math
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 # Heavy (torch), but this module is only imported by the stages that train.
-from transformers import TrainerCallback
+from transformers import TrainerCallback, TrainerState
 
 from rlcli.engine.context import RunContext
 from rlcli.engine.trackers import Tracker
@@ -36,12 +36,13 @@ if TYPE_CHECKING:
         ProcessorMixin,
         Trainer,
         TrainerControl,
-        TrainerState,
         TrainingArguments,
     )
     from trl import DPOConfig, SFTConfig
 
     from rlcli.recipe import DpoSection, Recipe, SftSection
+
+TRAINER_STATE = "trainer_state.json"  # a Trainer checkpoint's state, written last
 
 # The stages' TRL configs; constrained rather than bound, so mypy checks the arguments against each.
 Config = TypeVar("Config", "SFTConfig", "DPOConfig")
@@ -144,15 +145,30 @@ def without_log_printer(trainer: TrainerT) -> TrainerT:
     return trainer
 
 
-def train_resuming(ctx: RunContext, trainer: Trainer, progress: StageProgress) -> int:
+def train_resuming(
+    ctx: RunContext,
+    trainer: Trainer,
+    progress: StageProgress,
+    ended: Callable[[TrainerState], bool] | None = None,
+) -> int:
     """Train, from the newest complete checkpoint in the trainer's output_dir if there is one; the
-    step it resumed from (0: a fresh start). The progress bar stops however training ends."""
+    step it resumed from (0: a fresh start). The progress bar stops however training ends.
+
+    `ended`: whether a checkpoint's state is where a recipe rule stopped training (sft.min_entropy). Such
+    a checkpoint's weights are the result: they are loaded, not trained on, since a resumed Trainer takes
+    a step before any callback can stop it."""
     assert trainer.args.output_dir is not None  # trainer_args sets it
     resume = last_trainer_checkpoint(Path(trainer.args.output_dir))
     if resume is not None:
         ctx.console.print(f"{progress.stage}: resuming from {resume}")
+        trainer.args.eval_on_start = False  # the first evaluation is in the checkpoint's history already
     try:
-        trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+        state = TrainerState.load_from_json(str(resume / TRAINER_STATE)) if resume is not None else None
+        if state is not None and ended is not None and ended(state):
+            trainer._load_from_checkpoint(str(resume))  # what train(resume_from_checkpoint=...) loads
+            trainer.state = state
+        else:
+            trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     finally:
         progress.close()
     return int(resume.name.removeprefix("checkpoint-")) if resume else 0
@@ -170,7 +186,7 @@ def last_trainer_checkpoint(output_dir: Path) -> Path | None:
         if not step.isdigit():
             continue
         try:
-            json.loads((folder / "trainer_state.json").read_text())
+            json.loads((folder / TRAINER_STATE).read_text())
         except (OSError, json.JSONDecodeError):
             shutil.rmtree(folder)
             continue

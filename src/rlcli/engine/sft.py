@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from transformers import TrainerCallback
+
 from rlcli.engine.context import RunContext
 from rlcli.engine.hf_trainer import (
     RecipeLearningRate,
@@ -41,7 +43,7 @@ from rlcli.store.names import EXPERT, SFT_DEMOS_STAGE, SFT_STAGE
 from rlcli.store.run_store import RunStore
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase, ProcessorMixin, TrainerCallback
+    from transformers import PreTrainedTokenizerBase, ProcessorMixin, TrainerControl, TrainerState, TrainingArguments
     from trl import SFTConfig, SFTTrainer
 
     from rlcli.models.loading import PolicyModel
@@ -49,7 +51,15 @@ if TYPE_CHECKING:
 
 METRICS_STAGE = SFT_STAGE
 # Trainer log keys -> metric keys in the run database.
-LOGGED = {"loss": "sft/loss", "eval_loss": "sft/eval_loss", "learning_rate": "sft/lr", "grad_norm": "sft/grad_norm"}
+LOGGED = {
+    "loss": "sft/loss",
+    "eval_loss": "sft/eval_loss",
+    "learning_rate": "sft/lr",
+    "grad_norm": "sft/grad_norm",
+    # TRL's mean token entropy (nats) over the reply tokens: of the batches trained on, and of the held-out ones.
+    "entropy": "sft/entropy",
+    "eval_entropy": "sft/eval_entropy",
+}
 
 
 # --- the stage ------------------------------------------------------------------------------
@@ -71,6 +81,11 @@ class SftSummary:
     eval_loss: float | None
     checkpoint_id: int
     path: str
+    # The policy's mean token entropy over the held-out replies before SFT and at its end (None without a
+    # held-out share), and whether sft.min_entropy stopped it; defaults for results stored before them.
+    eval_entropy_before: float | None = None
+    eval_entropy: float | None = None
+    stopped_at_min_entropy: bool = False
 
 
 def run_sft(ctx: RunContext) -> SftSummary:
@@ -133,17 +148,20 @@ def train_sft(ctx: RunContext) -> SftSummary:
 
     with stage_tracker(ctx, METRICS_STAGE) as tracker:  # run.trackers: each logging step mirrored there
         progress = RichProgress(ctx, METRICS_STAGE, tracker)
-        callbacks = [progress, RecipeLearningRate()]
+        floor = recipe.sft.min_entropy
+        callbacks = [progress, RecipeLearningRate(), *([EntropyFloor(floor)] if floor is not None else [])]
         if processor is None:
             trainer = build_trainer(ctx, model, tokenizer, train_rows, eval_rows, callbacks)
         else:
             trainer = build_image_trainer(ctx, model, processor, pictures, train_rows, eval_rows, callbacks)
-        resumed_from_step = train_resuming(ctx, trainer, progress)
+        ended = (lambda state: EntropyFloor.stopped_at(state, floor)) if floor is not None else None
+        resumed_from_step = train_resuming(ctx, trainer, progress, ended)
 
     path, checkpoint_id = save_trained(ctx, trainer, tokenizer, SFT_STAGE, ctx.run_dir / "checkpoints" / "sft")
     history = trainer.state.log_history
     losses = [h["loss"] for h in history if "loss" in h]
     eval_losses = [h["eval_loss"] for h in history if "eval_loss" in h]
+    entropies = [(h["step"], h["eval_entropy"]) for h in history if "eval_entropy" in h]
     return SftSummary(
         source=recipe.sft.source,
         examples=len(examples),
@@ -157,6 +175,9 @@ def train_sft(ctx: RunContext) -> SftSummary:
         train_loss=sum(losses) / len(losses) if losses else None,
         final_loss=losses[-1] if losses else None,
         eval_loss=eval_losses[-1] if eval_losses else None,
+        eval_entropy_before=entropies[0][1] if entropies and entropies[0][0] == 0 else None,
+        eval_entropy=entropies[-1][1] if entropies else None,
+        stopped_at_min_entropy=floor is not None and EntropyFloor.stopped_at(trainer.state, floor),
         checkpoint_id=checkpoint_id,
         path=str(path),
     )
@@ -368,10 +389,34 @@ def sft_args(ctx: RunContext, *, has_eval: bool) -> SFTConfig:
         cfg,
         ctx.run_dir / "sft",
         per_device_eval_batch_size=cfg.micro_batch_size,
-        # Evaluating at every checkpoint (and at the end) puts eval_loss into the state a resume restores.
+        # Evaluating at every checkpoint (and at the end) puts eval_loss into the state a resume restores;
+        # evaluating before the first step too gives the held-out entropy SFT started from.
         eval_strategy="steps" if has_eval else "no",
         eval_steps=cfg.save_steps,
+        eval_on_start=has_eval,
     )
+
+
+class EntropyFloor(TrainerCallback):
+    """sft.min_entropy: stops training at the first evaluation whose held-out entropy is below the floor.
+    Evaluations fall on checkpoint steps, and the Trainer saves after it evaluates, so that step's
+    checkpoint holds the weights SFT ends with and, in its log history, the evaluation that stopped it."""
+
+    def __init__(self, floor: float) -> None:
+        self.floor = floor
+
+    @staticmethod
+    def stopped_at(state: TrainerState, floor: float) -> bool:
+        """Whether the evaluation at `state`'s own step (a checkpoint's, or the end's) was below the floor."""
+        return any(
+            h.get("step") == state.global_step and h["eval_entropy"] < floor
+            for h in state.log_history
+            if "eval_entropy" in h and h.get("step", 0) > 0
+        )
+
+    def on_evaluate(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        if state.global_step > 0 and self.stopped_at(state, self.floor):
+            control.should_training_stop = True
 
 
 class RichProgress(StageProgress):

@@ -2,7 +2,7 @@
 
 The run database stays the source of truth (`rlcli runs show` / `plot` read it); a tracker only
 copies the metrics to a tool someone already watches. Every stage that logs metrics goes through
-this module: SFT (sft/loss, sft/eval_loss, sft/lr, sft/grad_norm at each optimizer step), each GRPO
+this module: SFT (sft/loss, sft/eval_loss, sft/lr, sft/grad_norm, sft/entropy at each optimizer step), each GRPO
 phase (rollout/*, train/*, perf/*, eval/success_rate at each iteration) and each DPO stage (dpo/loss,
 dpo/reward_margin, ... at each optimizer step). It opens the trackers for its metrics series and logs
 beside every `rundb.log_metrics` call, with the same keys and steps:

@@ -571,12 +571,21 @@ def sft_table(summary: Any) -> Table:
         ("resumed from step", summary.resumed_from_step or None),
         ("train loss (mean / final)", f"{fmt(summary.train_loss)} / {fmt(summary.final_loss)}"),
         ("eval loss", fmt(summary.eval_loss)),
+        ("held-out entropy (start / end)", _entropies(summary)),
+        ("stopped by sft.min_entropy", "yes" if summary.stopped_at_min_entropy else None),
         ("checkpoint", f"sft (id {summary.checkpoint_id}): {summary.path}"),
     ]
     for name, value in rows:
         if value is not None:
             table.add_row(name, literal(value))
     return table
+
+
+def _entropies(summary: Any) -> str | None:
+    """The policy's mean token entropy over the held-out replies before and after SFT, in nats."""
+    if summary.eval_entropy is None:
+        return None
+    return f"{fmt(summary.eval_entropy_before)} / {fmt(summary.eval_entropy)} nats"
 
 
 def dpo_table(summary: Any) -> Table:
