@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sqlite3
 import sys
 import textwrap
@@ -329,6 +330,44 @@ def test_what_an_agent_started_ends_with_its_episode(tmp_path):
     assert [(e["status"], len(turns[e["id"]])) for e in episodes] == [("ok", 1), ("ok", 1)]
     time.sleep(4)  # past the moment the processes the agents started would have called
     assert not list(out.glob("late-*"))
+
+
+# An agent whose module notes each process that imports it, and each episode's process.
+COUNTED = """
+import os
+
+from openai import OpenAI
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+with open(os.path.join(HERE, "imports"), "a") as f:
+    f.write(f"{os.getpid()}\\n")
+
+
+def solve(client, task):
+    api = OpenAI(base_url=client["base_url"], api_key=client["api_key"], max_retries=0)
+    api.chat.completions.create(model=client["model"], messages=[{"role": "user", "content": "Hi."}])
+    with open(os.path.join(HERE, "episodes"), "a") as f:
+        f.write(f"{os.getpid()}\\n")
+    return 1.0
+"""
+
+
+def test_a_callable_agent_is_imported_once_and_each_episode_forked_from_it(tmp_path):
+    folder = tmp_path / "agent"
+    folder.mkdir()
+    (folder / "counted.py").write_text(COUNTED)
+    recipe = _recipe(tmp_path, {"name": f"agent:{folder / 'counted.py'}:solve"}, tasks=3, group_size=2, batch_size=6)
+    ctx = make_ctx(recipe, tmp_path / "runs")
+    run_rollout_stage(ctx, stage="rollout", policy="base", split="train")
+    episodes, turns = _stored(ctx)
+    assert [(e["status"], len(turns[e["id"]])) for e in episodes] == [("ok", 1)] * 6
+    # Imported by rlcli's own check of the recipe (this process) and once by the process the episodes are
+    # forked from; each episode still ran in a process of its own.
+    imports = (folder / "imports").read_text().split()
+    servers = [pid for pid in imports if pid != str(os.getpid())]
+    players = (folder / "episodes").read_text().split()
+    assert len(servers) == 1
+    assert len(set(players)) == 6 and not set(players) & {*imports}
 
 
 @pytest.mark.parametrize("sandbox", ["none", "bwrap"])

@@ -5,6 +5,8 @@ stage stores its episodes as it stores any others. For a chunk of episodes it se
 sampler as an Endpoint (generation/endpoint.py) and runs each episode's program at once, each in a
 process of its own with its own base URL (`/s/<sample seed>-a<attempt>/v1`), so that every call is
 attributed to its episode and the requests of all the chunk's agents are batched into the sampler.
+A callable's processes are forked from one that imported it once (envs/agents.py AgentForks); in
+bubblewrap, and for agent-cmd, each episode starts its program afresh.
 A request without a `seed` of its own is sampled with one derived from run.seed, its session and its
 number in the session: a resumed stage replays an episode's calls exactly.
 
@@ -36,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from rlcli.engine.episode_runner import play_in_passes
 from rlcli.engine.turns import EpisodeSpec, LiveEpisode
-from rlcli.envs.agents import AgentOutcome, AgentProgram, AgentSandbox, run_agent
+from rlcli.envs.agents import AgentForks, AgentOutcome, AgentProgram, AgentSandbox, run_agent
 from rlcli.generation.endpoint import CallRecord, Endpoint
 from rlcli.generation.sampler import Sampler
 from rlcli.store.records import EndReason, Turn
@@ -75,14 +77,22 @@ class AgentRunner:
         return play_in_passes(episodes, lambda live: self._play(live, on_turns), lambda ep: [ep], self.timeout_retries)
 
     def _play(self, episodes: list[LiveEpisode], on_turns: Callable[[int], None] | None) -> None:
-        if self.sandbox_root is None:
-            return self._serve(episodes, on_turns, None)
-        # The endpoint's socket, in a folder of its own (a short path: a socket's is at most 108 bytes).
-        with tempfile.TemporaryDirectory(prefix="rlcli-endpoint-", dir="/tmp") as folder:
-            self._serve(episodes, on_turns, AgentSandbox(os.path.join(folder, "endpoint.sock"), self.sandbox_root))
+        if self.sandbox_root is not None:  # a sandbox per episode: each agent starts in bubblewrap
+            # The endpoint's socket, in a folder of its own (a short path: a socket's is at most 108 bytes).
+            with tempfile.TemporaryDirectory(prefix="rlcli-endpoint-", dir="/tmp") as folder:
+                sandbox = AgentSandbox(os.path.join(folder, "endpoint.sock"), self.sandbox_root)
+                return self._serve(episodes, on_turns, sandbox, None)
+        if not self.program.callable:  # agent-cmd: a program of the user's, started for each episode
+            return self._serve(episodes, on_turns, None, None)
+        with AgentForks(self.program) as forks:  # the callable imported once, each episode forked from it
+            self._serve(episodes, on_turns, None, forks)
 
     def _serve(
-        self, episodes: list[LiveEpisode], on_turns: Callable[[int], None] | None, sandbox: AgentSandbox | None
+        self,
+        episodes: list[LiveEpisode],
+        on_turns: Callable[[int], None] | None,
+        sandbox: AgentSandbox | None,
+        forks: AgentForks | None,
     ) -> None:
         defaults = replace(self.sampler.config, stop=list(self.sampler.config.stop))
         endpoint = Endpoint(
@@ -100,7 +110,7 @@ class AgentRunner:
         try:
             with endpoint:
                 threads = [
-                    threading.Thread(target=self._run_agent, args=(endpoint, ep, outcomes, i, sandbox))
+                    threading.Thread(target=self._run_agent, args=(endpoint, ep, outcomes, i, sandbox, forks))
                     for i, ep in enumerate(episodes)
                 ]
                 for thread in threads:
@@ -128,12 +138,13 @@ class AgentRunner:
         outcomes: dict[int, AgentOutcome],
         i: int,
         sandbox: AgentSandbox | None,
+        forks: AgentForks | None,
     ) -> None:
         episode.task = {**self.task_kwargs, "seed": episode.spec.env_seed}
         endpoint.limit_calls(self._session(episode), self.max_calls)
         url = endpoint.url(self._session(episode))
         try:
-            outcomes[i] = run_agent(self.program, url, self.model_name, episode.task, self.time_limit_s, sandbox)
+            outcomes[i] = run_agent(self.program, url, self.model_name, episode.task, self.time_limit_s, sandbox, forks)
         except OSError as exc:  # the program could not be started
             outcomes[i] = AgentOutcome(error=f"the agent could not be started: {exc}")
         finally:

@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -95,6 +96,103 @@ class AgentSandbox:
     root: Path
 
 
+@dataclass
+class _Ended:
+    """How an agent's process ended: its exit code (None: killed at its time limit) and its output."""
+
+    returncode: int | None
+    stdout: str = ""
+    stderr: str = ""
+
+
+class AgentForks:
+    """A process that imports an agent callable once and forks each episode from it (envs/agent_child.py
+    `--forks`), so that an episode starts in milliseconds rather than a fresh interpreter's second of
+    imports. Each episode still runs in a process and a session of its own, killed with everything it
+    started at its end or time limit, as run_agent's own processes are. Use it as a context manager
+    from the thread that plays the episodes; `run` may be called from any thread."""
+
+    def __init__(self, program: AgentProgram):
+        if not program.callable:
+            raise ValueError("only a callable agent (agent:...) is forked; agent-cmd runs its own program")
+        self.folder = tempfile.TemporaryDirectory(prefix="rlcli-agents-")
+        self.errors = open(os.path.join(self.folder.name, "server.err"), "w+")  # noqa: SIM115 (closed in close)
+        argv = [sys.executable, "-m", "rlcli.envs.agent_child", "--forks", *program.argv[3:]]
+        self.process = subprocess.Popen(
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.errors, start_new_session=True
+        )
+        self.lock = threading.Lock()
+        self.next_id = 0
+        self.ended: dict[int, int] = {}  # request id -> exit code
+        self.changed = threading.Condition(self.lock)
+        self.reader = threading.Thread(target=self._read, name="rlcli-agent-forks", daemon=True)
+        self.reader.start()
+
+    def __enter__(self) -> AgentForks:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """End the server: closing its stdin makes it kill the episodes still running and exit."""
+        with contextlib.suppress(OSError):
+            self.process.stdin.close()  # type: ignore[union-attr]
+        try:
+            self.process.wait(10)
+        except subprocess.TimeoutExpired:
+            _kill_group(self.process)
+            self.process.wait()
+        self.reader.join()
+        self.errors.close()
+        self.folder.cleanup()
+
+    def run(self, given: dict[str, Any], env: dict[str, str], time_limit_s: float) -> _Ended:
+        with self.lock:
+            request_id, self.next_id = self.next_id, self.next_id + 1
+        out, err = (os.path.join(self.folder.name, f"{request_id}.{name}") for name in ("out", "err"))
+        request = {"id": request_id, "given": given, "env": env, "stdout": out, "stderr": err}
+        self._send(request)
+        with self.lock:
+            done = self.changed.wait_for(lambda: request_id in self.ended or self._gone(), time_limit_s)
+            if not done:
+                self._send({"kill": request_id})
+                self.changed.wait_for(lambda: request_id in self.ended or self._gone())
+            returncode = self.ended.pop(request_id, None)
+        if returncode is None and done:  # the server itself died: it could not import the agent, say
+            self.errors.seek(0)
+            return _Ended(self.process.poll() or 1, stderr=self.errors.read())
+        return _Ended(returncode if done else None, _read_and_remove(out), _read_and_remove(err))
+
+    def _send(self, message: dict[str, Any]) -> None:
+        with contextlib.suppress(OSError, ValueError):  # a server that is gone answers nothing: _gone says so
+            self.process.stdin.write((json.dumps(message) + "\n").encode())  # type: ignore[union-attr]
+            self.process.stdin.flush()  # type: ignore[union-attr]
+
+    def _gone(self) -> bool:
+        return not self.reader.is_alive() or self.process.poll() is not None
+
+    def _read(self) -> None:
+        for line in self.process.stdout:  # type: ignore[union-attr]
+            request_id, returncode = line.split()
+            with self.lock:
+                self.ended[int(request_id)] = int(returncode)
+                self.changed.notify_all()
+        with self.lock:
+            self.changed.notify_all()
+
+
+def _read_and_remove(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(path)
+
+
 def run_agent(
     program: AgentProgram,
     base_url: str,
@@ -102,11 +200,30 @@ def run_agent(
     task: dict[str, Any],
     time_limit_s: float,
     sandbox: AgentSandbox | None = None,
+    forks: AgentForks | None = None,
 ) -> AgentOutcome:
-    """Run one episode of the program to its end (or kill it, with its process group, at the time limit)."""
+    """Run one episode of the program to its end (or kill it, with its process group, at the time limit):
+    forked from `forks` when given, else in a process started for it."""
     client = {"base_url": base_url, "api_key": API_KEY, "model": model}
-    stdin = json.dumps({"client": client, "task": task} if program.callable else task)
+    given = {"client": client, "task": task} if program.callable else task
     openai = {"OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": API_KEY, "OPENAI_MODEL": model}
+    if forks is not None:
+        ended = forks.run(given, openai, time_limit_s)
+    else:
+        ended = _run_process(program, json.dumps(given), openai, time_limit_s, sandbox)
+    if ended.returncode is None:
+        return AgentOutcome(
+            error=f"the agent ran past env.step_timeout_s ({time_limit_s:g} s) and was stopped", timed_out=True
+        )
+    if ended.returncode != 0:
+        tail = ended.stderr.strip().splitlines()[-1] if ended.stderr.strip() else "no message on stderr"
+        return AgentOutcome(error=f"the agent exited with code {ended.returncode}: {tail}")
+    return _outcome(program, ended.stdout)
+
+
+def _run_process(
+    program: AgentProgram, stdin: str, openai: dict[str, str], time_limit_s: float, sandbox: AgentSandbox | None
+) -> _Ended:
     env = {**os.environ, **openai}
     argv = program.argv
     if sandbox is not None:
@@ -124,19 +241,13 @@ def run_agent(
         try:
             proc.wait(timeout=time_limit_s)
         except subprocess.TimeoutExpired:
-            return AgentOutcome(
-                error=f"the agent ran past env.step_timeout_s ({time_limit_s:g} s) and was stopped", timed_out=True
-            )
+            return _Ended(None)
         finally:
             _kill_group(proc)  # with whatever it started: nothing of the episode's outlives it
             proc.wait()
         out.seek(0)
         err.seek(0)
-        stdout, stderr = out.read(), err.read()
-    if proc.returncode != 0:
-        tail = stderr.strip().splitlines()[-1] if stderr.strip() else "no message on stderr"
-        return AgentOutcome(error=f"the agent exited with code {proc.returncode}: {tail}")
-    return _outcome(program, stdout)
+        return _Ended(proc.returncode, out.read(), err.read())
 
 
 def _in_bubblewrap(program: AgentProgram, sandbox: AgentSandbox, openai: dict[str, str]) -> list[str]:
