@@ -3,6 +3,7 @@
     .venv/bin/python bench/agent_vs_env.py                    # about 35 minutes on 2 cores
     .venv/bin/python bench/agent_vs_env.py --out bench/agent-runs --markdown agent.md
     .venv/bin/python bench/agent_vs_env.py --quick --out /tmp/agent-quick     # checks that it runs, ~10 min
+    .venv/bin/python bench/agent_vs_env.py --seed 1 --out bench/agent-runs-1  # another GRPO seed, same start
 
 The task is multihop_search (1 hop): SmolLM2-135M-Instruct looks an entity up with `search` and `open`
 and answers. One runs dir under --out holds:
@@ -64,6 +65,9 @@ def main() -> None:
     parser.add_argument(
         "--quick", action="store_true", help="2 GRPO iterations and 8 held-out tasks: checks the script runs."
     )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="run.seed of both GRPO runs (sampling); SFT and its start are seed 0's."
+    )
     args = parser.parse_args()
     quick = ["grpo.iterations=2", "eval.tasks=8", "sft.demos=8"] if args.quick else []
     console = Console(stderr=True)
@@ -78,7 +82,7 @@ def main() -> None:
     rows = []
     for form, (recipe_name, extra) in RUNS.items():
         recipe = ROOT / "recipes" / f"{recipe_name}.yaml"
-        overrides = [f"model.name={merged}", *extra, *quick]
+        overrides = [f"model.name={merged}", *extra, *quick, *([f"run.seed={args.seed}"] if args.seed else [])]
         console.print(f"{form} form: rlcli run -r {recipe.relative_to(ROOT)} {' '.join(overrides)}")
         seconds, cpu = timed(runs_dir, form, "run", "-r", str(recipe), *overrides)
         base, final = (evaluate(runs_dir, recipe, overrides, which) for which in ("base", "latest"))
