@@ -37,7 +37,9 @@ import subprocess
 import sys
 import threading
 import traceback
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 
@@ -61,7 +63,7 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _load(target: str, name: str):
+def _load(target: str, name: str) -> Callable[..., Any]:
     """The agent's function, from a .py file (its folder first on sys.path, as `python file.py` has it)
     or an importable module."""
     if target.endswith(".py"):
@@ -79,7 +81,7 @@ def _load(target: str, name: str):
     return getattr(module, name)
 
 
-def _play(fn, given: dict) -> None:
+def _play(fn: Callable[..., Any], given: dict) -> None:
     """One episode: the agent's return value as the last stdout line."""
     result = fn(given["client"], given["task"])
     if inspect.isawaitable(result):
@@ -88,7 +90,7 @@ def _play(fn, given: dict) -> None:
     sys.stdout.flush()
 
 
-def _serve_forks(fn, protocol: int) -> int:
+def _serve_forks(fn: Callable[..., Any], protocol: int) -> int:
     """Fork an episode per request line on stdin; report its end on the protocol's pipe (see the module
     docstring). One thread, woken by stdin or SIGCHLD, so that forking never copies a lock held elsewhere."""
     wake_read, wake_write = os.pipe()
@@ -114,8 +116,7 @@ def _serve_forks(fn, protocol: int) -> int:
         for line in lines:
             request = json.loads(line)
             if "kill" in request:
-                pid = next((p for p, i in running.items() if i == request["kill"]), None)
-                if pid is not None:
+                for pid in [p for p, i in running.items() if i == request["kill"]]:
                     _kill_group(pid)
                 continue
             pid = os.fork()
@@ -126,7 +127,7 @@ def _serve_forks(fn, protocol: int) -> int:
             running[pid] = request["id"]
 
 
-def _episode(fn, request: dict) -> None:
+def _episode(fn: Callable[..., Any], request: dict) -> None:
     """In the forked child: a session of its own, the request's files as stdout and stderr, then the
     agent; exits as `python -m rlcli.envs.agent_child` would (1 on an exception, with its traceback)."""
     code = 0
