@@ -476,11 +476,10 @@ def test_checkpoint_that_is_not_one(tmp_path):
 
 
 @pytest.mark.slow
-def test_pull_smollm2_and_answer(tmp_path, monkeypatch):
-    # A cache of its own: this test builds SmolLM2, and the session's cache may hold it already (a
-    # test of another file, or of the other xdist worker, pulled it first).
-    models = tmp_path / "models"
-    monkeypatch.setenv("RLCLI_MODELS", str(models))
+def test_pull_smollm2_and_answer(models_cache):
+    # The session's cache: the first test to need SmolLM2 (this one, or another of either xdist worker)
+    # builds it there; a second build, in a cache of this test's own, would cost ~45 s of CPU.
+    models = models_cache
     path = cache.pull_model("smollm2-135m")
     assert path == models / "smollm2-135m"
     assert json.loads((path / "config.json").read_text())["dtype"] == "bfloat16"

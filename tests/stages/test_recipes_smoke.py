@@ -25,6 +25,7 @@ SMALL = [
     "rollout.group_size=2",
     "rollout.max_new_tokens=8",
     "eval.tasks=2",
+    "grpo.eval_tasks=2",  # the held-out evals during training (the GPU recipes take 128)
     "eval.k=1",
 ]
 
