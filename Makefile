@@ -111,9 +111,10 @@ sandbox:
 demo: install
 	$(BIN)/rlcli run -r recipes/quickstart.yaml
 
-# `make test` stays under 8 minutes on 2 cores: the kill-fuzz of `rlcli run` (3 and 20 kills, about 5
-# minutes, marker fuzz) and the check that SmolLM2 learns from SFT (about 3 minutes, marker learning)
-# have targets of their own, which CI runs after it. The kill tests of every stage stay in `make test`.
+# `make test` aims at 8 minutes on 2 cores: the long randomised and soak runs (the kill-fuzz of `rlcli run`
+# with 3 and 20 kills, two processes writing for 30 s: about 6 minutes, marker fuzz) and the check that
+# SmolLM2 learns from SFT (about 3 minutes, marker learning) have targets of their own, which CI runs
+# after it. The kill tests of every stage stay in `make test`.
 test: install
 	$(BIN)/python -m pytest -m "not fuzz and not learning" $(XDIST) $(PYTEST_ARGS)
 

@@ -307,7 +307,9 @@ def test_an_agent_that_crashes_hangs_or_never_calls_fails_only_its_episode(tmp_p
     path, out = _agents(tmp_path)
     recipe = _recipe(
         tmp_path,
-        {"name": f"agent:{path}:misbehaves", "kwargs": {"out": str(out)}, "step_timeout_s": 15},
+        # The hanging agent is stopped at 6 s: the others are forked from a process that has imported them,
+        # so they start at once, and the one that calls is answered within the batch's 2 s wait.
+        {"name": f"agent:{path}:misbehaves", "kwargs": {"out": str(out)}, "step_timeout_s": 6},
         tasks=4,
         group_size=1,
     )
@@ -317,7 +319,7 @@ def test_an_agent_that_crashes_hangs_or_never_calls_fails_only_its_episode(tmp_p
     by_task = {e["task_index"]: e for e in episodes}
     assert by_task[0]["status"] == "ok" and len(turns[by_task[0]["id"]]) == 1, by_task[0]["error"]
     assert by_task[1]["status"] == "failed" and "RuntimeError: the agent broke" in by_task[1]["error"]
-    assert by_task[2]["end_reason"] == "env_timeout" and "env.step_timeout_s (15 s)" in by_task[2]["error"]
+    assert by_task[2]["end_reason"] == "env_timeout" and "env.step_timeout_s (6 s)" in by_task[2]["error"]
     assert by_task[3]["status"] == "failed" and "never called the endpoint" in by_task[3]["error"]
 
 

@@ -85,7 +85,7 @@ def test_two_processes_write_to_different_runs_and_nothing_is_lost(tmp_path):
     _two_writers(tmp_path / "runs", writes=300, seconds=0)
 
 
-@pytest.mark.slow
+@pytest.mark.fuzz  # a soak: make test-fuzz runs it; the 300 writes above are make test's
 def test_two_processes_write_to_different_runs_for_30_s(tmp_path):
     _two_writers(tmp_path / "runs", writes=0, seconds=30)
 
