@@ -185,7 +185,8 @@ def test_a_continued_conversation_keeps_the_sampled_tokens_and_records_the_misma
 def test_an_sdk_agent_loop_gets_structured_tool_calls(tool_model):
     """A plain openai-SDK agent: call the model with tools, run the calls it makes, send the results back,
     until it answers. The second call carries the first reply back as OpenAI's tool_calls, which the chat
-    template writes otherwise than the model did: recorded as following the first call, not extending it."""
+    template would write otherwise than the model did (tojson's spacing): the endpoint writes it as sampled,
+    so the second call extends the first."""
     model, tokenizer = tool_model
     with serve(model, tokenizer, temperature=0.0, max_new_tokens=40) as endpoint:
         api = client(endpoint, "agent")
@@ -207,7 +208,11 @@ def test_an_sdk_agent_loop_gets_structured_tool_calls(tool_model):
     assert messages[-1]["content"] == ANSWER
     first, second, _ = endpoint.calls("agent")
     assert tokenizer.decode(first.completion_ids, skip_special_tokens=True) == CALL
-    assert second.follows == first.id and second.extends is None and second.retokenised
+    assert second.follows == first.id and second.extends == first.id
+    assert second.prompt_ids[: len(first.prompt_ids) + len(first.completion_ids)] == [
+        *first.prompt_ids,
+        *first.completion_ids,
+    ]
     deltas = [d for c in streamed for d in (c.choices[0].delta.tool_calls or [])]
     assert [(d.function.name, json.loads(d.function.arguments)) for d in deltas] == [("add", {"a": 2, "b": 3})]
 
@@ -255,6 +260,38 @@ def test_a_template_without_tool_calls_gets_them_as_blocks_and_the_calls_stay_on
         *first.prompt_ids,
         *first.completion_ids,
     ]
+
+
+def test_a_reply_sent_back_unchanged_is_written_as_sampled_and_an_edited_one_starts_anew(tiny):
+    """A call written otherwise than the template writes OpenAI's tool_calls ("parameters" for "arguments",
+    its own spacing) comes back from the client as tool_calls: the next prompt holds the sampled tokens and
+    extends the call. A client that edits the reply (other arguments) gets the template's rendering of
+    its messages, a new sequence."""
+    _, tokenizer = tiny
+    odd = '<tool_call>\n{"name":"add",  "parameters": {"b": 3, "a": 2}}\n</tool_call>'
+    sampler = RepliesSampler(tokenizer, [odd, ANSWER, odd, ANSWER])
+    endpoint = Endpoint(sampler, tokenizer, "tiny", defaults=SamplingConfig(max_new_tokens=64))
+    with endpoint:
+        for session, edit in (("as-sent", False), ("edited", True)):
+            api = client(endpoint, session)
+            message = api.chat.completions.create(model="tiny", messages=QUESTION, tools=[ADD_TOOL]).choices[0].message
+            [call] = message.tool_calls
+            assert (call.function.name, json.loads(call.function.arguments)) == ("add", {"a": 2, "b": 3})
+            sent = message.model_dump(exclude_none=True)
+            if edit:
+                sent["tool_calls"][0]["function"]["arguments"] = '{"a": 2, "b": 4}'
+            messages = [*QUESTION, sent, {"role": "tool", "tool_call_id": call.id, "content": "5"}]
+            api.chat.completions.create(model="tiny", messages=messages, tools=[ADD_TOOL])
+    first, second = endpoint.calls("as-sent")
+    assert second.extends == first.id and second.follows == first.id
+    assert second.prompt_ids[: len(first.prompt_ids) + len(first.completion_ids)] == [
+        *first.prompt_ids,
+        *first.completion_ids,
+    ]
+    assert odd in tokenizer.decode(second.prompt_ids)
+    first, second = endpoint.calls("edited")
+    assert second.extends is None and second.follows is None
+    assert odd not in tokenizer.decode(second.prompt_ids)
 
 
 def test_tool_choice_none_returns_the_call_as_text(tool_model):

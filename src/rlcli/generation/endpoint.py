@@ -17,8 +17,11 @@ logprobs it sampled. A call's base URL may name a session (`/s/<name>/v1`: an ep
 rendered text of a call's messages begins with an earlier call's prompt text and sampled text (the
 client sent back the reply and went on), the prompt is that earlier call's prompt ids and sampled ids,
 unchanged, plus the tokens of the rest: sampled tokens are never re-tokenised, as in rollouts
-(engine/turns.py). A call that extends no earlier call (a sub-agent, a rewritten history, or
-a reply the chat template writes back otherwise than the model wrote it) starts a new sequence.
+(engine/turns.py). A reply the client sends back unchanged (as _canonical compares them: its text and
+its tool calls' names and arguments) is written into the prompt as the model sampled it, not as the
+chat template would write OpenAI's `tool_calls` (other spacing, key order or keys, such as
+"parameters" read as "arguments"), so the next call extends it. A call that extends no earlier call
+(a sub-agent, a rewritten history, an edited reply) starts a new sequence.
 
 Each record also names the earlier call whose reply its messages carry back (`follows`, matched on
 the messages, whatever the text), and says whether tokenising its messages afresh gives other tokens
@@ -110,6 +113,8 @@ class _Turn:
     text: str
     ids: list[int]
     conversation: list[tuple]
+    reply: tuple  # the reply as _canonical writes it, to know it when a client sends it back
+    sampled: str  # the reply as the model sampled it, less a final end-of-turn token
 
 
 class Endpoint:
@@ -270,10 +275,23 @@ class Endpoint:
         messages, tools = _check_request(body)
         tool_choice = body.get("tool_choice", "auto")
         config = self._sampling(body)
+        conversation = [_canonical(m) for m in messages]
+        with self._cond:
+            earlier = list(self._sessions.get(session, ()))
+        # A reply of this session's sent back unchanged is written as the model sampled it (its tool calls
+        # as it wrote them, not as the template would write OpenAI's tool_calls): the next prompt then
+        # extends the call token for token, as an env's next turn does.
+        sampled = {t.reply: t.sampled for t in earlier}
+        shown = [
+            {"role": "assistant", "content": sampled[said]}
+            if m.get("role") == "assistant" and said in sampled
+            else _template_message(m, self.calls_in_content)
+            for m, said in zip(messages, conversation)
+        ]
         with self._tokenizer_lock:
             try:
                 rendered = self.tokenizer.apply_chat_template(
-                    [_template_message(m, self.calls_in_content) for m in messages],
+                    shown,
                     # transformers types tools as an (invariant) list of dicts or callables: a list of dicts is one.
                     tools=tools,  # type: ignore[arg-type]
                     add_generation_prompt=True,
@@ -283,9 +301,6 @@ class Endpoint:
                 raise RequestError(f"the chat template cannot render these messages: {exc}", "messages") from None
             text = cast(str, rendered)  # tokenize=False: the text
             fresh = self._encode(text)
-            conversation = [_canonical(m) for m in messages]
-            with self._cond:
-                earlier = list(self._sessions.get(session, ()))
             # The longest: a sub-agent's call may extend the session's first call as well.
             turn = max((t for t in earlier if text.startswith(t.text)), key=lambda t: len(t.text), default=None)
             ids = fresh if turn is None else turn.ids + self._encode(text[len(turn.text) :])
@@ -400,6 +415,11 @@ class Endpoint:
             sampled_text = cast(
                 str, self.tokenizer.decode(sample.ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
             )
+            # The template closes an assistant message with its own end-of-turn token.
+            body = sample.ids[:-1] if sample.ids and sample.ids[-1] in self.tokenizer.all_special_ids else sample.ids
+            reply_text = cast(
+                str, self.tokenizer.decode(body, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            )
             pieces = [cast(str, self.tokenizer.decode([i], skip_special_tokens=False)) for i in sample.ids]
         finish = "stop" if sample.finished else "length"
         for stop in pending.config.stop:  # OpenAI's replies leave the stop string out; the record keeps it
@@ -457,7 +477,16 @@ class Endpoint:
         with self._cond:
             self.records.append(record)
             turns = self._sessions.setdefault(pending.session, deque(maxlen=self._keep))
-            turns.append(_Turn(call_id, pending.text + sampled_text, pending.prompt_ids + sample.ids, conversation))
+            turns.append(
+                _Turn(
+                    call_id,
+                    pending.text + sampled_text,
+                    pending.prompt_ids + sample.ids,
+                    conversation,
+                    _canonical(message),
+                    reply_text,
+                )
+            )
 
 
 def _check_request(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict] | None]:
