@@ -68,6 +68,7 @@ def main() -> None:
     parser.add_argument(
         "--seed", type=int, default=0, help="run.seed of both GRPO runs (sampling); SFT and its start are seed 0's."
     )
+    parser.add_argument("--form", choices=[*RUNS, "both"], default="both", help="Which form(s) to run.")
     args = parser.parse_args()
     quick = ["grpo.iterations=2", "eval.tasks=8", "sft.demos=8"] if args.quick else []
     console = Console(stderr=True)
@@ -81,6 +82,8 @@ def main() -> None:
         check(rlcli(runs_dir, "export", "multihop_search", "--checkpoint", "sft", "--merge", str(merged)), "export")
     rows = []
     for form, (recipe_name, extra) in RUNS.items():
+        if args.form not in (form, "both"):
+            continue
         recipe = ROOT / "recipes" / f"{recipe_name}.yaml"
         overrides = [f"model.name={merged}", *extra, *quick, *([f"run.seed={args.seed}"] if args.seed else [])]
         console.print(f"{form} form: rlcli run -r {recipe.relative_to(ROOT)} {' '.join(overrides)}")
