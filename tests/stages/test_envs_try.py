@@ -111,3 +111,40 @@ def test_an_agent_program_is_played_by_the_model_behind_the_endpoint(tmp_path):
     # Played by a model only: the agent asks the endpoint, not the user or a script.
     refused = CliRunner().invoke(app, ["try", f"agent:{tmp_path / 'agent.py'}:solve"])
     assert isinstance(refused.exception, UsageError) and "use --policy model" in str(refused.exception)
+
+
+TYPED = """
+import json
+
+from openai import OpenAI
+
+TOOLS = [{"type": "function", "function": {"name": "add_one", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}}]
+
+
+def solve(client, task):
+    api = OpenAI(base_url=client["base_url"], api_key=client["api_key"], max_retries=0)
+    messages = [{"role": "user", "content": "What is 41 plus one?"}]
+    first = api.chat.completions.create(model=client["model"], messages=messages, tools=TOOLS).choices[0].message
+    [call] = first.tool_calls
+    result = str(json.loads(call.function.arguments)["a"] + 1)
+    messages += [first.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": call.id, "content": result}]
+    final = api.chat.completions.create(model=client["model"], messages=messages, tools=TOOLS).choices[0].message
+    return {"reward": float(final.content == "42"), "success": final.content == "42"}
+"""
+
+
+def test_a_person_can_play_behind_an_agent_programs_endpoint(tmp_path):
+    (tmp_path / "agent.py").write_text(TYPED)
+    args = ["try", f"agent:{tmp_path / 'agent.py'}:solve", "--policy", "human", "--model", "tiny-random"]
+    typed = '<tool_call>{"name": "add_one", "arguments": {"a": 41}}</tool_call>\n42\n'
+    out = CliRunner().invoke(app, args, input=typed)
+    assert out.exit_code == 0, out.output
+    text = " ".join(out.output.split())
+    # Each call shows what it adds: the question first, then the tool's result (the reply typed before is
+    # not shown again); the typed call reached the agent as a structured tool call.
+    shown = text.split("the agent's call")
+    assert len(shown) == 3 and "What is 41 plus one?" in shown[1]
+    second = shown[2].split("your reply>")[0]
+    assert "42" in second and "What is 41 plus one?" not in second
+    assert 'tool call: add_one({"a": 41})' in text and "solved in 2 turns, return 1" in text
+    assert re.search(r"call 2: \d+ prompt tokens, \d+ sampled \(stop\); extends call 1", text)

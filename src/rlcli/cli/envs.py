@@ -65,13 +65,14 @@ def try_env(
         str,
         typer.Argument(
             help="Built-in name, envs/x.py, module:factory, adapter URI, or an agent program (agent:file.py:function, "
-            "or agent-cmd with the recipe's env.command; --policy model)."
+            "or agent-cmd with the recipe's env.command; --policy model or human)."
         ),
     ],
     policy: Annotated[
         str,
         typer.Option(
-            help="expert (the env's scripted solver), random, human (stdin), or model (the recipe's model, "
+            help="expert (the env's scripted solver), random, human (stdin; for an agent program, the replies to "
+            "its calls, rendered with the recipe's or --model's chat template), or model (the recipe's model, "
             "sampling as rollouts do: rollout.engine, temperature and token cap)."
         ),
     ] = "expert",
@@ -85,7 +86,8 @@ def try_env(
         str | None,
         typer.Option(
             "--model",
-            help="--policy model: a hub id, local folder or short name instead of the recipe's model.name.",
+            help="--policy model: a hub id, local folder or short name instead of the recipe's model.name (for "
+            "--policy human on an agent program: whose chat template renders its calls).",
             show_default=False,
         ),
     ] = None,
@@ -104,11 +106,17 @@ def try_env(
     """Play or watch one episode, rendered turn by turn."""
     if policy not in ("expert", "random", "human", "model"):
         raise UsageError(f"--policy must be expert, random, human or model, got {policy!r}.")
-    if policy != "model" and (recipe or model or checkpoint or run):
+    by_hand = is_agent(name) and policy == "human"  # the user behind the endpoint: a template, no weights
+    if policy != "model" and (checkpoint or run or ((recipe or model) and not by_hand)):
         raise UsageError("--recipe, --model, --checkpoint and --run choose the model of --policy model.")
-    if is_agent(name) and policy != "model":
-        raise UsageError(f"{name} is an agent program, played by a model behind rlcli's endpoint: use --policy model.")
+    if is_agent(name) and policy not in ("model", "human"):
+        raise UsageError(
+            f"{name} is an agent program, played behind rlcli's endpoint: use --policy model or --policy human."
+        )
     env_kwargs = _env_kwargs(kwargs)
+    if by_hand:
+        _play_agent_by_hand(name, env_kwargs, seed, max_turns, recipe, model)
+        return
     if policy == "model":
         _play_model(cli_ctx, name, env_kwargs, seed, max_turns, recipe, model, checkpoint, run)
         return
@@ -171,6 +179,25 @@ def _play_scripted(name: str, env_kwargs: dict, policy: str, seed: int, max_turn
     console.print(f"[bold]{'solved' if success else 'not solved'}[/bold] in {turn} turns, return {total:g}")
 
 
+def _play_agent_by_hand(
+    name: str, env_kwargs: dict, seed: int, max_turns: int, recipe_path: Path | None, model: str | None
+) -> None:
+    """An agent program's episode with the user typing the replies to its calls (engine/try_model.py)."""
+    from rlcli.engine.try_model import play_agent_by_hand
+    from rlcli.recipe import load_recipe
+
+    def answer(new_text: str) -> str:
+        console.print(Panel(literal(new_text), title="the agent's call", border_style="magenta", expand=False))
+        console.print("[bold]your reply>[/bold] ", end="")
+        return sys.stdin.readline().rstrip("\n")
+
+    recipe = load_recipe(recipe_path, [f"model.name={model}"] if model else [])
+    tried = play_agent_by_hand(recipe, name, env_kwargs, seed, max_turns, answer)
+    console.print(tried.sampled_with, highlight=False)
+    _show_calls(tried.episode)
+    _show_end(tried.episode)
+
+
 def _play_model(
     cli_ctx: typer.Context,
     name: str,
@@ -203,6 +230,11 @@ def _play_model(
                 )
             )
             _show(json.loads(turn.observation), turn.reward)
+    _show_end(episode)
+
+
+def _show_end(episode: LiveEpisode) -> None:
+    """How a model's (or typed) episode ended: solved or not, its return and why it ended; an error raised."""
     if episode.error:
         raise RlcliError(f"The episode failed: {episode.error}")
     success = episode.success if episode.success is not None else episode.env_return > 0
