@@ -14,6 +14,7 @@ its `tool` messages as it counts the env's.
 
 from __future__ import annotations
 
+import inspect
 import json
 
 from openai import OpenAI
@@ -75,13 +76,20 @@ def solve(client: dict, task: dict) -> dict:
 
 
 def _run(world: MultihopSearch, function) -> str:
-    """A call's result; a call the tools cannot take is told so, as the env form's tool runner does."""
+    """A call's result; a call the tools cannot take is told so in the words of the env form's tool runner
+    (envs/tools.py), so that both forms show the model the same text."""
+    tools = {"search": world.search, "open": world.open}
+    tool = tools.get(function.name)
+    if tool is None:
+        return f"Unknown tool {function.name!r}: the tools are {', '.join(tools)}."
+    arguments = json.loads(function.arguments)  # the endpoint sends the arguments it read, as JSON
+    if not isinstance(arguments, dict):
+        return f"Arguments for {function.name} must be a JSON object, got {type(arguments).__name__}."
     try:
-        arguments = json.loads(function.arguments)
-        if function.name == "search":
-            return world.search(str(arguments["query"]))
-        if function.name == "open":
-            return world.open(str(arguments["doc_id"]))
-        return f"Error: there is no tool {function.name!r}; the tools are search and open."
-    except (ValueError, KeyError, TypeError) as exc:
-        return f"Error: the call to {function.name} could not be run: {exc!r}"
+        inspect.signature(tool).bind(**arguments)
+    except TypeError as exc:
+        return f"Bad arguments for {function.name}: {exc}."
+    try:
+        return str(tool(**arguments))
+    except Exception as exc:
+        return f"{function.name} raised {type(exc).__name__}: {exc}"

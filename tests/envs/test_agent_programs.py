@@ -514,3 +514,34 @@ def test_an_agent_in_bubblewrap_reaches_the_endpoint_and_nothing_else(tmp_path, 
     episodes, turns = _stored(ctx)
     assert [(e["status"], len(turns[e["id"]])) for e in episodes] == [("ok", 1)] * 2, [e["error"] for e in episodes]
     assert {e["env_return"] for e in episodes} == ({0.0} if sandbox == "bwrap" else {11.0})
+
+
+def test_the_shipped_multihop_agent_words_its_tools_results_as_the_env_form_does(tmp_path):
+    """The agent runs its tools itself: a call the tools cannot take (a missing or unknown argument, a tool
+    that does not exist) and a good one give the model the text the env form's tool runner gives it."""
+    from types import SimpleNamespace
+
+    from rlcli.builtin_envs.agents import multihop_search as agent
+    from rlcli.builtin_envs.multihop_search import MultihopSearch
+
+    from rlcli.envs.loading import load_env
+    from rlcli.envs.tool_calls import hermes_tool_call
+    from rlcli.envs.tool_use import tool_use_spec
+    from rlcli.recipe import EnvSection
+
+    kwargs = {"corpus_seed": 0, "corpus_size": 60, "hops": 1}
+    env = load_env("multihop_search", kwargs, tools=tool_use_spec(EnvSection(name="multihop_search"), tmp_path))()
+    env.reset(3)
+    world = MultihopSearch(**kwargs)
+    world.reset(3)
+    calls = [
+        ("search", {}),
+        ("search", {"query": "river", "limit": 2}),
+        ("open", {"doc_id": "d0001"}),
+        ("find", {"query": "river"}),
+        ("search", {"query": "river"}),
+    ]
+    for name, arguments in calls:
+        [message] = env.step(hermes_tool_call(name, arguments))[0]
+        function = SimpleNamespace(name=name, arguments=json.dumps(arguments))
+        assert agent._run(world, function) == message["content"], name
