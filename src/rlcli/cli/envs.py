@@ -71,8 +71,8 @@ def try_env(
     policy: Annotated[
         str,
         typer.Option(
-            help="expert (the env's scripted solver), random, human (stdin; for an agent program, the replies to "
-            "its calls, rendered with the recipe's or --model's chat template), or model (the recipe's model, "
+            help="expert (the env's scripted solver), random, human (stdin, a line a turn; for an agent program, "
+            "the replies to its calls, rendered with the recipe's or --model's chat template), or model (the recipe's model, "
             "sampling as rollouts do: rollout.engine, temperature and token cap)."
         ),
     ] = "expert",

@@ -109,8 +109,8 @@ class AgentForks:
     """A process that imports an agent callable once and forks each episode from it (envs/agent_child.py
     `--forks`), so that an episode starts in milliseconds rather than a fresh interpreter's second of
     imports. Each episode still runs in a process and a session of its own, killed with everything it
-    started at its end or time limit, as run_agent's own processes are. Use it as a context manager
-    from the thread that plays the episodes; `run` may be called from any thread."""
+    started at its end or time limit, as run_agent's own processes are. `run` may be called from any
+    thread; the server ends with close(), or by itself when rlcli's end closes its stdin."""
 
     def __init__(self, program: AgentProgram):
         if not program.callable:

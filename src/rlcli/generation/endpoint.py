@@ -473,7 +473,8 @@ class Endpoint:
             [*pending.messages, message],
         )
         pending.record = record
-        conversation = [*pending.conversation, _canonical(message)]
+        reply = _canonical(message)
+        conversation = [*pending.conversation, reply]
         with self._cond:
             self.records.append(record)
             turns = self._sessions.setdefault(pending.session, deque(maxlen=self._keep))
@@ -483,7 +484,7 @@ class Endpoint:
                     pending.text + sampled_text,
                     pending.prompt_ids + sample.ids,
                     conversation,
-                    _canonical(message),
+                    reply,
                     reply_text,
                 )
             )
