@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import os
+import shutil
 import sqlite3
 import subprocess
 import sys
@@ -158,3 +160,35 @@ def kill_when(args: list[str], runs, sql: str, at_least: int, timeout: float = 1
     kill_at_event(args, runs, {"sql": sql, "at_least": at_least}, timeout)
     with sqlite3.connect(runs / "rlcli.db") as conn:
         return conn.execute(sql).fetchone()[0]
+
+
+def cache_hub_dataset(cache: Path, repo_id: str, rows: dict, config: str | None = None, split: str = "train") -> None:
+    """Put a dataset into the datasets cache `cache` as an online `load_dataset(repo_id, config)` leaves it.
+
+    datasets prepares a hub repo of data files and a local folder of data files alike: the packaged
+    builder its files call for (parquet here), the configs of its README's YAML, the rows written as
+    Arrow with a dataset_info.json under <cache>/<dataset>/<config>/<version>/<hash>/. What the hub
+    adds is in the names: <dataset> is `<org>___<name>` (from the repo id), and <hash> is the commit
+    the files came from. So a folder named like the dataset is loaded once into a scratch cache, and its
+    entry moved to `<org>___<name>/<config>/<version>/<commit>`, where an offline load of the id finds
+    it (datasets' CachedDatasetModuleFactory and packaged_modules/cache). The commit stands for a hash
+    of the rows: each version of a dataset cached is a folder beside the earlier ones, and the newest
+    is what an offline load reads."""
+    import datasets
+
+    org, name = repo_id.split("/")
+    scratch = Path(tempfile.mkdtemp(dir=cache.parent))
+    source = scratch / "repo" / name
+    source.mkdir(parents=True)
+    data = source / f"{split}.parquet"
+    datasets.Dataset.from_dict(rows).to_parquet(str(data))
+    if config is not None:
+        front = {"configs": [{"config_name": config, "data_files": [{"split": split, "path": data.name}]}]}
+        (source / "README.md").write_text(f"---\n{yaml.safe_dump(front)}---\n")
+    datasets.load_dataset(str(source), config, cache_dir=str(scratch / "cache"))
+    [prepared] = [p for p in (scratch / "cache" / name).glob("*/*/*") if p.is_dir()]  # <config>/<version>/<hash>
+    commit = hashlib.sha1(data.read_bytes()).hexdigest()
+    target = cache / f"{org}___{name}" / prepared.parent.relative_to(scratch / "cache" / name) / commit
+    target.parent.mkdir(parents=True, exist_ok=True)
+    prepared.rename(target)
+    shutil.rmtree(scratch)

@@ -150,6 +150,32 @@ class McpServerSection(Section):
     )
 
 
+AGENT_PREFIX = "agent:"
+AGENT_CMD = "agent-cmd"
+
+
+def is_agent(env_name: str) -> bool:
+    """Whether env.name names an agent program (envs/agents.py) rather than an env."""
+    return env_name.startswith(AGENT_PREFIX) or env_name == AGENT_CMD
+
+
+class TaskDataSection(Section):
+    train: str = Field(
+        description="The training tasks: a data file (.jsonl, .json, .parquet), a folder written by datasets' "
+        "save_to_disk, or hub:ORG/NAME (a hub dataset; offline, from the local datasets cache). One row per task, "
+        "an object whose keys join env.kwargs in the task the agent is given; training seed s plays row s modulo "
+        "the rows."
+    )
+    eval: str | None = Field(
+        None,
+        description="The held-out tasks, in the same forms; held-out seed env.eval_seed_start + i plays row i modulo "
+        "the rows. null: train's hub dataset or folder, its split eval_split (a file has no splits: set eval).",
+    )
+    config: str | None = Field(None, description="A hub dataset's config (subset), for train and eval alike.")
+    train_split: str = Field("train", description="The split of a hub dataset or a folder that train reads.")
+    eval_split: str = Field("test", description="The split of a hub dataset or a folder that eval reads.")
+
+
 ENV_OPPONENTS = ("random", "bot")  # env.opponent kinds played inside the env (the TextArena adapter)
 MODEL_OPPONENTS = ("self", "pool", "base", "sft")  # and kinds played by a model; also pool:K and checkpoint ids
 
@@ -196,6 +222,11 @@ class EnvSection(Section):
         ge=0,
         description="Times an episode that hit env.step_timeout_s is played again from its start, in the same "
         "stage, before it is stored as env_timeout. 0: never, since a deterministic env that hung once hangs again.",
+    )
+    task_data: TaskDataSection | None = Field(
+        None,
+        description="Agent programs (env.name agent:..., agent-cmd): their tasks from a dataset, one row per task "
+        "(train and held-out); null: the task is env.kwargs and the seed alone. docs/agents.md.",
     )
     eval_seed_start: int = Field(
         1_000_000,
@@ -246,13 +277,14 @@ class EnvSection(Section):
         None,
         gt=0,
         description="env.workers: address space each worker may map (RLIMIT_AS), in MiB; past it, "
-        "allocations in the env fail. null: no limit.",
+        "allocations in the env fail. An agent program's: each episode's process. null: no limit.",
     )
     worker_cpu_s: float | None = Field(
         None,
         gt=0,
         description="env.workers: CPU seconds one reset or step may use (RLIMIT_CPU, rounded up to a whole "
-        "second); past them the kernel kills the worker and the episode fails. null: no limit.",
+        "second); past them the kernel kills the worker and the episode fails. An agent program's: CPU seconds "
+        "each process of its episode may use. null: no limit.",
     )
 
     tools: list[str] = Field(
@@ -391,7 +423,19 @@ class EnvSection(Section):
     def _limits_need_workers(self) -> EnvSection:
         if self.workers == 0 and self.isolation == "episode":
             raise ValueError("env.isolation episode gives each live env a worker process of its own; set env.workers")
-        if self.workers == 0 and (self.worker_memory_mb is not None or self.worker_cpu_s is not None):
+        if is_agent(self.name):
+            if self.workers:
+                raise ValueError(
+                    f"env.workers runs envs in worker processes, and env {self.name} is an agent program, whose "
+                    "episodes each run in a process of their own (limited by env.worker_memory_mb and "
+                    "env.worker_cpu_s); expected env.workers 0"
+                )
+        elif self.task_data is not None:
+            raise ValueError(
+                f"env.task_data gives tasks to agent programs (env.name agent:..., agent-cmd); env {self.name} takes "
+                "its tasks from their seeds and env.kwargs: expected env.task_data null"
+            )
+        elif self.workers == 0 and (self.worker_memory_mb is not None or self.worker_cpu_s is not None):
             raise ValueError("env.worker_memory_mb and env.worker_cpu_s limit worker processes; set env.workers too")
         if self.workers_backend == "ray" and self.workers == 0:
             raise ValueError("env.workers_backend ray runs env.workers Ray actors; set env.workers to 1 or more")

@@ -127,6 +127,23 @@ def snoops(client, task):
     return seen
 
 
+def scored_by_its_row(client, task):
+    """Asks the row's question; its reward is the row's value plus env.kwargs' bonus."""
+    api = OpenAI(base_url=client["base_url"], api_key=client["api_key"], max_retries=0)
+    api.chat.completions.create(model=client["model"], messages=[{"role": "user", "content": task["question"]}])
+    return task["value"] + task["bonus"]
+
+
+def overreaches(client, task):
+    """Task 0 plays; 1 maps more memory than env.worker_memory_mb, 2 spins past env.worker_cpu_s."""
+    if task["seed"] == 1:
+        blob = bytearray(4 << 30)
+    if task["seed"] == 2:
+        while True:
+            pass
+    return one_call(client, task)
+
+
 def misbehaves(client, task):
     """Task 0 plays; 1 crashes, 2 hangs, 3 never calls the endpoint."""
     if task["seed"] == 1:
@@ -378,6 +395,9 @@ def test_an_agent_command_gets_the_endpoint_in_its_environment(tmp_path, sandbox
 
 def test_a_missing_callable_or_program_is_refused_before_any_stage(tmp_path, capsys):
     path, _ = _agents(tmp_path)
+    rows, bad = tmp_path / "rows.jsonl", tmp_path / "bad.jsonl"
+    rows.write_text('{"question": "Q?"}\n')
+    bad.write_text('{"question": "Q?"}\n[1, 2]\n')
     for env, expected in [
         ({"name": f"agent:{path}:no_such_function"}, "defines no function 'no_such_function'"),
         ({"name": f"agent:{tmp_path}/nowhere.py:solve"}, "no file"),
@@ -385,11 +405,74 @@ def test_a_missing_callable_or_program_is_refused_before_any_stage(tmp_path, cap
         ({"name": "agent-cmd"}, "env.command, which is empty"),
         ({"name": f"agent:{path}:one_call", "command": ["python"]}, "expected env.name agent-cmd to run it"),
         ({"name": f"agent:{path}:one_call", "tools": ["python_exec"]}, "which passes its own tools"),
+        ({"name": f"agent:{path}:one_call", "task_data": {"train": str(path)}}, "has an unknown suffix"),
+        ({"name": f"agent:{path}:one_call", "task_data": {"train": str(rows)}}, "which has no held-out split"),
+        ({"name": f"agent:{path}:one_call", "task_data": {"train": str(rows), "eval": str(bad)}}, "row 2 is list"),
+        ({"name": f"agent:{path}:one_call", "workers": 2}, "expected env.workers 0"),
+        ({"name": "guess_number", "task_data": {"train": str(rows)}}, "expected env.task_data null"),
     ]:
         recipe = _recipe(tmp_path, env)
         code, _, err = cli(capsys, "rollout", "-r", recipe)
         line = " ".join(err.split())
         assert code == 2 and expected in line and "Traceback" not in err, err
+
+
+def test_an_agents_tasks_come_from_data_files_with_held_out_rows_apart(tmp_path):
+    path, _ = _agents(tmp_path)
+    train, held_out = tmp_path / "train.jsonl", tmp_path / "held_out.jsonl"
+    train.write_text("".join(json.dumps({"question": f"Q{v}?", "value": v}) + "\n" for v in (0, 1)))
+    held_out.write_text(json.dumps({"question": "Held out?", "value": 7}) + "\n")
+    env = {
+        "name": f"agent:{path}:scored_by_its_row",
+        "kwargs": {"bonus": 0.5},
+        "task_data": {"train": str(train), "eval": str(held_out)},
+    }
+    ctx = make_ctx(_recipe(tmp_path, env, tasks=3, group_size=1), tmp_path / "runs")
+    run_rollout_stage(ctx, stage="rollout", policy="base", split="train")
+    run_rollout_stage(ctx, stage="held", policy="base", split="eval")
+    # Training seeds 0, 1, 2 play rows 0, 1, 0; held-out seeds play the held-out file's rows.
+    assert [(e["status"], e["env_return"]) for e in _stored(ctx)[0]] == [("ok", 0.5), ("ok", 1.5), ("ok", 0.5)]
+    assert {(e["status"], e["env_return"]) for e in _stored(ctx, "held")[0]} == {("ok", 7.5)}
+
+
+def test_an_agents_tasks_come_from_a_cached_hub_dataset(tmp_path, monkeypatch):
+    import datasets
+
+    from helpers import cache_hub_dataset
+
+    cache = tmp_path / "hf-datasets"
+    cache.mkdir()
+    cache_hub_dataset(cache, "rlcli-test/tiny_tasks", {"question": ["A?", "B?", "C?"], "value": [1.0, 2.0, 3.0]})
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)
+    path, _ = _agents(tmp_path)
+    env = {
+        "name": f"agent:{path}:scored_by_its_row",
+        "kwargs": {"bonus": 0.0},
+        "task_data": {"train": "hub:rlcli-test/tiny_tasks", "train_split": "train[:2]", "eval_split": "train[2:]"},
+    }
+    ctx = make_ctx(_recipe(tmp_path, env, tasks=2, group_size=1), tmp_path / "runs")
+    run_rollout_stage(ctx, stage="rollout", policy="base", split="train")
+    run_rollout_stage(ctx, stage="held", policy="base", split="eval")
+    assert [e["env_return"] for e in _stored(ctx)[0]] == [1.0, 2.0]
+    assert {e["env_return"] for e in _stored(ctx, "held")[0]} == {3.0}
+
+
+@pytest.mark.parametrize("form", ["callable", "command"])
+def test_an_agent_past_its_memory_or_cpu_limit_fails_only_its_episode(tmp_path, form):
+    path, out = _agents(tmp_path)
+    limits = {"worker_memory_mb": 1024, "worker_cpu_s": 1, "step_timeout_s": 60}
+    if form == "callable":
+        env = {"name": f"agent:{path}:overreaches", "kwargs": {"out": str(out)}, **limits}
+    else:  # a program that spins: stopped by the CPU limit, not the time limit
+        env = {"name": "agent-cmd", "command": [sys.executable, "-c", "while True: pass"], **limits}
+    ctx = make_ctx(_recipe(tmp_path, env, tasks=3 if form == "callable" else 1, group_size=1), tmp_path / "runs")
+    run_rollout_stage(ctx, stage="rollout", policy="base", split="train")
+    by_task = {e["task_index"]: e for e in _stored(ctx)[0]}
+    spinner = by_task[2 if form == "callable" else 0]
+    assert spinner["status"] == "failed" and "more than env.worker_cpu_s=1 CPU seconds" in spinner["error"]
+    if form == "callable":
+        assert by_task[0]["status"] == "ok", by_task[0]["error"]
+        assert by_task[1]["status"] == "failed" and "MemoryError (env.worker_memory_mb=1024" in by_task[1]["error"]
 
 
 def _tokenizer():

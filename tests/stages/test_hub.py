@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers import run_in_process, write_recipe
+from helpers import cache_hub_dataset, run_in_process, write_recipe
 from rlcli.errors import UsageError
 from rlcli.store.run_store import RunStore
 
@@ -27,40 +27,6 @@ CHAT_ROWS = {
     "source": ["hand"] * 4,  # a column rlcli does not read
 }
 SFT = {"batch_size": 2, "micro_batch_size": 2, "eval_fraction": 0.0}
-
-
-def cache_hub_dataset(cache: Path, repo_id: str, rows: dict, config: str | None = None, split: str = "train") -> None:
-    """Put a dataset into the datasets cache `cache` as an online `load_dataset(repo_id, config)` leaves it.
-
-    datasets prepares a hub repo of data files and a local folder of data files alike: the packaged
-    builder its files call for (parquet here), the configs of its README's YAML, the rows written as
-    Arrow with a dataset_info.json under <cache>/<dataset>/<config>/<version>/<hash>/. What the hub
-    adds is in the names: <dataset> is `<org>___<name>` (from the repo id), and <hash> is the commit
-    the files came from. So a folder named like the dataset is loaded once into a scratch cache, and its
-    entry moved to `<org>___<name>/<config>/<version>/<commit>`, where an offline load of the id finds
-    it (datasets' CachedDatasetModuleFactory and packaged_modules/cache). The commit stands for a hash
-    of the rows: each version of a dataset cached is a folder beside the earlier ones, and the newest
-    is what an offline load reads."""
-    import tempfile
-
-    import datasets
-
-    org, name = repo_id.split("/")
-    scratch = Path(tempfile.mkdtemp(dir=cache.parent))
-    source = scratch / "repo" / name
-    source.mkdir(parents=True)
-    data = source / f"{split}.parquet"
-    datasets.Dataset.from_dict(rows).to_parquet(str(data))
-    if config is not None:
-        front = {"configs": [{"config_name": config, "data_files": [{"split": split, "path": data.name}]}]}
-        (source / "README.md").write_text(f"---\n{yaml.safe_dump(front)}---\n")
-    datasets.load_dataset(str(source), config, cache_dir=str(scratch / "cache"))
-    [prepared] = [p for p in (scratch / "cache" / name).glob("*/*/*") if p.is_dir()]  # <config>/<version>/<hash>
-    commit = hashlib.sha1(data.read_bytes()).hexdigest()
-    target = cache / f"{org}___{name}" / prepared.parent.relative_to(scratch / "cache" / name) / commit
-    target.parent.mkdir(parents=True, exist_ok=True)
-    prepared.rename(target)
-    shutil.rmtree(scratch)
 
 
 @pytest.fixture(scope="module")
@@ -170,11 +136,11 @@ def test_an_uncached_hub_dataset_fails_in_one_sentence_before_any_write(trained,
 
 
 def test_prompt_completion_columns_config_and_split(hub_cache):
-    from rlcli.engine.sft_sources import check_hub_dataset, data_identity, read_data_source
+    from rlcli.engine.sft_sources import check_hub_dataset, data_identity, read_data_source, sft_hub_split
     from rlcli.recipe import SftSection
 
     qa = SftSection(source=f"hub:{QA}", columns={"question": "prompt", "answer": "completion"})
-    check_hub_dataset(qa)
+    check_hub_dataset(sft_hub_split(qa))
     first, second = read_data_source(qa)
     assert first.messages == [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "5"}]
     assert first.first_trained == 1 and second.origin == f"hub:{QA} (train): row 2"
@@ -192,7 +158,7 @@ def test_prompt_completion_columns_config_and_split(hub_cache):
     ]
     for cfg, expected in refusals:
         with pytest.raises(UsageError, match=r"^sft\.\w+: .*" + expected.replace("(", r"\(").replace(")", r"\)")):
-            check_hub_dataset(cfg)
+            check_hub_dataset(sft_hub_split(cfg))
             read_data_source(cfg)
 
 

@@ -14,8 +14,8 @@ from rich.panel import Panel
 
 from rlcli.cli.common import JsonOpt, RecipeOpt, RunOpt, console, open_existing
 from rlcli.console import err_console
-from rlcli.envs.agents import is_agent
 from rlcli.errors import RlcliError, UsageError
+from rlcli.recipe import is_agent
 from rlcli.report.text import literal
 
 if TYPE_CHECKING:

@@ -37,8 +37,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlcli.engine.episode_runner import play_in_passes
+from rlcli.engine.task_data import TaskRows, task_for
 from rlcli.engine.turns import EpisodeSpec, LiveEpisode
-from rlcli.envs.agents import AgentForks, AgentOutcome, AgentProgram, AgentSandbox, run_agent
+from rlcli.envs.agents import AgentForks, AgentLimits, AgentOutcome, AgentProgram, AgentSandbox, run_agent
 from rlcli.generation.endpoint import CallRecord, Endpoint
 from rlcli.generation.sampler import Sampler
 from rlcli.store.records import EndReason, Turn
@@ -48,8 +49,9 @@ if TYPE_CHECKING:
 
 
 class AgentRunner:
-    """program: what each episode runs; task_kwargs: env.kwargs, given to the agent in its task beside
-    the task's seed; time_limit_s: env.step_timeout_s; model_name: what OPENAI_MODEL says."""
+    """program: what each episode runs; task_kwargs: env.kwargs and task_rows: env.task_data's rows, given to
+    the agent in its task with the task's seed (engine/task_data.py); time_limit_s: env.step_timeout_s;
+    limits: env.worker_memory_mb and env.worker_cpu_s; model_name: what OPENAI_MODEL says."""
 
     def __init__(
         self,
@@ -59,7 +61,9 @@ class AgentRunner:
         *,
         model_name: str,
         task_kwargs: dict[str, Any],
+        task_rows: TaskRows | None,
         time_limit_s: float,
+        limits: AgentLimits,
         max_length: int,
         run_seed: int,
         max_calls: int,
@@ -67,7 +71,8 @@ class AgentRunner:
         sandbox_root: Path | None = None,
     ) -> None:
         self.program, self.sampler, self.tokenizer = program, sampler, tokenizer
-        self.model_name, self.task_kwargs = model_name, task_kwargs
+        self.model_name, self.task_kwargs, self.task_rows = model_name, task_kwargs, task_rows
+        self.limits = limits
         self.time_limit_s, self.max_length, self.run_seed = time_limit_s, max_length, run_seed
         self.max_calls, self.timeout_retries = max_calls, timeout_retries
         self.sandbox_root = sandbox_root  # set: each agent runs in bubblewrap there (env.sandbox)
@@ -140,11 +145,13 @@ class AgentRunner:
         sandbox: AgentSandbox | None,
         forks: AgentForks | None,
     ) -> None:
-        episode.task = {**self.task_kwargs, "seed": episode.spec.env_seed}
+        episode.task = task_for(self.task_kwargs, self.task_rows, episode.spec.env_seed)
         endpoint.limit_calls(self._session(episode), self.max_calls)
         url = endpoint.url(self._session(episode))
         try:
-            outcomes[i] = run_agent(self.program, url, self.model_name, episode.task, self.time_limit_s, sandbox, forks)
+            outcomes[i] = run_agent(
+                self.program, url, self.model_name, episode.task, self.time_limit_s, sandbox, forks, self.limits
+            )
         except OSError as exc:  # the program could not be started
             outcomes[i] = AgentOutcome(error=f"the agent could not be started: {exc}")
         finally:

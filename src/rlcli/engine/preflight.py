@@ -30,12 +30,12 @@ def check_recipe(recipe: Recipe, stages: list[str] | None = None, *, sft_done: b
     from rlcli.engine.sft_data import check_data_path
     from rlcli.engine.sft_sources import source_kind
     from rlcli.engine.trackers import check_trackers
-    from rlcli.envs.agents import is_agent
     from rlcli.envs.loading import load_env
     from rlcli.envs.sandbox import use_bwrap
     from rlcli.envs.tool_use import check_tool_names, tool_use_spec
     from rlcli.generation.memory_plan import check_fits
     from rlcli.models.cache import check_model
+    from rlcli.recipe import is_agent
     from rlcli.rewards.scoring import check_reward_fns
 
     planned = planned_stages(recipe) if stages is None else stages
@@ -59,9 +59,9 @@ def check_recipe(recipe: Recipe, stages: list[str] | None = None, *, sft_done: b
             )
         use_bwrap(recipe.env.sandbox, "env.sandbox")  # where bubblewrap cannot run, bwrap is refused here
     if recipe.sft.source.startswith("hub:"):  # in the cache offline, known to the hub online: no rows read
-        from rlcli.engine.sft_sources import check_hub_dataset
+        from rlcli.engine.sft_sources import check_hub_dataset, sft_hub_split
 
-        check_hub_dataset(recipe.sft)
+        check_hub_dataset(sft_hub_split(recipe.sft))
     elif source_kind(recipe.sft.source) in ("file", "folder") and "sft" in planned and not sft_done:
         # Only for a command that runs SFT: `train grpo` or `eval` of a run whose SFT is done may run
         # from another folder, where a relative path to the data finds nothing.
@@ -76,9 +76,11 @@ def check_recipe(recipe: Recipe, stages: list[str] | None = None, *, sft_done: b
 def check_agent(recipe: Recipe, planned: list[str]) -> None:
     """env.name agent:... / agent-cmd: the callable or the program is there, and the recipe asks nothing of it
     that only an env can give (tools are the agent's own; its episodes cannot be replayed to a turn)."""
+    from rlcli.engine.task_data import task_rows
     from rlcli.envs.agents import agent_program
 
     agent_program(recipe.env.name, recipe.env.command, Path.cwd())
+    task_rows(recipe.env)  # env.task_data read and checked, its malformed rows refused here
     if recipe.env.tools or recipe.env.mcp_servers:
         raise UsageError(
             f"env.tools and env.mcp_servers give tools to an env's model; env {recipe.env.name} is an agent program, "

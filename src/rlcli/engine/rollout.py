@@ -21,7 +21,6 @@ from rlcli.engine.context import RunContext
 from rlcli.engine.episode_runner import EpisodeRunner
 from rlcli.engine.games import GameRunner, Opponent, recipe_opponent, stored_keys
 from rlcli.engine.turns import EpisodeSpec, LiveEpisode, RolloutLimits
-from rlcli.envs.agents import is_agent
 from rlcli.envs.sandbox import use_bwrap
 from rlcli.envs.tool_use import ToolUseSpec, tool_use_spec
 from rlcli.envs.tools import close_toolboxes
@@ -30,6 +29,7 @@ from rlcli.errors import UsageError
 from rlcli.generation.engines import make_sampler
 from rlcli.generation.sampler import Sampler, sampling_config
 from rlcli.generation.seeds import derive_seed
+from rlcli.recipe import is_agent
 from rlcli.store.checkpoints import resolve_checkpoint
 from rlcli.store.episodes import episode_summary, store_episodes, stored_episode_keys
 from rlcli.store.names import BASE, EXPERT, RESERVED_STAGES, PolicyRef, check_user_name
@@ -182,7 +182,8 @@ def agent_runner(
     """The runner of env.name agent:... / agent-cmd: the policy behind an endpoint, the program per episode,
     each episode's calls capped at max_calls (env.max_turns)."""
     from rlcli.engine.agent_runner import AgentRunner
-    from rlcli.envs.agents import agent_program
+    from rlcli.engine.task_data import task_rows
+    from rlcli.envs.agents import AgentLimits, agent_program
     from rlcli.envs.sandbox import use_bwrap
 
     env = ctx.recipe.env
@@ -194,7 +195,9 @@ def agent_runner(
         tokenizer,
         model_name=ctx.recipe.model.name,
         task_kwargs=dict(env.kwargs),
+        task_rows=task_rows(env),
         time_limit_s=env.step_timeout_s,
+        limits=AgentLimits(env.worker_memory_mb, env.worker_cpu_s),
         max_length=ctx.recipe.model.max_length,
         run_seed=ctx.recipe.run.seed,
         max_calls=max_calls,

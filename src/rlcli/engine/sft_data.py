@@ -81,13 +81,16 @@ def data_sha256(path: Path) -> str | None:
     return digest.hexdigest()
 
 
-def check_data_path(path: Path) -> None:
-    """Refuse an sft.source that names no data SFT can read: neither a folder nor a file of a known
-    suffix. Preflight runs it, so that the mistake costs no model load and leaves no failed stage."""
+def check_data_path(path: Path, field: str = "sft.source") -> None:
+    """Refuse a data source (the recipe's `field`) that names no data rlcli can read: neither a folder
+    nor a file of a known suffix. Preflight runs it, so that the mistake costs no model load and leaves
+    no failed stage."""
     if path.is_dir():
         return
     if not path.is_file():
         # `sft.source=null` on a command line is the text "null" (the field is text): meant as no SFT.
+        if field != "sft.source":
+            raise UsageError(f"{field}: {path} is neither an existing data file or folder nor hub:ORG/NAME.")
         hint = "; for no SFT, write sft.source=none" if str(path) in ("null", "~") else ""
         raise UsageError(
             f"sft.source: {path} is not none, expert, episodes, or an existing data file or folder "
@@ -95,15 +98,19 @@ def check_data_path(path: Path) -> None:
         )
     if path.suffix.lower() not in FILE_SUFFIXES:
         raise UsageError(
-            f"sft.source: {path} has an unknown suffix; expected {', '.join(FILE_SUFFIXES)}, "
+            f"{field}: {path} has an unknown suffix; expected {', '.join(FILE_SUFFIXES)}, "
             "or a folder written by datasets' save_to_disk."
         )
 
 
-def read_rows(path: Path, split: str = "train") -> list[tuple[int, Any]]:
-    check_data_path(path)
+def read_rows(
+    path: Path, split: str = "train", field: str = "sft.source", split_field: str = "sft.dataset_split"
+) -> list[tuple[int, Any]]:
+    """A data file's or folder's rows with their numbers; `field` and `split_field` are the recipe fields
+    that name the data and a folder's split, for the refusals' sentences."""
+    check_data_path(path, field)
     if path.is_dir():
-        return list(enumerate(_dataset_rows(path, split), 1))
+        return list(enumerate(_dataset_rows(path, split, field, split_field), 1))
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
         return _jsonl_rows(path, _read_text(path))
@@ -143,18 +150,18 @@ def _jsonl_rows(path: Path, text: str) -> list[tuple[int, Any]]:
     return rows
 
 
-def _dataset_rows(path: Path, split: str = "train") -> list[dict]:
+def _dataset_rows(path: Path, split: str, field: str, split_field: str) -> list[dict]:
     from datasets import DatasetDict, load_from_disk
 
     try:
         data = load_from_disk(str(path))
     except FileNotFoundError:
-        raise UsageError(f"sft.source: {path} is not a folder written by datasets' save_to_disk.") from None
+        raise UsageError(f"{field}: {path} is not a folder written by datasets' save_to_disk.") from None
     if isinstance(data, DatasetDict):
         if split not in data:
             raise UsageError(
-                f"sft.source: {path} is a DatasetDict without a {split} split (it has {', '.join(data)}); "
-                "set sft.dataset_split."
+                f"{field}: {path} is a DatasetDict without a {split} split (it has {', '.join(data)}); "
+                f"set {split_field}."
             )
         data = data[split]
     return list(data)

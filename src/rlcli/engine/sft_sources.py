@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +46,27 @@ SFT_DATA_FIELDS = {
     "file": ("columns",),
     "folder": ("dataset_split", "columns"),
 }
+
+
+@dataclass(frozen=True)
+class HubSplit:
+    """One split of a hub dataset, and the recipe fields that name it (for the refusals' sentences):
+    SFT's rows (sft.source, sft.dataset_config, sft.dataset_split) or an agent's tasks (env.task_data)."""
+
+    name: str  # ORG/NAME
+    config: str | None
+    split: str
+    source_field: str
+    config_field: str
+    split_field: str
+
+
+def sft_hub_split(cfg: SftSection) -> HubSplit:
+    name = hub_id(cfg.source)
+    assert name is not None  # only called for a hub source
+    return HubSplit(
+        name, cfg.dataset_config, cfg.dataset_split, "sft.source", "sft.dataset_config", "sft.dataset_split"
+    )
 
 
 def source_kind(source: str) -> str:
@@ -86,37 +108,41 @@ def read_data_source(cfg: SftSection) -> list[Conversation]:
 # --- hub datasets -------------------------------------------------------------------------------------
 
 
-def check_hub_dataset(cfg: SftSection) -> None:
+def check_hub_dataset(hub: HubSplit) -> None:
     """Refuse in one sentence a hub dataset that cannot be loaded: not in the cache on an offline
     machine, unknown to the hub, no such config or split. Cheap: it resolves the dataset's builder
     (offline: a look in the cache; online: the hub's metadata of the repo) and reads no rows."""
-    builder = _builder(cfg)
+    builder = _builder(hub)
     splits = builder.info.splits  # known for a cached dataset; a hub repo's may be known only once prepared
     if splits:
-        for part in _split_names(cfg.dataset_split):
+        for part in _split_names(hub.split):
             if part not in splits:
                 raise UsageError(
-                    f"sft.dataset_split: hub dataset {hub_id(cfg.source)} has no split {part!r} "
-                    f"(it has {', '.join(splits)})."
+                    f"{hub.split_field}: hub dataset {hub.name} has no split {part!r} (it has {', '.join(splits)})."
                 )
 
 
-def load_hub_dataset(cfg: SftSection) -> Dataset:
-    """The recipe's split of the hub dataset, as `datasets.load_dataset` gives it (a cached one offline)."""
+def load_hub_split(hub: HubSplit) -> Dataset:
+    """The split of the hub dataset, as `datasets.load_dataset` gives it (a cached one offline)."""
     import datasets
 
-    name = hub_id(cfg.source)
-    builder = _builder(cfg)  # the one-sentence refusals, also when the cache changed since preflight
+    builder = _builder(hub)  # the one-sentence refusals, also when the cache changed since preflight
     try:
         with _quiet():
             # The builder's resolved config: offline, a dataset cached with one config loads without naming it.
-            data = datasets.load_dataset(name, builder.config.name, split=cfg.dataset_split)
+            return datasets.load_dataset(hub.name, builder.config.name, split=hub.split)
     except ValueError as exc:  # an unknown split or slice ("Unknown split "test". Should be one of ['train'].")
-        raise UsageError(f"sft.dataset_split: hub dataset {name}: {_first_line(exc)}.") from None
+        raise UsageError(f"{hub.split_field}: hub dataset {hub.name}: {_first_line(exc)}.") from None
+
+
+def load_hub_dataset(cfg: SftSection) -> Dataset:
+    """The recipe's split of SFT's hub dataset, its sft.columns checked."""
+    data = load_hub_split(sft_hub_split(cfg))
     missing = [column for column in cfg.columns if column not in data.column_names]
     if missing:
         raise UsageError(
-            f"sft.columns: hub dataset {name} has no column {missing[0]!r} (its columns: {', '.join(data.column_names)})."
+            f"sft.columns: hub dataset {hub_id(cfg.source)} has no column {missing[0]!r} (its columns: "
+            f"{', '.join(data.column_names)})."
         )
     return data
 
@@ -146,30 +172,29 @@ def hub_conversations(cfg: SftSection) -> list[Conversation]:
     ]
 
 
-def _builder(cfg: SftSection) -> Any:
+def _builder(hub: HubSplit) -> Any:
     import datasets
     from datasets.exceptions import DatasetNotFoundError
 
-    name = hub_id(cfg.source)
-    assert name is not None  # only called for a hub source
-    config = f" (config {cfg.dataset_config})" if cfg.dataset_config else ""
+    name = hub.name
+    config = f" (config {hub.config})" if hub.config else ""
     try:
         with _quiet():
-            return datasets.load_dataset_builder(name, cfg.dataset_config)
+            return datasets.load_dataset_builder(name, hub.config)
     except DatasetNotFoundError:
         raise UsageError(
-            f"sft.source: hub dataset {name} does not exist on the Hugging Face Hub or cannot be accessed "
+            f"{hub.source_field}: hub dataset {name} does not exist on the Hugging Face Hub or cannot be accessed "
             "(a gated or private one needs `hf auth login` or HF_TOKEN)."
         ) from None
     except ConnectionError:
         if datasets.config.HF_HUB_OFFLINE:
             raise UsageError(
-                f"sft.source: hub dataset {name}{config} is not in the local datasets cache "
+                f"{hub.source_field}: hub dataset {name}{config} is not in the local datasets cache "
                 f"({datasets.config.HF_DATASETS_CACHE}) and the machine is offline (HF_HUB_OFFLINE or "
                 "HF_DATASETS_OFFLINE is set); load it once online, or give a data file."
             ) from None
         raise UsageError(
-            f"sft.source: hub dataset {name}{config} is not in the local datasets cache and the Hugging Face Hub "
+            f"{hub.source_field}: hub dataset {name}{config} is not in the local datasets cache and the Hugging Face Hub "
             "cannot be reached; try again online, or give a data file."
         ) from None
     except ValueError as exc:
@@ -179,14 +204,14 @@ def _builder(cfg: SftSection) -> Any:
         if cached is not None:  # offline: "Couldn't find cache for ORG/NAME for config 'x'"
             configs = ", ".join(c.strip(" '\"") for c in cached.strip(" []").split(","))
             raise UsageError(
-                f"sft.dataset_config: hub dataset {name}{config} is not in the local datasets cache, which holds "
-                f"its config {configs} only, and the machine is offline; set sft.dataset_config to one of them."
+                f"{hub.config_field}: hub dataset {name}{config} is not in the local datasets cache, which holds "
+                f"its config {configs} only, and the machine is offline; set {hub.config_field} to one of them."
             ) from None
         raise UsageError(
-            f"sft.dataset_config: hub dataset {name}: {_first_line(exc)}; set sft.dataset_config."
+            f"{hub.config_field}: hub dataset {name}: {_first_line(exc)}; set {hub.config_field}."
         ) from None
     except OSError as exc:  # FileNotFoundError among them: no data files where the id points
-        raise UsageError(f"sft.source: hub dataset {name} cannot be loaded: {_first_line(exc)}.") from None
+        raise UsageError(f"{hub.source_field}: hub dataset {name} cannot be loaded: {_first_line(exc)}.") from None
 
 
 def _split_names(split: str) -> list[str]:

@@ -35,13 +35,14 @@ def play_with_model(
     `folder`; None: the base model) for at most `max_turns` turns, sampled as rollouts sample."""
     from rlcli.engine.episode_runner import EpisodeRunner
     from rlcli.engine.turns import EpisodeSpec, RolloutLimits
-    from rlcli.envs.agents import agent_program, is_agent
+    from rlcli.envs.agents import agent_program
     from rlcli.envs.loading import load_env
     from rlcli.envs.workers import InProcessEnvs
     from rlcli.generation.engines import generation_engine, make_sampler
     from rlcli.generation.sampler import sampling_config
     from rlcli.generation.seeds import derive_seed
     from rlcli.models.loading import load_policy
+    from rlcli.recipe import is_agent
 
     # A bad env name, agent file or program fails before the model loads.
     program = agent_program(env, recipe.env.command, Path.cwd()) if is_agent(env) else None
@@ -122,8 +123,11 @@ def _agent_episode(
     max_turns: int,
     time_limit_s: float,
 ) -> LiveEpisode:
-    """One episode of an agent program with `sampler` behind the endpoint, its calls capped at max_turns."""
+    """One episode of an agent program with `sampler` behind the endpoint, its calls capped at max_turns; the
+    recipe's env.task_data gives its task when the recipe's env is this program."""
     from rlcli.engine.agent_runner import AgentRunner
+    from rlcli.engine.task_data import task_rows
+    from rlcli.envs.agents import AgentLimits
 
     agent = AgentRunner(
         program,
@@ -131,7 +135,9 @@ def _agent_episode(
         tokenizer,
         model_name=recipe.model.name,
         task_kwargs=env_kwargs,
+        task_rows=task_rows(recipe.env) if program.env_name == recipe.env.name else None,
         time_limit_s=time_limit_s,
+        limits=AgentLimits(recipe.env.worker_memory_mb, recipe.env.worker_cpu_s),
         max_length=recipe.model.max_length,
         run_seed=recipe.run.seed,
         max_calls=max_turns,

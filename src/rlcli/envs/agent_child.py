@@ -12,6 +12,10 @@ its Unix socket (bound into the sandbox): a forwarder listens on the sandbox's 1
 base URL (and OPENAI_BASE_URL) point there. Only the standard library is imported here, so the agent's
 process holds what the agent imports and nothing of rlcli's.
 
+`--limits MEMORY_MB CPU_S` (after --proxy; "-" for none) sets env.worker_memory_mb and env.worker_cpu_s as the
+process's own limits (RLIMIT_AS, RLIMIT_CPU), which the program it runs inherits; with --forks, a request's
+"limits" are set in each episode's child instead.
+
 `... --forks FILE-OR-MODULE FUNCTION` imports the callable once and forks every episode from that process
 (envs/agents.py AgentForks): an episode then starts in milliseconds instead of a fresh interpreter's
 second or so of imports (openai's alone is most of it). The protocol is one line each way, on stdin and
@@ -29,7 +33,9 @@ import importlib
 import importlib.util
 import inspect
 import json
+import math
 import os
+import resource
 import select
 import signal
 import socket
@@ -48,8 +54,15 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["--proxy"]:
         proxy, argv = argv[1], argv[2:]
         os.environ["OPENAI_BASE_URL"] = _through(proxy, os.environ["OPENAI_BASE_URL"])
+    if argv[:1] == ["--limits"]:
+        _limit(argv[1], argv[2])
+        argv = argv[3:]
     if argv[:1] == ["--command"]:
-        return subprocess.run(argv[1:]).returncode  # stdin, stdout and the environment are the program's
+        code = subprocess.run(argv[1:]).returncode  # stdin, stdout and the environment are the program's
+        if code < 0:  # killed by a signal (SIGXCPU past env.worker_cpu_s): end as it did, for rlcli to tell
+            signal.signal(-code, signal.SIG_DFL)
+            os.kill(os.getpid(), -code)
+        return code
     if argv[:1] == ["--forks"]:
         # The protocol keeps stdout's pipe to itself; what the agent's module prints goes to stderr.
         protocol = os.dup(1)
@@ -135,6 +148,8 @@ def _episode(fn: Callable[..., Any], request: dict) -> None:
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         os.setsid()
+        if request.get("limits"):
+            _limit(*request["limits"])
         devnull = os.open(os.devnull, os.O_RDONLY)
         out = os.open(request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         err = os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -157,6 +172,18 @@ def _episode(fn: Callable[..., Any], request: dict) -> None:
             sys.stdout.flush()
             sys.stderr.flush()
         os._exit(code)
+
+
+def _limit(memory_mb: str, cpu_s: str) -> None:
+    """This process's limits ("-": none), as env workers have them (envs/workers.py; not imported here, where
+    only the standard library is): address space in MiB, and CPU seconds (past them SIGXCPU, then SIGKILL)."""
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a killed agent leaves no core file about
+    if memory_mb != "-":
+        limit = int(memory_mb) * 2**20
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    if cpu_s != "-":
+        soft = math.ceil(float(cpu_s))
+        resource.setrlimit(resource.RLIMIT_CPU, (soft, soft + 1))
 
 
 def _reap(running: dict[int, int], protocol: int) -> None:

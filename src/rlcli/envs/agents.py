@@ -29,15 +29,11 @@ from typing import Any
 
 from rlcli.envs.sandbox import BASE_ENV, Sandbox, hidden_runs, sandboxed
 from rlcli.errors import UsageError
+from rlcli.recipe import AGENT_CMD, AGENT_PREFIX
 from rlcli.usercode import import_file
 
-AGENT_PREFIX = "agent:"
-AGENT_CMD = "agent-cmd"
 API_KEY = "rlcli"  # the endpoint accepts any key; clients refuse to start without one
-
-
-def is_agent(env_name: str) -> bool:
-    return env_name.startswith(AGENT_PREFIX) or env_name == AGENT_CMD
+_CHILD = [sys.executable, "-m", "rlcli.envs.agent_child"]  # runs an episode (envs/agent_child.py)
 
 
 @dataclass(frozen=True)
@@ -77,7 +73,7 @@ def agent_program(env_name: str, command: list[str] | None, root: Path) -> Agent
             raise UsageError(f"env.name {env_name!r}: module {target!r} cannot be imported ({exc}).") from None
     if not callable(getattr(module, name, None)):
         raise UsageError(f"env.name {env_name!r}: {where} defines no function {name!r}.")
-    return AgentProgram(env_name, [sys.executable, "-m", "rlcli.envs.agent_child", where, name], callable=True)
+    return AgentProgram(env_name, [*_CHILD, where, name], callable=True)
 
 
 @dataclass
@@ -86,6 +82,21 @@ class AgentOutcome:
     success: bool | None = None
     error: str | None = None  # why the episode failed
     timed_out: bool = False
+
+
+@dataclass(frozen=True)
+class AgentLimits:
+    """env.worker_memory_mb and env.worker_cpu_s, set on each episode's process (envs/agent_child.py), as env
+    workers have them: its address space in MiB, and the CPU seconds each process of the episode may use."""
+
+    memory_mb: int | None = None
+    cpu_s: float | None = None
+
+    def args(self) -> list[str]:
+        """agent_child's --limits arguments ("-": none); nothing without limits."""
+        if self.memory_mb is None and self.cpu_s is None:
+            return []
+        return ["--limits", *("-" if v is None else str(v) for v in (self.memory_mb, self.cpu_s))]
 
 
 @dataclass(frozen=True)
@@ -117,7 +128,7 @@ class AgentForks:
             raise ValueError("only a callable agent (agent:...) is forked; agent-cmd runs its own program")
         self.folder = tempfile.TemporaryDirectory(prefix="rlcli-agents-")
         self.errors = open(os.path.join(self.folder.name, "server.err"), "w+")  # noqa: SIM115 (closed in close)
-        argv = [sys.executable, "-m", "rlcli.envs.agent_child", "--forks", *program.argv[3:]]
+        argv = [*_CHILD, "--forks", *program.argv[3:]]
         self.process = subprocess.Popen(
             argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.errors, start_new_session=True
         )
@@ -147,11 +158,13 @@ class AgentForks:
         self.errors.close()
         self.folder.cleanup()
 
-    def run(self, given: dict[str, Any], env: dict[str, str], time_limit_s: float) -> _Ended:
+    def run(self, given: dict[str, Any], env: dict[str, str], time_limit_s: float, limits: AgentLimits) -> _Ended:
         with self.lock:
             request_id, self.next_id = self.next_id, self.next_id + 1
         out, err = (os.path.join(self.folder.name, f"{request_id}.{name}") for name in ("out", "err"))
         request = {"id": request_id, "given": given, "env": env, "stdout": out, "stderr": err}
+        if limits.args():
+            request["limits"] = limits.args()[1:]
         self._send(request)
         with self.lock:
             done = self.changed.wait_for(lambda: request_id in self.ended or self._gone(), time_limit_s)
@@ -201,6 +214,7 @@ def run_agent(
     time_limit_s: float,
     sandbox: AgentSandbox | None = None,
     forks: AgentForks | None = None,
+    limits: AgentLimits = AgentLimits(),
 ) -> AgentOutcome:
     """Run one episode of the program to its end (or kill it, with its process group, at the time limit):
     forked from `forks` when given, else in a process started for it."""
@@ -208,26 +222,40 @@ def run_agent(
     given = {"client": client, "task": task} if program.callable else task
     openai = {"OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": API_KEY, "OPENAI_MODEL": model}
     if forks is not None:
-        ended = forks.run(given, openai, time_limit_s)
+        ended = forks.run(given, openai, time_limit_s, limits)
     else:
-        ended = _run_process(program, json.dumps(given), openai, time_limit_s, sandbox)
+        ended = _run_process(program, json.dumps(given), openai, time_limit_s, sandbox, limits)
     if ended.returncode is None:
         return AgentOutcome(
             error=f"the agent ran past env.step_timeout_s ({time_limit_s:g} s) and was stopped", timed_out=True
         )
+    if ended.returncode in (-signal.SIGXCPU, -signal.SIGKILL) and limits.cpu_s is not None:
+        return AgentOutcome(
+            error=f"the agent used more than env.worker_cpu_s={limits.cpu_s:g} CPU seconds and was stopped"
+        )
     if ended.returncode != 0:
         tail = ended.stderr.strip().splitlines()[-1] if ended.stderr.strip() else "no message on stderr"
+        if tail.startswith("MemoryError") and limits.memory_mb is not None:
+            tail += f" (env.worker_memory_mb={limits.memory_mb} MiB of address space)"
         return AgentOutcome(error=f"the agent exited with code {ended.returncode}: {tail}")
     return _outcome(program, ended.stdout)
 
 
 def _run_process(
-    program: AgentProgram, stdin: str, openai: dict[str, str], time_limit_s: float, sandbox: AgentSandbox | None
+    program: AgentProgram,
+    stdin: str,
+    openai: dict[str, str],
+    time_limit_s: float,
+    sandbox: AgentSandbox | None,
+    limits: AgentLimits,
 ) -> _Ended:
     env = {**os.environ, **openai}
-    argv = program.argv
     if sandbox is not None:
-        argv, env = _in_bubblewrap(program, sandbox, openai), BASE_ENV
+        argv, env = _in_bubblewrap(program, sandbox, openai, limits), BASE_ENV
+    elif program.callable:  # python -m rlcli.envs.agent_child [--limits ...] FILE FUNCTION
+        argv = [*_CHILD, *limits.args(), *program.argv[3:]]
+    else:  # a command runs under agent_child only where it sets limits for it
+        argv = [*_CHILD, *limits.args(), "--command", *program.argv] if limits.args() else program.argv
     # Files, not pipes: a process the agent leaves behind would hold a pipe open, and the episode would
     # wait for it; the episode ends when the agent's own process does.
     with (
@@ -250,13 +278,15 @@ def _run_process(
         return _Ended(proc.returncode, out.read(), err.read())
 
 
-def _in_bubblewrap(program: AgentProgram, sandbox: AgentSandbox, openai: dict[str, str]) -> list[str]:
+def _in_bubblewrap(
+    program: AgentProgram, sandbox: AgentSandbox, openai: dict[str, str], limits: AgentLimits
+) -> list[str]:
     """The program's command line in bubblewrap (envs/sandbox.py): no network but the endpoint's socket
     (agent_child forwards to it), the folder rlcli runs in, the agent's own folder (a command's program
     and the files its arguments name by absolute path) and the Python path read-only (the runs folder
     hidden), and only the OPENAI_* variables of rlcli's environment."""
     inner = program.argv[3:] if program.callable else ["--command", *program.argv]
-    argv = [sys.executable, "-m", "rlcli.envs.agent_child", "--proxy", sandbox.unix_socket, *inner]
+    argv = [*_CHILD, "--proxy", sandbox.unix_socket, *limits.args(), *inner]
     own = [str(Path(inner[0]).resolve().parent)] if program.callable and inner[0].endswith(".py") else []
     if not program.callable:  # the program, and files its arguments name (python /path/agent.py)
         own += [str(Path(a).resolve().parent) for a in program.argv if os.path.isabs(a) and os.path.isfile(a)]

@@ -407,6 +407,26 @@ class Endpoint:
                 pending.error = f"the reply could not be built: {type(exc).__name__}: {exc}"
             pending.done.set()
 
+    def _message(self, pending: _Pending, text: str, finish: str, call_id: str) -> tuple[dict[str, Any], str]:
+        """The reply's assistant message in OpenAI's form, and its finish reason."""
+        for stop in pending.config.stop:  # OpenAI's replies leave the stop string out; the record keeps it
+            if stop in text:
+                text, finish = text[: text.index(stop)], "stop"
+        found = parse_tool_calls(text, self.response_template, pending.tools) if pending.tools is not None else None
+        if found is None or not found.calls:
+            return {"role": "assistant", "content": text}, finish
+        content = TAGGED.sub("", text).strip() if TAGGED.search(text) else ""
+        tool_calls = [
+            {
+                "id": f"call_{call_id[-12:]}_{i}",
+                "type": "function",
+                "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])},
+            }
+            for i, call in enumerate(found.calls)
+        ]
+        # OpenAI's form: no text beside the calls is null
+        return {"role": "assistant", "content": content or None, "tool_calls": tool_calls}, "tool_calls"
+
     def _finish(self, pending: _Pending, sample: Sample) -> None:
         call_id = f"chatcmpl-{uuid.uuid4().hex}"
         # transformers types decode str | list[str]: a list of ids decodes to one string.
@@ -421,29 +441,7 @@ class Endpoint:
                 str, self.tokenizer.decode(body, skip_special_tokens=False, clean_up_tokenization_spaces=False)
             )
             pieces = [cast(str, self.tokenizer.decode([i], skip_special_tokens=False)) for i in sample.ids]
-        finish = "stop" if sample.finished else "length"
-        for stop in pending.config.stop:  # OpenAI's replies leave the stop string out; the record keeps it
-            if stop in text:
-                text, finish = text[: text.index(stop)], "stop"
-        content: str | None = text
-        tool_calls = []
-        if pending.tools is not None:
-            found = parse_tool_calls(text, self.response_template, pending.tools)
-            if found.calls:
-                content = TAGGED.sub("", text).strip() if TAGGED.search(text) else ""
-                tool_calls = [
-                    {
-                        "id": f"call_{call_id[-12:]}_{i}",
-                        "type": "function",
-                        "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])},
-                    }
-                    for i, call in enumerate(found.calls)
-                ]
-                finish = "tool_calls"
-        message: dict[str, Any] = {"role": "assistant", "content": content}
-        if tool_calls:
-            message["content"] = content or None  # OpenAI's form: no text beside the calls is null
-            message["tool_calls"] = tool_calls
+        message, finish = self._message(pending, text, "stop" if sample.finished else "length", call_id)
         logprobs = [
             {"token": piece, "logprob": logprob, "bytes": list(piece.encode()), "top_logprobs": []}
             for piece, logprob in zip(pieces, sample.logprobs)
