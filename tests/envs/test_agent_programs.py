@@ -144,6 +144,27 @@ def overreaches(client, task):
     return one_call(client, task)
 
 
+def kills_its_server(client, task):
+    """Each episode calls once and notes its pid; the first to finish kills the process the episodes are
+    forked from once the others have ended (reaped: gone from /proc), then waits to be killed with it."""
+    reply = one_call(client, task)
+    open(os.path.join(task["out"], f"pid-{os.getpid()}"), "w").close()
+    try:
+        mark = os.open(os.path.join(task["out"], "killer"), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return reply
+    os.write(mark, str(os.getpid()).encode())
+    os.close(mark)
+    for _ in range(600):
+        others = [int(n[4:]) for n in os.listdir(task["out"]) if n.startswith("pid-") and n != f"pid-{os.getpid()}"]
+        if len(others) == 3 and not any(os.path.exists(f"/proc/{pid}") for pid in others):
+            break
+        time.sleep(0.05)
+    time.sleep(0.5)  # the server reports an episode's end just after reaping it
+    os.kill(os.getppid(), 9)
+    time.sleep(120)
+
+
 def misbehaves(client, task):
     """Task 0 plays; 1 crashes, 2 hangs, 3 never calls the endpoint."""
     if task["seed"] == 1:
@@ -336,6 +357,27 @@ def test_what_an_agent_started_ends_with_its_episode(tmp_path):
     assert [(e["status"], len(turns[e["id"]])) for e in episodes] == [("ok", 1), ("ok", 1)]
     time.sleep(4)  # past the moment the processes the agents started would have called
     assert not list(out.glob("late-*"))
+
+
+def test_episodes_lost_with_the_process_they_are_forked_from_are_played_again(tmp_path):
+    path, out = _agents(tmp_path)
+    recipe = _recipe(tmp_path, {"name": f"agent:{path}:kills_its_server", "kwargs": {"out": str(out)}}, group_size=2)
+    ctx = make_ctx(recipe, tmp_path / "runs")
+    run_rollout_stage(ctx, stage="rollout", policy="base", split="train")
+    episodes, turns = _stored(ctx)
+    assert [(e["status"], len(turns[e["id"]])) for e in episodes] == [("ok", 1)] * 4, [e["error"] for e in episodes]
+    [lost] = [e for e in episodes if e["lost"]]  # the killer's episode, played again
+    assert lost["attempts"] == 2 and "forked from ended (exit code -9" in lost["earlier_errors"]
+    killer = int((out / "killer").read_text())
+    assert not _alive(killer), "the lost episode's process is killed with its server"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "\nState:\tZ" not in f.read()
+    except FileNotFoundError:
+        return False
 
 
 # An agent whose module notes each process that imports it, and each episode's process.

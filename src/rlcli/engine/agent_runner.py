@@ -23,6 +23,8 @@ the refusal made it fail. The episode's time limit is env.step_timeout_s, for th
 the process group is killed and the episode stored as env_timeout (played again env.timeout_retries times first). An agent
 that crashes, returns something other than a reward, or never calls the endpoint fails its episode
 alone. The process group is killed when the episode ends, so no call of the agent's can arrive after.
+Episodes whose process died with the one they were forked from (killed from outside, out of memory) are
+lost, not failed: played again from their start in a new pass, as the episodes of a killed env worker are.
 """
 
 from __future__ import annotations
@@ -169,7 +171,8 @@ class AgentRunner:
             episode.finish(EndReason.MAX_TURNS)
         elif outcome.error is not None:
             episode.finish(EndReason.ENV_TIMEOUT if outcome.timed_out else EndReason.ERROR, outcome.error)
-            episode.transient = outcome.timed_out
+            episode.transient = outcome.timed_out or outcome.lost
+            episode.env_lost = outcome.lost  # played again from its start, as an episode of a killed env worker
         elif not calls:
             episode.finish(EndReason.ERROR, f"the agent never called the endpoint ({url})")
         else:

@@ -20,7 +20,7 @@ process's own limits (RLIMIT_AS, RLIMIT_CPU), which the program it runs inherits
 (envs/agents.py AgentForks): an episode then starts in milliseconds instead of a fresh interpreter's
 second or so of imports (openai's alone is most of it). The protocol is one line each way, on stdin and
 stdout: `{"id", "given", "env", "stdout", "stderr"}` in (run one episode), `{"kill": id}` in (its time is
-up), and `ID RETURNCODE` out when an episode has ended. Each episode is a child in a session of its own, with
+up), `ID started PID` out when an episode's process is forked, and `ID ended RETURNCODE` when it has ended. Each episode is a child in a session of its own, with
 its output in the files named; when it ends, whatever it left in its process group is killed before it
 is reaped and reported. The server exits when its stdin closes (rlcli ended), killing the episodes left.
 """
@@ -138,6 +138,7 @@ def _serve_forks(fn: Callable[..., Any], protocol: int) -> int:
                     os.close(fd)
                 _episode(fn, request)  # never returns
             running[pid] = request["id"]
+            _report(protocol, f"{request['id']} started {pid}")
 
 
 def _episode(fn: Callable[..., Any], request: dict) -> None:
@@ -200,7 +201,7 @@ def _reap(running: dict[int, int], protocol: int) -> None:
         _, status = os.waitpid(info.si_pid, 0)
         request_id = running.pop(info.si_pid, None)
         if request_id is not None:
-            _report(protocol, f"{request_id} {os.waitstatus_to_exitcode(status)}")
+            _report(protocol, f"{request_id} ended {os.waitstatus_to_exitcode(status)}")
 
 
 def _kill_group(pid: int) -> None:

@@ -82,6 +82,7 @@ class AgentOutcome:
     success: bool | None = None
     error: str | None = None  # why the episode failed
     timed_out: bool = False
+    lost: bool = False  # ended by rlcli's side (the forks server died), not by the agent: played again
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,7 @@ class _Ended:
     returncode: int | None
     stdout: str = ""
     stderr: str = ""
+    lost: bool = False  # the process it was forked from died under it: not the episode's doing
 
 
 class AgentForks:
@@ -121,7 +123,9 @@ class AgentForks:
     `--forks`), so that an episode starts in milliseconds rather than a fresh interpreter's second of
     imports. Each episode still runs in a process and a session of its own, killed with everything it
     started at its end or time limit, as run_agent's own processes are. `run` may be called from any
-    thread; the server ends with close(), or by itself when rlcli's end closes its stdin."""
+    thread; the server ends with close(), or by itself when rlcli's end closes its stdin. Should the server die
+    (killed from outside, out of memory), the episodes it was running are killed and reported lost, for
+    their pass to play them again, as an env worker's are."""
 
     def __init__(self, program: AgentProgram):
         if not program.callable:
@@ -135,6 +139,7 @@ class AgentForks:
         self.lock = threading.Lock()
         self.next_id = 0
         self.ended: dict[int, int] = {}  # request id -> exit code
+        self.started: dict[int, int] = {}  # request id -> its episode's pid, while it runs
         self.changed = threading.Condition(self.lock)
         self.reader = threading.Thread(target=self._read, name="rlcli-agent-forks", daemon=True)
         self.reader.start()
@@ -172,9 +177,14 @@ class AgentForks:
                 self._send({"kill": request_id})
                 self.changed.wait_for(lambda: request_id in self.ended or self._gone())
             returncode = self.ended.pop(request_id, None)
-        if returncode is None and done:  # the server itself died: it could not import the agent, say
+            pid = self.started.pop(request_id, None)
+        if returncode is None:  # the server died under the episode: its process group goes with it
+            if pid is not None:
+                _kill_group_of(pid)
             self.errors.seek(0)
-            return _Ended(self.process.poll() or 1, stderr=self.errors.read())
+            tail = (self.errors.read().strip().splitlines() or ["no message on stderr"])[-1]
+            code = self.process.wait()
+            return _Ended(None, stderr=f"exit code {code}: {tail}", lost=True)
         return _Ended(returncode if done else None, _read_and_remove(out), _read_and_remove(err))
 
     def _send(self, message: dict[str, Any]) -> None:
@@ -187,9 +197,13 @@ class AgentForks:
 
     def _read(self) -> None:
         for line in self.process.stdout:  # type: ignore[union-attr]
-            request_id, returncode = line.split()
+            request_id, what, number = line.decode().split()
             with self.lock:
-                self.ended[int(request_id)] = int(returncode)
+                if what == "started":
+                    self.started[int(request_id)] = int(number)
+                else:
+                    self.ended[int(request_id)] = int(number)
+                    self.started.pop(int(request_id), None)
                 self.changed.notify_all()
         with self.lock:
             self.changed.notify_all()
@@ -225,6 +239,8 @@ def run_agent(
         ended = forks.run(given, openai, time_limit_s, limits)
     else:
         ended = _run_process(program, json.dumps(given), openai, time_limit_s, sandbox, limits)
+    if ended.lost:
+        return AgentOutcome(error=f"the process the agent's episodes are forked from ended ({ended.stderr})", lost=True)
     if ended.returncode is None:
         return AgentOutcome(
             error=f"the agent ran past env.step_timeout_s ({time_limit_s:g} s) and was stopped", timed_out=True
@@ -301,8 +317,13 @@ def _in_bubblewrap(
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
+    _kill_group_of(proc.pid)
+
+
+def _kill_group_of(pid: int) -> None:
+    """SIGKILL the process group that `pid` leads (each agent's process leads a session of its own)."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
+        os.killpg(pid, signal.SIGKILL)
 
 
 def _outcome(program: AgentProgram, out: str) -> AgentOutcome:
