@@ -65,6 +65,15 @@ def cli_env(runs_dir: Path) -> dict[str, str]:
     return env
 
 
+def alive(pid: int) -> bool:
+    """Whether pid is a running process; a zombie (dead, not yet reaped by its parent) counts as gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
 def cli(capsys, *args) -> tuple[int, str, str]:
     """Run `rlcli ARGS` in-process; return (exit code, stdout, stderr)."""
     from rlcli.cli.app import main

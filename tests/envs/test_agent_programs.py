@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from helpers import cli, make_ctx, write_recipe
+from helpers import alive, cli, make_ctx, write_recipe
 from rlcli.engine.grpo.batch import episode_sequences
 from rlcli.engine.rollout import run_rollout_stage
 from rlcli.store.blobs import unpack_floats, unpack_ids
@@ -369,15 +369,7 @@ def test_episodes_lost_with_the_process_they_are_forked_from_are_played_again(tm
     [lost] = [e for e in episodes if e["lost"]]  # the killer's episode, played again
     assert lost["attempts"] == 2 and "forked from ended (exit code -9" in lost["earlier_errors"]
     killer = int((out / "killer").read_text())
-    assert not _alive(killer), "the lost episode's process is killed with its server"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return "\nState:\tZ" not in f.read()
-    except FileNotFoundError:
-        return False
+    assert not alive(killer), "the lost episode's process is killed with its server"
 
 
 # An agent whose module notes each process that imports it, and each episode's process.

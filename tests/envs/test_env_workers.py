@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from helpers import cli, kill_at_event, kill_when, make_ctx, run_in_process, write_env_file, write_recipe
+from helpers import alive, cli, kill_at_event, kill_when, make_ctx, run_in_process, write_env_file, write_recipe
 from rlcli.engine.rollout import run_rollout_stage
 from rlcli.envs.protocol import EnvTimeout
 from rlcli.envs.workers import EnvLost, EnvReply, EnvWorkerPool
@@ -498,9 +498,9 @@ def test_kill_during_a_rollout_with_workers_leaves_no_worker_and_resumes_without
     pids = {int(p) for p in (tmp_path / "pids").read_text().split()}
     assert pids
     deadline = time.time() + 30
-    while time.time() < deadline and any(_alive(p) for p in pids):
+    while time.time() < deadline and any(alive(p) for p in pids):
         time.sleep(0.1)
-    assert not any(_alive(p) for p in pids), "an env worker outlived the killed rollout"
+    assert not any(alive(p) for p in pids), "an env worker outlived the killed rollout"
 
     done = run_in_process(args, runs)
     assert done.returncode == 0, done.stderr
@@ -517,15 +517,6 @@ def test_kill_during_a_rollout_with_workers_leaves_no_worker_and_resumes_without
         reference = conn.execute(same).fetchall()
     assert len(keys) == len(set(keys)) == 24
     assert resumed == reference
-
-
-def _alive(pid: int) -> bool:
-    """Whether pid is a live process (a zombie, dead but not yet reaped, counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 # An env with a subprocess of its own (a `sleep`, standing for a game server or a browser): its pid
@@ -562,9 +553,9 @@ def _children(folder) -> list[int]:
 
 def _gone(pids: list[int], within_s: float = 20) -> bool:
     deadline = time.time() + within_s
-    while time.time() < deadline and any(_alive(p) for p in pids):
+    while time.time() < deadline and any(alive(p) for p in pids):
         time.sleep(0.05)
-    return not any(_alive(p) for p in pids)
+    return not any(alive(p) for p in pids)
 
 
 @pytest.mark.parametrize("action", ["crash", "hang"])
@@ -575,7 +566,7 @@ def test_an_envs_subprocesses_die_with_its_crashed_or_timed_out_worker(tmp_path,
         [reply] = pool.replies()
         assert reply.failure is None, reply.failure
         [child] = _children(tmp_path)
-        assert _alive(child)
+        assert alive(child)
         pool.step(key, action)
         [reply] = pool.replies()
         assert "killed by SIGKILL" in str(reply.failure) or "time limit" in str(reply.failure), reply.failure
@@ -607,7 +598,7 @@ def test_an_envs_subprocesses_die_with_a_killed_rlcli(tmp_path):
     try:
         worker = int(parent.stdout.readline())
         [child] = _children(tmp_path)
-        assert _alive(worker) and _alive(child)
+        assert alive(worker) and alive(child)
     finally:
         parent.kill()  # kill -9: nothing of rlcli's runs after it
         parent.wait()

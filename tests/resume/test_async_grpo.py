@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers import RLCLI, cli_env, kill_when, make_ctx, run_in_process, sequence_logprobs, write_recipe
+from helpers import RLCLI, alive, cli_env, kill_when, make_ctx, run_in_process, sequence_logprobs, write_recipe
 from rlcli.engine.grpo import sources, worker
 from rlcli.engine.grpo.learner import GrpoTrainer
 from rlcli.engine.grpo.loop import run_grpo
@@ -329,14 +329,6 @@ def _check_complete(runs, iterations: int, bound: int) -> None:
     assert stale[0][0] <= bound
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return "\nState:\tZ" not in f.read()
-    except FileNotFoundError:
-        return False
-
-
 @pytest.mark.slow
 def test_kill_the_trainer_then_rerun_reuses_rollouts_sampled_ahead(tmp_path):
     recipe = _recipe(tmp_path, reward=SLOW_DIGITS, max_staleness=1, iterations=5)
@@ -354,9 +346,9 @@ def test_kill_the_trainer_then_rerun_reuses_rollouts_sampled_ahead(tmp_path):
     assert ahead, "rollout/2 was sampled ahead of train/2"
     workers = {pid for (pid,) in _query(db, "select pid from stages where name like 'rollout/%'")}
     deadline = time.time() + 30  # PR_SET_PDEATHSIG kills it at once; a loaded machine may reap it late
-    while any(_alive(p) for p in workers) and time.time() < deadline:
+    while any(alive(p) for p in workers) and time.time() < deadline:
         time.sleep(0.1)
-    assert not any(_alive(p) for p in workers), "the rollout worker must die with the trainer"
+    assert not any(alive(p) for p in workers), "the rollout worker must die with the trainer"
 
     done = run_in_process(args, runs)
     assert done.returncode == 0, done.stderr

@@ -20,19 +20,11 @@ from pathlib import Path
 import pytest
 
 from browser import chromium_executable
+from helpers import alive
 from rlcli.envs import python_exec as python_exec_module
 from rlcli.envs.python_exec import MAX_CONCURRENT_CALLS, python_exec
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the guarantees are Linux's")
-
-
-def _alive(pid: int) -> bool:
-    """Running, and not a zombie waiting for its parent (a dead one is already gone for our purpose)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] != "Z"
 
 
 def _descendants(root: int) -> set[int]:
@@ -79,7 +71,7 @@ print(subprocess.Popen(["setsid", "sleep", "300"]).pid)
 def test_python_exec_kills_a_setsid_grandchild_at_the_end_of_a_normal_call():
     out = python_exec(SETSID_CHILD)
     pid = int(out.split()[0])
-    assert _wait_until(lambda: not _alive(pid), 10), f"python_exec's setsid grandchild {pid} outlived its call"
+    assert _wait_until(lambda: not alive(pid), 10), f"python_exec's setsid grandchild {pid} outlived its call"
 
 
 def test_python_exec_bounds_the_whole_process_tree(monkeypatch):
@@ -339,8 +331,8 @@ def test_nothing_rlcli_starts_outlives_it(tmp_path, how):
         if rlcli.poll() is None:
             rlcli.kill()
             rlcli.wait()
-    assert _wait_until(lambda: not any(_alive(pid) for pid in tree)), "survivors: " + ", ".join(
-        f"{pid} ({_command(pid)[:120]})" for pid in tree if _alive(pid)
+    assert _wait_until(lambda: not any(alive(pid) for pid in tree)), "survivors: " + ", ".join(
+        f"{pid} ({_command(pid)[:120]})" for pid in tree if alive(pid)
     )
 
     # playwright's own driver (node, started by the playwright package) leaves an empty folder of its own.
