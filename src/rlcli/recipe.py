@@ -501,6 +501,14 @@ class RolloutSection(Section):
     top_k: int = Field(0, ge=0, description="Top-k sampling; 0 disables it.")
     max_new_tokens: int = Field(64, gt=0, description="Token cap per agent turn.")
     stop: list[str] = Field(default_factory=list, description="Extra stop strings ending a turn.")
+    request_sampling: Literal["recipe", "request"] = Field(
+        "recipe",
+        description="Agent programs (env.name agent:..., agent-cmd): whose sampling settings their calls to rlcli's "
+        "endpoint get in rollouts and evals. recipe: the stage's own (temperature, top_p, top_k, max_new_tokens, "
+        "stop, seeds) whatever a request sets, so that an agent that asks for temperature 0 still samples a "
+        "group's episodes apart; request: a request's temperature, top_p, max_tokens, stop and seed replace them. "
+        "rlcli serve always takes the request's.",
+    )
     batch_size: int = Field(
         32, gt=0, description="Episodes advanced together per generate call.", json_schema_extra=RESUME_SAFE
     )

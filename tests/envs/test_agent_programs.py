@@ -165,6 +165,15 @@ def kills_its_server(client, task):
     time.sleep(120)
 
 
+def sets_its_own_sampling(client, task):
+    """Asks for two tokens, greedy."""
+    api = OpenAI(base_url=client["base_url"], api_key=client["api_key"], max_retries=0)
+    api.chat.completions.create(
+        model=client["model"], messages=[{"role": "user", "content": "Go."}], max_tokens=2, temperature=0, seed=7
+    )
+    return 1.0
+
+
 def misbehaves(client, task):
     """Task 0 plays; 1 crashes, 2 hangs, 3 never calls the endpoint."""
     if task["seed"] == 1:
@@ -507,6 +516,21 @@ def test_an_agent_past_its_memory_or_cpu_limit_fails_only_its_episode(tmp_path, 
     if form == "callable":
         assert by_task[0]["status"] == "ok", by_task[0]["error"]
         assert by_task[1]["status"] == "failed" and "MemoryError (env.worker_memory_mb=1024" in by_task[1]["error"]
+
+
+@pytest.mark.parametrize("request_sampling", ["recipe", "request"])
+def test_a_calls_own_sampling_settings_apply_only_where_the_recipe_lets_them(tmp_path, request_sampling):
+    path, _ = _agents(tmp_path)
+    env = {"name": f"agent:{path}:sets_its_own_sampling"}
+    recipe = _recipe(tmp_path, env, group_size=4, request_sampling=request_sampling)
+    ctx = make_ctx(recipe, tmp_path / "runs")
+    run_rollout_stage(ctx, stage="rollout", policy="base", split="train")
+    episodes, turns = _stored(ctx)
+    replies = [unpack_ids(turns[e["id"]][0]["completion_ids"]) for e in episodes if e["task_index"] == 0]
+    if request_sampling == "request":  # two tokens, greedy and seeded: the group's four replies alike
+        assert len({tuple(r) for r in replies}) == 1 and all(len(r) <= 2 for r in replies)
+    else:  # the recipe's temperature 1 and 6 tokens: the group's replies differ
+        assert len({tuple(r) for r in replies}) > 1 and max(len(r) for r in replies) > 2
 
 
 def _tokenizer():

@@ -7,8 +7,10 @@ process of its own with its own base URL (`/s/<sample seed>-a<attempt>/v1`), so 
 attributed to its episode and the requests of all the chunk's agents are batched into the sampler.
 A callable's processes are forked from one that imported it once (envs/agents.py AgentForks); in
 bubblewrap, and for agent-cmd, each episode starts its program afresh.
-A request without a `seed` of its own is sampled with one derived from run.seed, its session and its
-number in the session: a resumed stage replays an episode's calls exactly.
+A call is sampled with the stage's settings (rollout.request_sampling recipe; with request, its own
+temperature, top_p, max_tokens, stop and seed replace them), and, without a `seed` of its own, with one
+derived from run.seed, its session and its number in the session: a resumed stage replays an episode's
+calls exactly.
 
 Each call the endpoint recorded for an episode is one of its turns: the prompt ids the model saw, the
 ids it sampled and their logprobs, never re-tokenised. The episode is template-consistent when every
@@ -69,6 +71,7 @@ class AgentRunner:
         max_length: int,
         run_seed: int,
         max_calls: int,
+        request_sampling: bool = False,
         timeout_retries: int = 0,
         sandbox_root: Path | None = None,
     ) -> None:
@@ -77,6 +80,7 @@ class AgentRunner:
         self.limits = limits
         self.time_limit_s, self.max_length, self.run_seed = time_limit_s, max_length, run_seed
         self.max_calls, self.timeout_retries = max_calls, timeout_retries
+        self.request_sampling = request_sampling  # rollout.request_sampling request: a call's own settings apply
         self.sandbox_root = sandbox_root  # set: each agent runs in bubblewrap there (env.sandbox)
 
     def run(self, specs: list[EpisodeSpec], on_turns: Callable[[int], None] | None = None) -> list[LiveEpisode]:
@@ -111,6 +115,7 @@ class AgentRunner:
             seed=self.run_seed,
             keep_calls=1024 * len(episodes),  # every call of the pass stays until its episode is stored
             unix_socket=None if sandbox is None else sandbox.unix_socket,
+            request_sampling=self.request_sampling,
         )
         outcomes: dict[int, AgentOutcome] = {}
         endpoint.expect_clients(len(episodes))  # batches gather every running agent's call, as env turns do

@@ -201,6 +201,7 @@ def agent_runner(
         max_length=ctx.recipe.model.max_length,
         run_seed=ctx.recipe.run.seed,
         max_calls=max_calls,
+        request_sampling=ctx.recipe.rollout.request_sampling == "request",
         timeout_retries=env.timeout_retries,
         sandbox_root=Path.cwd() if use_bwrap(env.sandbox, "env.sandbox") else None,
     )

@@ -141,6 +141,7 @@ def _agent_episode(
         max_length=recipe.model.max_length,
         run_seed=recipe.run.seed,
         max_calls=max_turns,
+        request_sampling=recipe.rollout.request_sampling == "request",
     )
     [episode] = agent.run([spec])
     return episode

@@ -124,7 +124,9 @@ class Endpoint:
     a prompt and its reply may take (None: no limit); seed: what the seed of a request without its own
     `seed` derives from, with its session and its number in the session; port: 0 for a free one; keep_calls: how many records (and, per session,
     earlier calls to extend) are kept; unix_socket: a path where the endpoint is served as well, over a Unix
-    socket. The sockets are bound here: a port taken raises OSError.
+    socket; request_sampling: whether a request's own temperature, top_p, max_tokens, stop and seed replace
+    the defaults (else they are checked and set aside: rollout.request_sampling recipe). The sockets are bound
+    here: a port taken raises OSError.
     """
 
     def __init__(
@@ -139,11 +141,13 @@ class Endpoint:
         port: int = 0,
         keep_calls: int = 1024,
         unix_socket: str | None = None,
+        request_sampling: bool = True,
     ) -> None:
         if tokenizer.chat_template is None:
             raise ValueError(f"{model_name} has no chat template, so chat messages cannot be rendered for it.")
         self.sampler, self.tokenizer, self.model_name = sampler, tokenizer, model_name
         self.defaults, self.max_length, self.seed = defaults, max_length, seed
+        self.request_sampling = request_sampling
         # The tokenizer's own description of its tool-call format, where it has one (envs/tool_use.py).
         self.response_template: str | None = getattr(tokenizer, "response_template", None)
         self.calls_in_content = not _template_writes_tool_calls(tokenizer)
@@ -329,7 +333,9 @@ class Endpoint:
             retokenised=followed is not None and fresh[: len(followed.ids)] != followed.ids,
             config=config,
             budget=budget,
-            seed=seed if seed is not None else derive_seed(self.seed, "endpoint", session, number),
+            seed=seed
+            if seed is not None and self.request_sampling
+            else derive_seed(self.seed, "endpoint", session, number),
             tools=None if tool_choice == "none" else tools,
         )
 
@@ -356,7 +362,7 @@ class Endpoint:
             if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
                 raise RequestError("stop must be a string or a list of strings.", "stop")
             config.stop = stops
-        return config
+        return config if self.request_sampling else replace(self.defaults, stop=list(self.defaults.stop))
 
     def _encode(self, text: str) -> list[int]:
         # The template writes the special tokens itself.
