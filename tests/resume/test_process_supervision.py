@@ -265,8 +265,8 @@ for name, kind in (("main", "python_exec"), ("worker", "env_worker")):
             sys.exit(f"the python_exec code ({name}) did not start")
         time.sleep(0.02)
 time.sleep(0.2)  # the marks are written whole
-say("ready")
-try:
+try:  # "ready" inside: the test's Ctrl-C may land while it is being written
+    say("ready")
     time.sleep(3600)
 finally:  # as rlcli's stages close theirs (`with env_host(...)`), on Ctrl-C too; the rest is left to exit
     for pool in held:
