@@ -225,6 +225,13 @@ def _stored(ctx, stage="rollout"):
     return episodes, turns
 
 
+def _played(tmp_path, env, **rollout):
+    """A train rollout of env with _recipe's settings (rollout replacing them): its episodes and turns."""
+    ctx = make_ctx(_recipe(tmp_path, env, **rollout), tmp_path / "runs")
+    run_rollout_stage(ctx, stage="rollout", policy="base", split="train")
+    return _stored(ctx)
+
+
 def _turn(row) -> Turn:
     return Turn(
         turn_index=row["turn_index"],
@@ -359,10 +366,9 @@ def test_an_agent_that_crashes_hangs_or_never_calls_fails_only_its_episode(tmp_p
 
 def test_what_an_agent_started_ends_with_its_episode(tmp_path):
     path, out = _agents(tmp_path)
-    recipe = _recipe(tmp_path, {"name": f"agent:{path}:leaves_a_process", "kwargs": {"out": str(out)}}, group_size=1)
-    ctx = make_ctx(recipe, tmp_path / "runs")
-    run_rollout_stage(ctx, stage="rollout", policy="base", split="train")
-    episodes, turns = _stored(ctx)
+    episodes, turns = _played(
+        tmp_path, {"name": f"agent:{path}:leaves_a_process", "kwargs": {"out": str(out)}}, group_size=1
+    )
     assert [(e["status"], len(turns[e["id"]])) for e in episodes] == [("ok", 1), ("ok", 1)]
     time.sleep(4)  # past the moment the processes the agents started would have called
     assert not list(out.glob("late-*"))
@@ -370,10 +376,9 @@ def test_what_an_agent_started_ends_with_its_episode(tmp_path):
 
 def test_episodes_lost_with_the_process_they_are_forked_from_are_played_again(tmp_path):
     path, out = _agents(tmp_path)
-    recipe = _recipe(tmp_path, {"name": f"agent:{path}:kills_its_server", "kwargs": {"out": str(out)}}, group_size=2)
-    ctx = make_ctx(recipe, tmp_path / "runs")
-    run_rollout_stage(ctx, stage="rollout", policy="base", split="train")
-    episodes, turns = _stored(ctx)
+    episodes, turns = _played(
+        tmp_path, {"name": f"agent:{path}:kills_its_server", "kwargs": {"out": str(out)}}, group_size=2
+    )
     assert [(e["status"], len(turns[e["id"]])) for e in episodes] == [("ok", 1)] * 4, [e["error"] for e in episodes]
     [lost] = [e for e in episodes if e["lost"]]  # the killer's episode, played again
     assert lost["attempts"] == 2 and "forked from ended (exit code -9" in lost["earlier_errors"]
@@ -405,10 +410,9 @@ def test_a_callable_agent_is_imported_once_and_each_episode_forked_from_it(tmp_p
     folder = tmp_path / "agent"
     folder.mkdir()
     (folder / "counted.py").write_text(COUNTED)
-    recipe = _recipe(tmp_path, {"name": f"agent:{folder / 'counted.py'}:solve"}, tasks=3, group_size=2, batch_size=6)
-    ctx = make_ctx(recipe, tmp_path / "runs")
-    run_rollout_stage(ctx, stage="rollout", policy="base", split="train")
-    episodes, turns = _stored(ctx)
+    episodes, turns = _played(
+        tmp_path, {"name": f"agent:{folder / 'counted.py'}:solve"}, tasks=3, group_size=2, batch_size=6
+    )
     assert [(e["status"], len(turns[e["id"]])) for e in episodes] == [("ok", 1)] * 6
     # Imported by rlcli's own check of the recipe (this process) and once by the process the episodes are
     # forked from; each episode still ran in a process of its own.
@@ -428,10 +432,7 @@ def test_an_agent_command_gets_the_endpoint_in_its_environment(tmp_path, sandbox
     script = tmp_path / "agent_cmd.py"
     script.write_text(textwrap.dedent(COMMAND))
     env = {"name": "agent-cmd", "command": [sys.executable, str(script)], "sandbox": sandbox}
-    recipe = _recipe(tmp_path, env, group_size=1)
-    ctx = make_ctx(recipe, tmp_path / "runs")
-    run_rollout_stage(ctx, stage="rollout", policy="base", split="train")
-    episodes, turns = _stored(ctx)
+    episodes, turns = _played(tmp_path, env, group_size=1)
     assert [(e["status"], e["env_return"], e["success"]) for e in episodes] == [("ok", 0.5, 0), ("ok", 1.5, 0)]
     assert all(len(turns[e["id"]]) == 1 for e in episodes)
 
@@ -522,10 +523,7 @@ def test_an_agent_past_its_memory_or_cpu_limit_fails_only_its_episode(tmp_path, 
 def test_a_calls_own_sampling_settings_apply_only_where_the_recipe_lets_them(tmp_path, request_sampling):
     path, _ = _agents(tmp_path)
     env = {"name": f"agent:{path}:sets_its_own_sampling"}
-    recipe = _recipe(tmp_path, env, group_size=4, request_sampling=request_sampling)
-    ctx = make_ctx(recipe, tmp_path / "runs")
-    run_rollout_stage(ctx, stage="rollout", policy="base", split="train")
-    episodes, turns = _stored(ctx)
+    episodes, turns = _played(tmp_path, env, group_size=4, request_sampling=request_sampling)
     replies = [unpack_ids(turns[e["id"]][0]["completion_ids"]) for e in episodes if e["task_index"] == 0]
     if request_sampling == "request":  # two tokens, greedy and seeded: the group's four replies alike
         assert len({tuple(r) for r in replies}) == 1 and all(len(r) <= 2 for r in replies)
