@@ -589,7 +589,7 @@ class RolloutSection(Section):
 
 class RewardSpec(Section):
     fn: str = Field(
-        description="env_return, exact_match, numeric_match, format, length_penalty, tool_budget, judge, "
+        description="env_return, exact_match, numeric_match, format, length_penalty, tool_budget, turn_budget, judge, "
         "reward_model, or a user function as module:function or path.py:function."
     )
     weight: float = Field(1.0, description="Weight of this component in the total reward.")

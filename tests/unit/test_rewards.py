@@ -123,6 +123,12 @@ def test_tool_budget():
     assert score("tool_budget", episodes, budget=2, penalty=0.5) == [0.0, 0.0, -1.5]
 
 
+def test_turn_budget():
+    episodes = [episode(i, "", num_turns=n) for i, n in enumerate([1, 2, 4])]
+    assert score("turn_budget", episodes, budget=2, penalty=0.25) == [0.0, 0.0, -0.5]
+    assert score("turn_budget", episodes, budget=0) == pytest.approx([-0.1, -0.2, -0.4])
+
+
 # --- labelling ----------------------------------------------------------------------
 
 

@@ -124,6 +124,17 @@ def _tool_budget(*, budget: NonNegativeInt, penalty: NonNegativeFloat = 1.0) -> 
 
 
 @validate_call
+def _turn_budget(*, budget: NonNegativeInt, penalty: NonNegativeFloat = 0.1) -> Scorer:
+    """-penalty per agent turn beyond budget: of two episodes that end alike, the shorter scores higher,
+    so a group whose episodes all succeed (or all fail) still has a contrast when their lengths differ."""
+
+    def score(episodes: list[EpisodeDict]) -> list[float]:
+        return [penalty * (budget - ep["num_turns"]) if ep["num_turns"] > budget else 0.0 for ep in episodes]
+
+    return score
+
+
+@validate_call
 def _verifiers(*, reward: str | None = None) -> Scorer:
     """A verifiers env's rubric, re-scored from the stored conversation (envs/adapters/verifiers.py)."""
     try:
@@ -142,6 +153,7 @@ BUILTINS: dict[str, Callable[..., Scorer]] = {
     "format": _format,
     "length_penalty": _length_penalty,
     "tool_budget": _tool_budget,
+    "turn_budget": _turn_budget,
     "judge": judge,
     "judge_group": judge_group,
     "reward_model": reward_model,
