@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from helpers import alive, cli, make_ctx, write_recipe
+from helpers import alive, cli, make_ctx, run_in_process, write_recipe
 from rlcli.engine.grpo.batch import episode_sequences
 from rlcli.engine.rollout import run_rollout_stage
 from rlcli.store.blobs import unpack_floats, unpack_ids
@@ -477,6 +477,25 @@ def test_an_agents_tasks_come_from_data_files_with_held_out_rows_apart(tmp_path)
     # Training seeds 0, 1, 2 play rows 0, 1, 0; held-out seeds play the held-out file's rows.
     assert [(e["status"], e["env_return"]) for e in _stored(ctx)[0]] == [("ok", 0.5), ("ok", 1.5), ("ok", 0.5)]
     assert {(e["status"], e["env_return"]) for e in _stored(ctx, "held")[0]} == {("ok", 7.5)}
+
+
+def test_a_run_resumed_on_changed_task_files_says_so(tmp_path):
+    """Task files are watched as env and reward files are: the same seeds would now play other rows."""
+    path, _ = _agents(tmp_path)
+    train, held_out = tmp_path / "train.jsonl", tmp_path / "held_out.jsonl"
+    train.write_text(json.dumps({"question": "Q?", "value": 1}) + "\n")
+    held_out.write_text(json.dumps({"question": "Held out?", "value": 7}) + "\n")
+    env = {"name": f"agent:{path}:scored_by_its_row", "kwargs": {"bonus": 0.0}}
+    recipe = _recipe(
+        tmp_path, {**env, "task_data": {"train": str(train), "eval": str(held_out)}}, tasks=1, group_size=1
+    )
+    first = run_in_process(["rollout", "-r", recipe, "--policy", "base", "--stage", "a"], tmp_path / "runs")
+    assert first.returncode == 0, first.stderr
+    train.write_text(json.dumps({"question": "Q?", "value": 2}) + "\n")
+    second = run_in_process(["rollout", "-r", recipe, "--policy", "base", "--stage", "b"], tmp_path / "runs")
+    assert second.returncode == 0, second.stderr
+    assert f"warning: {train} changed since run" in " ".join(second.stderr.split())
+    assert "held_out.jsonl changed" not in second.stderr
 
 
 def test_an_agents_tasks_come_from_a_cached_hub_dataset(tmp_path, monkeypatch):

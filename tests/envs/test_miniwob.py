@@ -32,7 +32,7 @@ if __import__("importlib.util").util.find_spec("miniwob") is None:
     pytest.skip("the miniwob package is not installed: pip install 'rlcli[web]'", allow_module_level=True)
 
 from rlcli.envs.adapters.miniwob import EXPERTS, ActionError, PageCrashed, parse_action  # noqa: E402
-from rlcli.envs.browser import BrowserGone, PageTimeout  # noqa: E402
+from rlcli.envs.browser import BrowserGone, Chromium, PageTimeout  # noqa: E402
 from rlcli.envs.loading import load_env  # noqa: E402
 from rlcli.envs.workers import EnvWorkerPool  # noqa: E402
 
@@ -248,6 +248,22 @@ def test_a_crashed_page_fails_its_episode_and_a_dead_browser_is_started_again():
     with pytest.raises(BrowserGone, match="died or was restarted"):
         env.step("noop()")
     assert play_expert("click-test", 2)[2]["success"]
+
+
+def test_a_slow_browser_start_does_not_count_against_the_page_limit(tmp_path):
+    """On a loaded machine Chromium can take longer to start than a page's limit. The limit counts from
+    when the call runs with a browser up; counted from the call's start, each call killed the browser it
+    was waiting for (the MiniWoB tests' failures under load: 'reset exceeded the 30s step time limit')."""
+    slow = tmp_path / "slow-chromium"
+    slow.write_text(f'#!/bin/sh\nsleep 2\nexec "{chromium_executable()}" "$@"\n')
+    slow.chmod(0o755)
+    host = Chromium(str(slow))
+    try:
+        assert host.run(lambda browser: browser.version, timeout_s=1)
+        with pytest.raises(PageTimeout, match="did not answer within 1s"):  # the page's own limit still holds
+            host.run(lambda browser: time.sleep(3), timeout_s=1)
+    finally:
+        host.close()
 
 
 def browsers(mark: str) -> list[int]:

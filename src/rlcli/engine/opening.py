@@ -36,6 +36,7 @@ def open_run(
     """
     from rlcli.engine.games import check_opponents
     from rlcli.engine.preflight import check_recipe
+    from rlcli.engine.task_data import task_data_hashes
     from rlcli.recipe import load_recipe, recipe_file
     from rlcli.store.db import RunDB, check_run_name, default_runs_dir
     from rlcli.store.run_folders import MARKER, claim_run_folder, holds_no_output
@@ -66,8 +67,10 @@ def open_run(
         # folder rlcli did not make.
         new_folder = claim_run_folder(runs_dir, name, recorded=rundb.get_run(name) is not None)
         with RunLock(runs_dir, name) as lock:
-            # User env and reward files are loaded from the working directory, like the recipe's paths.
+            # User env and reward files are loaded from the working directory, like the recipe's paths; an
+            # agent's task files are watched as they are.
             code = code_hashes(recipe.env.name, [r.fn for r in recipe.rewards], Path.cwd())
+            code |= task_data_hashes(recipe.env)
             _warn_code_changes(rundb, name, code)
             before = rundb.run_state(name)
             # A recorded run that has produced nothing (its stages failed or were stopped before they
@@ -111,7 +114,7 @@ def _recorded_recipe(rundb: RunDB, run: str, overrides: list[str]) -> Recipe:
 
 
 def _warn_code_changes(rundb: RunDB, run: str, code: dict[str, str]) -> None:
-    """A line for each env or reward file whose hash differs from the one the run last used."""
+    """A line for each env, reward or task file whose hash differs from the one the run last used."""
     for path in rundb.code_changes(run, code):
         err_console.print(
             f"warning: {path} changed since run {run!r} last used it; "

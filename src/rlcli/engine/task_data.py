@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlcli.engine.sft_data import read_rows
+from rlcli.engine.sft_data import data_sha256, read_rows
 from rlcli.engine.sft_sources import HUB_PREFIX, HubSplit, load_hub_split
 from rlcli.errors import UsageError
 from rlcli.recipe import EnvSection, TaskDataSection
@@ -52,6 +52,20 @@ def task_rows(env: EnvSection) -> TaskRows | None:
 def task_for(kwargs: dict[str, Any], rows: TaskRows | None, seed: int) -> dict[str, Any]:
     """What the agent of task `seed` is given: env.kwargs, the task's row, and the seed."""
     return {**kwargs, **(rows.row(seed) if rows is not None else {}), "seed": seed}
+
+
+def task_data_hashes(env: EnvSection) -> dict[str, str]:
+    """SHA-256 of env.task_data's files and folders, by the names the recipe gives them, to be watched
+    as env and reward files are: a resumed run whose tasks changed plays other rows under the same seeds.
+    Hub datasets are left out (the datasets cache holds one version of each), as are missing paths."""
+    data = env.task_data
+    if data is None:
+        return {}
+    return {
+        source: digest
+        for source in sorted({data.train, data.eval or data.train})
+        if not source.startswith(HUB_PREFIX) and (digest := data_sha256(Path(source).expanduser())) is not None
+    }
 
 
 def _has_splits(source: str) -> bool:

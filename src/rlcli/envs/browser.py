@@ -11,7 +11,9 @@
   own, under env.step_timeout_s). `Chromium.run(fn, timeout_s)` runs fn(browser) there.
 - A call that outlasts its time limit (a page stuck in a script) kills the browser, which ends the
   call with an error on that thread; the call fails with `PageTimeout` and the next one starts a
-  fresh browser.
+  fresh browser. The limit counts from when the call's turn comes with a browser running: starting
+  Chromium has START_TIMEOUT_S of its own, since on a loaded machine a start can outlast a page
+  limit of a second, and each call would then kill the browser it was waiting for.
 - rlcli starts Chromium itself, under its process supervisor (envs/subprocesses.py), in this process's
   process group, and playwright connects to it over the DevTools protocol. (playwright's own launch
   puts the browser in a session of its own, out of reach of an env worker's process group.) So the
@@ -35,6 +37,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -95,6 +98,18 @@ def find_chromium() -> str:
     return found
 
 
+@dataclass
+class _Job:
+    """fn(browser) for the browser's thread; launch: start a browser for it when none is running (else
+    it is dropped: closing a page of a browser that is gone). started is set once fn begins (or the job
+    ended without it)."""
+
+    fn: Callable[[Any], Any]
+    launch: bool
+    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    started: threading.Event = field(default_factory=threading.Event)
+
+
 class Chromium:
     """This process's headless Chromium, owned by one thread; see the module docstring."""
 
@@ -102,10 +117,7 @@ class Chromium:
         self.executable = executable
         self.pid = os.getpid()  # a forked child must never kill its parent's browser
         self.generation = 0  # how many browsers this process has started: a page remembers its own
-        # (fn, its future, whether to start a browser for it when none is running); None stops the thread
-        self.jobs: queue.SimpleQueue[tuple[Callable[[Any], Any], concurrent.futures.Future, bool] | None] = (
-            queue.SimpleQueue()
-        )
+        self.jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()  # None stops the thread
         self.process: subprocess.Popen | None = None
         self.profile: str | None = None
         self.browser: Any = None
@@ -114,15 +126,19 @@ class Chromium:
         self.thread.start()
 
     def run(self, fn: Callable[[Any], _T], timeout_s: float) -> _T:
-        """fn(the playwright Browser), on the browser's thread, waited for up to timeout_s."""
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        self.jobs.put((fn, future, True))
+        """fn(the playwright Browser), on the browser's thread, waited for up to timeout_s from when it
+        starts (a browser started for it first, within START_TIMEOUT_S)."""
+        job = _Job(fn, launch=True)
+        self.jobs.put(job)
         try:
-            return future.result(timeout_s)
+            # Its turn (after the jobs queued before it) and a browser's start are bounded apart: a start
+            # waits for Chromium's port up to START_TIMEOUT_S, and playwright's connection as long.
+            job.started.wait(2 * START_TIMEOUT_S + timeout_s)
+            return job.future.result(timeout_s)
         except concurrent.futures.TimeoutError:
             self.kill()  # the stuck call ends with an error on the browser's thread
             with contextlib.suppress(Exception):
-                future.result(30)
+                job.future.result(30)
             raise PageTimeout(
                 f"the browser did not answer within {timeout_s:g}s (a page stuck in a script?); it was killed, "
                 "and the next episode starts a fresh one"
@@ -131,7 +147,7 @@ class Chromium:
     def submit(self, fn: Callable[[Any], Any]) -> None:
         """fn(browser) on the browser's thread if a browser is running, not waited for (closing an
         episode's page)."""
-        self.jobs.put((fn, concurrent.futures.Future(), False))
+        self.jobs.put(_Job(fn, launch=False))
 
     def kill(self) -> None:
         """SIGKILL the browser (its child processes follow it); the next call starts a new one."""
@@ -166,16 +182,19 @@ class Chromium:
             job = self.jobs.get()
             if job is None:
                 return
-            fn, future, launch = job
-            if not future.set_running_or_notify_cancel():
+            if not job.future.set_running_or_notify_cancel():
                 continue
             try:
                 if playwright is None:
                     playwright = sync_playwright().start()
-                if launch or self._running():
-                    future.set_result(fn(self._browser(playwright)))
+                if job.launch or self._running():
+                    browser = self._browser(playwright)
+                    job.started.set()
+                    job.future.set_result(job.fn(browser))
             except BaseException as exc:  # the caller's to report
-                future.set_exception(exc)
+                job.future.set_exception(exc)
+            finally:
+                job.started.set()
 
     def _browser(self, playwright: Any) -> Any:
         """The running browser, started (again) when there is none or it died."""
