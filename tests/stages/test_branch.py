@@ -83,6 +83,10 @@ def test_branch_credit_follows_the_formula():
     assert [b.episode.id for b, _ in trained] == [10, 11]
     assert trained[0][1][1] == pytest.approx(0.5 * (1 - 1 / 3)) and trained[1][1][1] == pytest.approx(-0.5 / 3)
     assert credited == {0} and metrics == {"train/branch_points": 1, "train/branch_points_live": 1.0}
+    # Its group's rewards are equal, but it trains: no longer counted as a group without signal.
+    zero_var = advantages.zero_variance_groups([0.0, 0.0], [0, 0])
+    assert advantages.groups_without_signal(zero_var, torch.tensor([0, 0]), credited) == 0
+    assert advantages.groups_without_signal(zero_var, torch.tensor([0, 0]), set()) == 1
 
 
 def test_expert_branch_credit_follows_the_formula():

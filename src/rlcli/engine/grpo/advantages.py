@@ -32,6 +32,13 @@ def _float(rewards: torch.Tensor | Sequence[float]) -> torch.Tensor:
     return rewards if rewards.is_floating_point() else rewards.double()
 
 
+def groups_without_signal(zero_var: torch.Tensor, group_ids: torch.Tensor, credited: set[int]) -> int:
+    """How many groups train on nothing: their rewards are all equal (zero_var, per member) and no member
+    holds a live branch point (credited: members' indices, which train whatever their group's rewards)."""
+    equal = {int(g) for g in group_ids[zero_var].tolist()}
+    return len(equal - {int(group_ids[i]) for i in credited})
+
+
 def zero_variance_groups(
     rewards: torch.Tensor | Sequence[float], group_ids: torch.Tensor | Sequence[int]
 ) -> torch.Tensor:

@@ -69,7 +69,7 @@ def build_batch(
     loss.check_finite("the rewards", rewards)
     zero_var = advantages.zero_variance_groups(rewards, groups)
     metrics: dict[str, float] = {
-        "train/zero_var_groups": int(len(set(groups[zero_var].tolist()))),
+        "train/zero_var_groups": advantages.groups_without_signal(zero_var, groups, set()),
         "train/groups": int(len(set(groups.tolist()))),
         **chosen.metrics,
     }
@@ -90,6 +90,8 @@ def build_batch(
         branched = expert_branch_credit(cfg, stored_branches(ctx, it), metrics)
     elif cfg.branch is not None:
         branched, credited = branch_credit(cfg, episodes, groups, turn_adv, stored_branches(ctx, it), metrics)
+        # A group of equal rewards with a live branch point trains: not a group without signal (no_signal).
+        metrics["train/zero_var_groups"] = advantages.groups_without_signal(zero_var, groups, credited)
 
     replay_ids = {e.episode.id for e in chosen.replayed}
     taught = teacher_logprobs(ctx.store, [stored_id(e) for e in episodes]) if distills else None
