@@ -90,7 +90,6 @@ def build_batch(
         branched = expert_branch_credit(cfg, stored_branches(ctx, it), metrics)
     elif cfg.branch is not None:
         branched, credited = branch_credit(cfg, episodes, groups, turn_adv, stored_branches(ctx, it), metrics)
-        # A group of equal rewards with a live branch point trains: not a group without signal (no_signal).
         metrics["train/zero_var_groups"] = advantages.groups_without_signal(zero_var, groups, credited)
 
     replay_ids = {e.episode.id for e in chosen.replayed}
