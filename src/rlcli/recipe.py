@@ -748,7 +748,11 @@ class GrpoSection(Section):
         description="grpo.advantage rae: each iteration a baseline b becomes decay * b + (1 - decay) * the mean "
         "reward of its game and seat in the batch, before it is subtracted (b starts at 0 each GRPO phase).",
     )
-    drop_zero_var_groups: bool = Field(True, description="Drop groups whose rewards are all equal (DAPO).")
+    drop_zero_var_groups: bool = Field(
+        True,
+        description="Drop groups whose returns are all equal (DAPO; with grpo.gamma, the discounted returns), "
+        "except their episodes that a step group (grpo.step_groups) or a live branch point (grpo.branch) credits.",
+    )
     gamma: float | None = Field(
         None,
         ge=0,

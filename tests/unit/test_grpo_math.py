@@ -193,51 +193,73 @@ def test_a_turn_acted_on_the_reset_or_on_the_answer_before_it_without_the_tool_c
     assert keys[0] == "" and keys == keys_again and keys[1] != keys[2]
 
 
-def test_step_groups_discount_by_gamma_even_when_it_is_zero():
-    """grpo.gamma 0 credits each turn with its own reward only; it must not read as 'undiscounted'."""
-    from rlcli.engine.grpo.batch import turn_advantages as batch_turn_advantages
-    from rlcli.recipe import GrpoSection
+def _labelled(turn_rewards: list[float], observations: list[str]):
+    """A stored episode whose turns earned `turn_rewards` and were answered with `observations`."""
     from rlcli.store.records import EndReason, Episode, LabelledEpisode, Turn
 
-    def labelled(turn_rewards: list[float], observations: list[str]) -> LabelledEpisode:
-        turns = [
-            Turn(i, [], [], [], reward=r, observation=json.dumps([{"role": "user", "content": o}]))
-            for i, (r, o) in enumerate(zip(turn_rewards, observations))
-        ]
-        episode = Episode(
-            None,
-            "r",
-            "rollout/0",
-            0,
-            "train",
-            0,
-            0,
-            0,
-            "base",
-            "ok",
-            EndReason.TERMINATED,
-            sum(turn_rewards),
-            True,
-            len(turns),
-            0,
-            {},
-            [],
-            True,
-            None,
-            "",
-            turns=turns,
-        )
-        return LabelledEpisode(episode, "default", sum(turn_rewards))
+    turns = [
+        Turn(i, [], [], [], reward=r, observation=json.dumps([{"role": "user", "content": o}]))
+        for i, (r, o) in enumerate(zip(turn_rewards, observations))
+    ]
+    episode = Episode(
+        None,
+        "r",
+        "rollout/0",
+        0,
+        "train",
+        0,
+        0,
+        0,
+        "base",
+        "ok",
+        EndReason.TERMINATED,
+        sum(turn_rewards),
+        True,
+        len(turns),
+        0,
+        {},
+        [],
+        True,
+        None,
+        "",
+        turns=turns,
+    )
+    return LabelledEpisode(episode, "default", sum(turn_rewards))
 
-    # Both episodes see "A" after their first turn; only their second turns' rewards differ.
-    episodes = [labelled([1.0, 1.0], ["A", "x"]), labelled([1.0, 0.0], ["A", "y"])]
+
+def _credit(episodes, **grpo):
+    from rlcli.engine.grpo.batch import turn_credit
+    from rlcli.recipe import GrpoSection
+
     rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float64)
-    cfg = GrpoSection(gamma=0.0, step_groups=1.0, advantage="dr_grpo")
-    per_turn, _ = batch_turn_advantages(cfg, episodes, rewards, torch.tensor([0, 0]), {}, {})
+    groups = torch.zeros(len(episodes), dtype=torch.long)
+    return turn_credit(GrpoSection(**grpo), episodes, rewards, groups, {}, {})
+
+
+def test_step_groups_discount_by_gamma_even_when_it_is_zero():
+    """grpo.gamma 0 credits each turn with its own reward only; it must not read as 'undiscounted'."""
+    # Both episodes see "A" after their first turn; only their second turns' rewards differ.
+    episodes = [_labelled([1.0, 1.0], ["A", "x"]), _labelled([1.0, 0.0], ["A", "y"])]
+    credit = _credit(episodes, gamma=0.0, step_groups=1.0, advantage="dr_grpo")
     # Episode level: the first turns' returns are equal (1, 1), so the group gives 0 on every turn.
     # Step level with gamma 0: the reset {1, 1} gives 0; "A" {1, 0} gives +0.5 and -0.5. Undiscounted the
     # returns-to-go would be {2, 1} at the reset, giving the first turns +0.5 and -0.5.
-    assert per_turn == [[0.0, 0.5], [0.0, -0.5]]
+    assert credit.per_turn == [[0.0, 0.5], [0.0, -0.5]]
+    # Equal at the episode level, yet both train: each has a turn with a step-level advantage.
+    assert credit.zero_var.tolist() == [True, True] and credit.credited == {0, 1}
+
+
+def test_with_a_discount_wins_of_different_lengths_are_not_a_group_of_equal_returns():
+    """Two wins, in one turn and in three: equal rewards, but with grpo.gamma their discounted returns
+    differ, so the group has an advantage and must train (it was dropped as equal, and counted in
+    train/zero_var_groups, while its advantages said the short win was better)."""
+    episodes = [_labelled([1.0], ["Correct!"]), _labelled([0.0, 0.0, 1.0], ["Higher.", "Lower.", "Correct!"])]
+    discounted = _credit(episodes, gamma=0.9)
+    assert discounted.zero_var.tolist() == [False, False] and not discounted.credited
+    assert discounted.per_turn[0][0] > 0 > discounted.per_turn[1][0]
+    undiscounted = _credit(episodes)
+    assert undiscounted.zero_var.tolist() == [True, True]
+    assert undiscounted.per_turn == [[0.0], [0.0, 0.0, 0.0]]
 
 
 def test_step_groups_are_refused_with_role_baselines():

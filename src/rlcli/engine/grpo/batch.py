@@ -67,12 +67,7 @@ def build_batch(
     rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float64)
     groups = role_groups(episodes, chosen.played_in)
     loss.check_finite("the rewards", rewards)
-    zero_var = advantages.zero_variance_groups(rewards, groups)
-    metrics: dict[str, float] = {
-        "train/zero_var_groups": advantages.groups_without_signal(zero_var, groups, set()),
-        "train/groups": int(len(set(groups.tolist()))),
-        **chosen.metrics,
-    }
+    metrics: dict[str, float] = {"train/groups": int(len(set(groups.tolist()))), **chosen.metrics}
     if recipe.rollout.group_size_hard is not None:
         hard = hard_tasks(ctx, chosen.stages) & {e.episode.task_index for e in episodes}
         metrics["train/hard_groups"] = len(hard)
@@ -83,14 +78,15 @@ def build_batch(
         metrics["train/staleness_max"] = max(played)
     if discarded := set_aside_count(ctx.store, rollout_stage(it)):
         metrics["train/discarded_episodes"] = discarded
-    turn_adv, rae = turn_advantages(cfg, episodes, rewards, groups, rae_baselines, metrics)
+    credit = turn_credit(cfg, episodes, rewards, groups, rae_baselines, metrics)
+    turn_adv, zero_var, credited = credit.per_turn, credit.zero_var, credit.credited
     branched: list[tuple[LabelledEpisode, list[float]]] = []
-    credited: set[int] = set()  # episodes with a branch point: trained even in a group of equal rewards
     if cfg.branch is not None and cfg.branch.choose == "expert":
         branched = expert_branch_credit(cfg, stored_branches(ctx, it), metrics)
     elif cfg.branch is not None:
-        branched, credited = branch_credit(cfg, episodes, groups, turn_adv, stored_branches(ctx, it), metrics)
-        metrics["train/zero_var_groups"] = advantages.groups_without_signal(zero_var, groups, credited)
+        branched, parents = branch_credit(cfg, episodes, groups, turn_adv, stored_branches(ctx, it), metrics)
+        credited |= parents
+    metrics["train/zero_var_groups"] = advantages.groups_without_signal(zero_var, groups, credited)
 
     replay_ids = {e.episode.id for e in chosen.replayed}
     taught = teacher_logprobs(ctx.store, [stored_id(e) for e in episodes]) if distills else None
@@ -132,23 +128,34 @@ def build_batch(
         float(rewards.std(unbiased=False)),
         metrics,
         [(stored_id(e), e.episode.task_index) for e in chosen.replayed] if cfg.replay is not None else None,
-        rae,
+        credit.rae,
         chosen.trained_groups,
         entropy_coef,
     )
 
 
-def turn_advantages(
+@dataclass
+class TurnCredit:
+    """What each episode of a batch trains on (turn_credit)."""
+
+    per_turn: list[list[float]]  # each episode's advantage per turn
+    zero_var: torch.Tensor  # per episode: its group's episode returns are all equal (no group-relative signal)
+    credited: set[int]  # episodes trained even so: a turn with a step-level advantage (grpo.step_groups)
+    rae: dict[str, float] | None  # grpo.advantage rae: the role baselines after this batch
+
+
+def turn_credit(
     cfg: GrpoSection,
     episodes: list[LabelledEpisode],
     rewards: torch.Tensor,
     groups: torch.Tensor,
     rae_baselines: dict[str, float],
     metrics: dict[str, float],
-) -> tuple[list[list[float]], dict[str, float] | None]:
+) -> TurnCredit:
     """Each episode's advantage per turn: group-relative per episode (the same on every turn), from
     discounted turn returns (grpo.gamma), or against SPIRAL's role baselines (grpo.advantage rae,
-    whose updated baselines come back second, their values added to `metrics`)."""
+    whose baselines' values are added to `metrics`). A group is equal by the returns its advantages come
+    from: with grpo.gamma, the discounted ones, so that wins of different lengths differ."""
     if cfg.advantage == "rae":
         turn_returns = [
             advantages.discounted_turn_returns(turn_rewards(e), cfg.gamma) if cfg.gamma is not None else []
@@ -164,13 +171,16 @@ def turn_advantages(
             else [returns[i] - rae[roles[i]]] * len(e.episode.turns)
             for i, e in enumerate(episodes)
         ]
-        return per_turn, rae
+        return TurnCredit(per_turn, advantages.zero_variance_groups(rewards, groups), set(), rae)
     if cfg.gamma is not None:
         turn_returns = [advantages.discounted_turn_returns(turn_rewards(e), cfg.gamma) for e in episodes]
         per_turn = advantages.turn_advantages(turn_returns, groups, cfg.advantage)
+        episode_returns = torch.tensor([g[0] if g else 0.0 for g in turn_returns], dtype=torch.float64)
     else:
         adv = advantages.compute_advantages(rewards, groups, cfg.advantage)
         per_turn = [[float(adv[i])] * len(e.episode.turns) for i, e in enumerate(episodes)]
+        episode_returns = rewards
+    credited: set[int] = set()
     if cfg.step_groups:
         gamma = cfg.gamma if cfg.gamma is not None else 1.0
         to_go = [advantages.discounted_turn_returns(turn_rewards(e), gamma) for e in episodes]
@@ -178,7 +188,8 @@ def turn_advantages(
         step, live = advantages.step_group_advantages(to_go, states, groups, cfg.advantage)
         metrics["train/step_groups_live"] = live
         per_turn = [[a + cfg.step_groups * s for a, s in zip(ep, st)] for ep, st in zip(per_turn, step)]
-    return per_turn, None
+        credited = {i for i, st in enumerate(step) if any(st)}
+    return TurnCredit(per_turn, advantages.zero_variance_groups(episode_returns, groups), credited, None)
 
 
 def branch_credit(
