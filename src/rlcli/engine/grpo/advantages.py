@@ -33,8 +33,8 @@ def _float(rewards: torch.Tensor | Sequence[float]) -> torch.Tensor:
 
 
 def groups_without_signal(zero_var: torch.Tensor, group_ids: torch.Tensor, credited: set[int]) -> int:
-    """How many groups train on nothing: their rewards are all equal (zero_var, per member) and no member
-    holds a live branch point (credited: members' indices, which train whatever their group's rewards)."""
+    """How many groups train on nothing: their returns are all equal (zero_var, per member) and no member is
+    credited (a live step group or branch point: members' indices, which train whatever their group's returns)."""
     equal = {int(g) for g in group_ids[zero_var].tolist()}
     return len(equal - {int(group_ids[i]) for i in credited})
 
@@ -132,6 +132,11 @@ def discounted_turn_returns(step_rewards: Sequence[float], gamma: float) -> list
     return out[::-1]
 
 
+def episode_returns(per_episode_turn_returns: Sequence[Sequence[float]]) -> torch.Tensor:
+    """Each episode's whole (discounted) return, its first turn's return-to-go G_i0; 0 for an episode without turns."""
+    return torch.tensor([float(g[0]) if len(g) else 0.0 for g in per_episode_turn_returns], dtype=torch.float64)
+
+
 def turn_advantages(
     per_episode_turn_returns: Sequence[Sequence[float]],
     group_ids: torch.Tensor | Sequence[int],
@@ -146,8 +151,7 @@ def turn_advantages(
     episode returns are all equal gets 0 on every turn (as it would per episode), not (G_it - G_i0) / eps.
     An episode without turns has return 0 and no turn advantages.
     """
-    first = torch.tensor([float(g[0]) if len(g) else 0.0 for g in per_episode_turn_returns], dtype=torch.float64)
-    baseline, scale, live = _baseline_and_scale(first, group_ids, method, eps)
+    baseline, scale, live = _baseline_and_scale(episode_returns(per_episode_turn_returns), group_ids, method, eps)
     return [
         [float((g - baseline[i]) / scale[i]) if live[i] else 0.0 for g in returns]
         for i, returns in enumerate(per_episode_turn_returns)

@@ -175,11 +175,11 @@ def turn_credit(
     if cfg.gamma is not None:
         turn_returns = [advantages.discounted_turn_returns(turn_rewards(e), cfg.gamma) for e in episodes]
         per_turn = advantages.turn_advantages(turn_returns, groups, cfg.advantage)
-        episode_returns = torch.tensor([g[0] if g else 0.0 for g in turn_returns], dtype=torch.float64)
+        compared = advantages.episode_returns(turn_returns)
     else:
         adv = advantages.compute_advantages(rewards, groups, cfg.advantage)
         per_turn = [[float(adv[i])] * len(e.episode.turns) for i, e in enumerate(episodes)]
-        episode_returns = rewards
+        compared = rewards  # what equal groups are judged by: what the advantages came from
     credited: set[int] = set()
     if cfg.step_groups:
         gamma = cfg.gamma if cfg.gamma is not None else 1.0
@@ -189,7 +189,7 @@ def turn_credit(
         metrics["train/step_groups_live"] = live
         per_turn = [[a + cfg.step_groups * s for a, s in zip(ep, st)] for ep, st in zip(per_turn, step)]
         credited = {i for i, st in enumerate(step) if any(st)}
-    return TurnCredit(per_turn, advantages.zero_variance_groups(episode_returns, groups), credited, None)
+    return TurnCredit(per_turn, advantages.zero_variance_groups(compared, groups), credited, None)
 
 
 def branch_credit(
