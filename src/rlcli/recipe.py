@@ -828,8 +828,9 @@ class GrpoSection(Section):
     dynamic_sampling: bool = Field(
         False,
         description="Dynamic sampling (DAPO) in one generation pass: rollout/<i> plays grpo.oversample x "
-        "rollout.tasks tasks (drawn as grpo.sampling draws) and the iteration trains on rollout.tasks groups, those "
-        "with unequal rewards first: its own in draw order, then groups carried from earlier iterations "
+        "rollout.tasks tasks (drawn as grpo.sampling draws) and the iteration trains on rollout.tasks groups, "
+        "informative ones first (unequal rewards; with grpo.gamma, unequal discounted returns): its own in draw "
+        "order, then groups carried from earlier iterations "
         "(grpo.carry_staleness) to fill what they leave short (train/groups_drawn, train/carried). With grpo.max_rollout_rounds > 1, extra rounds "
         "(rollout/<i>+<r>) refill a batch still short of informative groups. Not with grpo.max_staleness > 0.",
         json_schema_extra=RESUME_SAFE,

@@ -12,10 +12,10 @@ import pytest
 
 from helpers import kill_when, make_ctx, run_in_process, write_env_file, write_recipe
 from rlcli.engine.curriculum import extra_tasks
-from rlcli.engine.grpo.selection import training_batch
+from rlcli.engine.grpo.selection import informative, training_batch
 from rlcli.errors import UsageError
 from rlcli.recipe import load_recipe
-from rlcli.store.records import Episode, LabelledEpisode
+from rlcli.store.records import Episode, LabelledEpisode, Turn
 
 # Tasks 0, 3, 6, ... always score 0 (a zero-variance group); the others score the parity of the answer's characters.
 SOME_FLAT_ENV = """
@@ -39,17 +39,29 @@ def test_dynamic_sampling_is_refused_with_asynchronous_rollouts():
     assert (cfg.oversample, cfg.carry_staleness, cfg.max_rollout_rounds) == (2.0, 1, 1)
 
 
-def _labelled(task: int, sample: int, reward: float) -> LabelledEpisode:
+def _labelled(task: int, sample: int, reward: float, turns: int = 0) -> LabelledEpisode:
+    """An episode of `turns` turns whose last earns `reward` (no turns: only the labelled total)."""
     blank = Episode(**{f: None for f in Episode.__dataclass_fields__})
-    return LabelledEpisode(replace(blank, task_index=task, sample_index=sample), "grpo", reward)
+    played = [Turn(i, [], [], [], reward=reward if i == turns - 1 else 0.0) for i in range(turns)]
+    return LabelledEpisode(replace(blank, task_index=task, sample_index=sample, turns=played), "grpo", reward)
 
 
 def test_the_batch_takes_informative_groups_first_in_draw_order():
     rewards = {5: [0, 0], 2: [0, 1], 9: [1, 1], 4: [1, 0], 7: [0, 1]}
     episodes = [_labelled(t, s, r) for t, rs in rewards.items() for s, r in enumerate(rs)]
-    assert [e.episode.task_index for e in training_batch(episodes, 2)] == [2, 2, 4, 4]
+    assert [e.episode.task_index for e in training_batch(episodes, 2, None)] == [2, 2, 4, 4]
     # Short of informative groups after the cap: zero-variance ones fill the rest, in draw order.
-    assert {e.episode.task_index for e in training_batch(episodes, 4)} == {2, 4, 7, 5}
+    assert {e.episode.task_index for e in training_batch(episodes, 4, None)} == {2, 4, 7, 5}
+
+
+def test_with_a_discount_wins_of_different_lengths_are_an_informative_group():
+    # Task 3: two wins, in 1 and 3 turns; task 8: one win and one loss. With grpo.gamma the advantages come
+    # from the discounted returns, where task 3's wins differ: the batch must judge groups the same way.
+    episodes = [_labelled(3, 0, 1.0, turns=1), _labelled(3, 1, 1.0, turns=3)]
+    episodes += [_labelled(8, 0, 1.0, turns=2), _labelled(8, 1, 0.0, turns=2)]
+    assert informative(episodes[:2], 0.9) and not informative(episodes[:2], None)
+    assert [e.episode.task_index for e in training_batch(episodes, 1, 0.9)] == [3, 3]  # the first drawn
+    assert [e.episode.task_index for e in training_batch(episodes, 1, None)] == [8, 8]
 
 
 def test_extra_tasks_continue_the_sequence_or_draw_unplayed_ones(tmp_path):

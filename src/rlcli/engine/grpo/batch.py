@@ -12,7 +12,7 @@ import torch
 from rlcli.engine.context import RunContext
 from rlcli.engine.grpo import advantages, loss
 from rlcli.engine.grpo.branches import stored_branches
-from rlcli.engine.grpo.selection import Selection, hard_tasks, total
+from rlcli.engine.grpo.selection import Selection, episode_return, hard_tasks, total, turn_rewards
 from rlcli.engine.grpo.staleness import staleness
 from rlcli.engine.grpo.update import TrainSequence
 from rlcli.envs.tool_use import without_call_records
@@ -218,10 +218,7 @@ def branch_credit(
     trained = [b for members in points.values() for b in members]
     parent_groups = [int(groups[i]) for (i, _), members in points.items() for _ in members]
     # The episode term, on every turn as the group's own members get it (discounted with grpo.gamma).
-    member_returns = [
-        advantages.discounted_turn_returns(turn_rewards(e), cfg.gamma)[0] if cfg.gamma is not None else total(e)
-        for e in episodes
-    ]
+    member_returns = [episode_return(e, cfg.gamma) for e in episodes]
     outsider_returns = [
         advantages.discounted_turn_returns(turn_rewards(b), cfg.gamma)
         if cfg.gamma is not None
@@ -367,14 +364,6 @@ def role_groups(episodes: list[LabelledEpisode], played_in: list[int | None] | N
     ]
     dense = {key: i for i, key in enumerate(sorted(set(keys)))}
     return torch.tensor([dense[key] for key in keys])
-
-
-def turn_rewards(labelled: LabelledEpisode) -> list[float]:
-    """The env's per-step rewards, with whatever the labelled total adds beyond them (judges,
-    penalties, weights) credited to the last turn, so the turn rewards sum to the total."""
-    rewards = [t.reward or 0.0 for t in labelled.episode.turns]
-    rewards[-1] += total(labelled) - sum(rewards)
-    return rewards
 
 
 def stored_id(labelled: LabelledEpisode) -> int:

@@ -3,7 +3,8 @@ groups first, then those carried from the iterations before), and grpo.replay's 
 
 Everything is read from the run database, never from what this process played, so a resumed
 iteration chooses exactly what an uninterrupted run chose. One definition of an informative group
-(`informative`: unequal rewards) serves the choice, the carry and the refill rounds.
+(`informative`: unequal returns, discounted with grpo.gamma as the advantages are) serves the choice,
+the carry and the refill rounds.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import math
 from dataclasses import dataclass, field
 
 from rlcli.engine.context import RunContext
+from rlcli.engine.grpo.advantages import discounted_turn_returns
 from rlcli.engine.labelling import GRPO_LABEL_SET
 from rlcli.errors import RlcliError
 from rlcli.store.episodes import episodes_for_training
@@ -60,7 +62,7 @@ def choose_groups(ctx: RunContext, it: int, first: int) -> Selection:
         carried = carried_groups(ctx, it, first)
         drawn = len(group_keys(episodes + carried))
         # The iteration's own groups first: a carried one only fills what they leave short.
-        episodes = training_batch(episodes + carried, ctx.recipe.rollout.tasks)
+        episodes = training_batch(episodes + carried, ctx.recipe.rollout.tasks, cfg.gamma)
         trained_groups = sorted(group_keys(episodes))
         metrics["train/groups_drawn"] = drawn
         metrics["train/carried"] = len({g for g in trained_groups if g[0] != it})
@@ -81,22 +83,22 @@ def choose_groups(ctx: RunContext, it: int, first: int) -> Selection:
 
 
 def informative_groups(ctx: RunContext, stages: list[str]) -> int:
-    """How many groups of these rollout stages (of one iteration) have unequal rewards under the GRPO labels."""
+    """How many groups of these rollout stages (of one iteration) are informative under the GRPO labels."""
     episodes = [e for stage in stages for e in episodes_for_training(ctx.store, stage, GRPO_LABEL_SET)]
     groups: dict[tuple[int, int], list[LabelledEpisode]] = {}
     for e in episodes:
         groups.setdefault(_group_key(e), []).append(e)
-    return sum(informative(members) for members in groups.values())
+    return sum(informative(members, ctx.recipe.grpo.gamma) for members in groups.values())
 
 
-def training_batch(episodes: list[LabelledEpisode], target: int) -> list[LabelledEpisode]:
+def training_batch(episodes: list[LabelledEpisode], target: int, gamma: float | None) -> list[LabelledEpisode]:
     """grpo.dynamic_sampling: the episodes of `target` groups (a group: a task as one iteration played
-    it), those with unequal rewards first, in the order given (the iteration's draw, a round's after
-    the round before's, then carried groups); zero-variance groups only fill what is left short."""
+    it), informative ones first, in the order given (the iteration's draw, a round's after the round
+    before's, then carried groups); zero-variance groups only fill what is left short."""
     groups: dict[tuple[int, int], list[LabelledEpisode]] = {}
     for e in episodes:
         groups.setdefault(_group_key(e), []).append(e)
-    signal = [g for g, members in groups.items() if informative(members)]
+    signal = [g for g, members in groups.items() if informative(members, gamma)]
     flat = [g for g in groups if g not in set(signal)]
     chosen = set((signal + flat)[:target])
     return [e for e in episodes if _group_key(e) in chosen]
@@ -124,7 +126,10 @@ def carried_groups(ctx: RunContext, it: int, first: int) -> list[LabelledEpisode
         groups: dict[tuple[int, int], list[LabelledEpisode]] = {}
         for e in episodes:
             groups.setdefault(_group_key(e), []).append(e)
-        out += [e for key, members in groups.items() if key not in trained and informative(members) for e in members]
+        gamma = ctx.recipe.grpo.gamma
+        out += [
+            e for key, members in groups.items() if key not in trained and informative(members, gamma) for e in members
+        ]
     return out
 
 
@@ -150,9 +155,25 @@ def group_keys(episodes: list[LabelledEpisode]) -> set[tuple[int, int]]:
     return {_group_key(e) for e in episodes}
 
 
-def informative(members: list[LabelledEpisode]) -> bool:
-    """A group with unequal rewards: one GRPO learns from."""
-    return len({m.reward for m in members}) > 1
+def informative(members: list[LabelledEpisode], gamma: float | None) -> bool:
+    """A group GRPO learns from: unequal returns, judged as build_batch's advantages are computed (with
+    grpo.gamma the discounted ones, so wins of different lengths differ; else the totals)."""
+    return len({episode_return(m, gamma) for m in members}) > 1
+
+
+def episode_return(labelled: LabelledEpisode, gamma: float | None) -> float:
+    """A training episode's return: its total, or with grpo.gamma its discounted return from the first turn."""
+    if gamma is None or not labelled.episode.turns:
+        return total(labelled)
+    return discounted_turn_returns(turn_rewards(labelled), gamma)[0]
+
+
+def turn_rewards(labelled: LabelledEpisode) -> list[float]:
+    """The env's per-step rewards, with whatever the labelled total adds beyond them (judges,
+    penalties, weights) credited to the last turn, so the turn rewards sum to the total."""
+    rewards = [t.reward or 0.0 for t in labelled.episode.turns]
+    rewards[-1] += total(labelled) - sum(rewards)
+    return rewards
 
 
 def hard_tasks(ctx: RunContext, stages: list[str]) -> set[int]:
