@@ -22,11 +22,13 @@ The settings:
     as many tasks as the default (2 x 2) and trains on the 2 most informative groups of them (and what
     was carried); on arithmetic (rollout.tasks 2) it is curated again;
   * dapo: lean's dynamic sampling alone (grpo.dynamic_sampling, oversample 2, rollout.tasks 2) on the
-    default's fresh tasks: no pool, curriculum or replay.
+    default's fresh tasks: no pool, curriculum or replay;
+  * t08: the rollouts sampled at 0.8, as the quickstart was until 2026-11-28 (issue 52's default GRPO);
+  * branch: grpo.branch with 4 points an iteration and 2 continuations each (rewind and branch).
 The tasks: the quickstart (guess_number, SFT then GRPO) and arithmetic with 3-digit numbers (no SFT).
 Reported per task and setting, pooled over the seeds: held-out success at 70% and 100% of the budget
-with 95% Wilson intervals, iterations done, the share of trained groups with zero reward variance, and
-rollouts per useful (non-zero variance) group. The issue's target: curated at 70% of the budget
+with 95% Wilson intervals, iterations done, the share of trained groups with zero reward variance, the
+iterations that trained on nothing (every group equal), and rollouts per useful (non-zero variance) group. The issue's target: curated at 70% of the budget
 reaches default at 100%, or curated beats default at 100% beyond the intervals.
 A finished cell is re-read, not re-run, when the same --out is given again.
 """
@@ -77,6 +79,10 @@ SETTINGS = {
     # Dynamic sampling alone, on the default's tasks (fresh ones, in order) at its generation cost: no pool,
     # curriculum or replay.
     "dapo": ["grpo.dynamic_sampling=true", "grpo.oversample=2", "rollout.tasks=2"],
+    # Issue 52: the quickstart's sampling before it shipped rollout.temperature 1.2 (2026-11-28), the
+    # "default GRPO" the issue measures against; and rewind and branch on top of the shipped recipe.
+    "t08": ["rollout.temperature=0.8"],
+    "branch": ["grpo.branch={points: 4, continuations: 2}"],
 }
 # Eval during training would spend the budget on evaluation; keep_best would make `latest` depend on it.
 COMMON = ["grpo.eval_every=0", "grpo.keep_best=false", "grpo.iterations=10000"]
@@ -93,6 +99,7 @@ class Cell:
     groups: int
     zero_var_groups: int
     rollouts: int
+    empty: int | None = None  # iterations that trained on nothing (not counted by cells before 2026-11-29)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -158,6 +165,7 @@ def run_cell(task: str, setting: str, seed: int, out: Path, budget: float, extra
         made = [(cpu_at(trace, c.created_at), c) for c in train_checkpoints(RunStore(rundb, resolved.run.name))]
         groups = _metric_sum(rundb, resolved.run.name, "train/groups")
         zero_var = _metric_sum(rundb, resolved.run.name, "train/zero_var_groups")
+        empty = sum(m.value == 0 for m in rundb.metrics(resolved.run.name, "train/sequences"))
         played = rundb.db.execute(
             "select count(*) from episodes where run = ? and stage like 'rollout/%'", [resolved.run.name]
         ).fetchone()[0]
@@ -171,7 +179,7 @@ def run_cell(task: str, setting: str, seed: int, out: Path, budget: float, extra
         args = ["eval", "-r", str(recipe), *overrides, "-c", str(within[-1].id), "--json"]
         (result,) = json_list(check(rlcli(runs_dir, *args), f"rlcli eval ({task}, {setting}, seed {seed})"))
         successes[label] = (round(result["success_rate"] * result["tasks"]), result["tasks"])
-    cell = Cell(successes, len(made), int(groups), int(zero_var), int(played))
+    cell = Cell(successes, len(made), int(groups), int(zero_var), int(played), int(empty))
     done.write_text(json.dumps(cell.__dict__))
     return cell
 
@@ -193,6 +201,8 @@ def summary(cells: list[Cell]) -> list[str]:
     useful = groups - sum(c.zero_var_groups for c in cells)
     row.append(f"{sum(c.iterations for c in cells) / len(cells):.1f}")
     row.append(f"{sum(c.zero_var_groups for c in cells) / max(groups, 1):.2f}")
+    counted = [c.empty for c in cells if c.empty is not None]
+    row.append("/".join(map(str, counted)) if len(counted) == len(cells) else "–")
     row.append(f"{sum(c.rollouts for c in cells) / useful:.1f}" if useful else "–")
     return row
 
@@ -204,6 +214,7 @@ COLUMNS = (
     "held-out at 100% (per seed)",
     "iterations",
     "0-var share",
+    "iterations training nothing (per seed)",
     "rollouts / useful group",
 )
 
