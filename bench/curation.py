@@ -84,8 +84,9 @@ SETTINGS = {
     "t08": ["rollout.temperature=0.8"],
     "branch": ["grpo.branch={points: 4, continuations: 2}"],
 }
-# Eval during training would spend the budget on evaluation; keep_best would make `latest` depend on it.
-COMMON = ["grpo.eval_every=0", "grpo.keep_best=false", "grpo.iterations=10000"]
+# Eval during training would spend the budget on evaluation; keep_best would make `latest` depend on it;
+# the checkpoint at 70% of the budget must keep its weights (the quickstart keeps only the newest).
+COMMON = ["grpo.eval_every=0", "grpo.keep_best=false", "grpo.iterations=10000", "grpo.keep_checkpoints=null"]
 EARLY = 0.7  # the "in at most 70% of the CPU budget"
 TRACE_EVERY_S = 0.5
 
