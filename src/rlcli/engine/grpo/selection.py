@@ -120,13 +120,12 @@ def carried_groups(ctx: RunContext, it: int, first: int) -> list[LabelledEpisode
             start, trained = k + 1, set()
             continue
         trained |= set(stats.trained_groups)
-    out = []
+    out, gamma = [], ctx.recipe.grpo.gamma
     for j in range(start, it):
         episodes = [e for stage in rollout_stages(ctx, j) for e in drawn_episodes(ctx, stage)]
         groups: dict[tuple[int, int], list[LabelledEpisode]] = {}
         for e in episodes:
             groups.setdefault(_group_key(e), []).append(e)
-        gamma = ctx.recipe.grpo.gamma
         out += [
             e for key, members in groups.items() if key not in trained and informative(members, gamma) for e in members
         ]
