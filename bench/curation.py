@@ -28,8 +28,9 @@ The settings:
 The tasks: the quickstart (guess_number, SFT then GRPO) and arithmetic with 3-digit numbers (no SFT).
 Reported per task and setting, pooled over the seeds: held-out success at 70% and 100% of the budget
 with 95% Wilson intervals, iterations done, the share of trained groups with zero reward variance, the
-iterations that trained on nothing (every group equal), and rollouts per useful (non-zero variance) group. The issue's target: curated at 70% of the budget
-reaches default at 100%, or curated beats default at 100% beyond the intervals.
+iterations that trained on nothing (every group equal), and rollouts per useful (non-zero variance)
+group. Issue 38's target: curated at 70% of the budget reaches default at 100%, or curated beats
+default at 100% beyond the intervals.
 A finished cell is re-read, not re-run, when the same --out is given again.
 """
 
